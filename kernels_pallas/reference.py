@@ -1,0 +1,49 @@
+"""Pure-jnp verify attention: the test oracle and the fallback of every kernel."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
+                               sliding_window=None):
+  """T new queries per row attend to a KV cache whose last T valid entries are the new tokens.
+
+  Args:
+    q: [B, T, Hq, D] queries (already RoPE'd).
+    k_cache, v_cache: [B, S, Hkv, D]; Hq is a multiple of Hkv (grouped-query attention).
+    kv_lengths: int32 [B], valid cache entries INCLUDING the T new tokens, which sit at
+      positions kv_lengths[b]-T .. kv_lengths[b]-1.
+    tree_mask: optional bool [B, T, T]; tree_mask[b, t, j] lets new query t see new token j.
+      None means causal (j <= t).
+    sliding_window: optional int; key positions <= query position - window are hidden.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype; softmax in float32.
+  """
+  b, t, hq, d = q.shape
+  s, hkv = k_cache.shape[1], k_cache.shape[2]
+  group = hq // hkv
+  qg = q.reshape(b, t, hkv, group, d).astype(jnp.float32)
+  scores = jnp.einsum("bthgd,bshd->bhgts", qg, k_cache.astype(jnp.float32)) * (d ** -0.5)
+
+  kv_lengths = kv_lengths.astype(jnp.int32)
+  key_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]                  # [1,1,S]
+  query_pos = (kv_lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32))[:, :, None]  # [B,T,1]
+  prefix = key_pos < (kv_lengths[:, None, None] - t)                         # [B,1,S]
+  new_idx = key_pos - (kv_lengths[:, None, None] - t)                        # [B,1,S] in [0,T) for new
+  is_new = (new_idx >= 0) & (key_pos < kv_lengths[:, None, None])
+  if tree_mask is None:
+    new_ok = new_idx <= jnp.arange(t, dtype=jnp.int32)[None, :, None]
+  else:
+    clipped = jnp.clip(new_idx, 0, t - 1)
+    new_ok = jnp.take_along_axis(tree_mask, jnp.broadcast_to(clipped, (b, t, s)), axis=2)
+  visible = prefix | (is_new & new_ok)                                       # [B,T,S]
+  if sliding_window is not None:
+    visible &= key_pos > query_pos - sliding_window
+  scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+  # A query always sees itself, so no row is all -inf when inputs are valid.
+  weights = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bhgts,bshd->bthgd", weights, v_cache.astype(jnp.float32))
+  return out.reshape(b, t, hq, d).astype(q.dtype)

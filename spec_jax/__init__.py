@@ -1,0 +1,15 @@
+"""spec_jax: lossless speculative decoding in pure JAX.
+
+    import spec_jax as sj
+    model = sj.load("../shared/models/stories260K")
+    out = sj.generate(model, ["Once upon a time"], drafter=sj.drafters.NGram(), num_draft=4)
+"""
+
+from spec_jax import sampling
+from spec_jax.models import ForwardOutput, KVCache, Model, ModelConfig, forward, init_model
+from spec_jax.models.loading import load
+from spec_jax.rejection import rejection_sample
+from spec_jax.sampling import Sampling
+
+__all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_model", "load",
+           "Sampling", "sampling", "rejection_sample"]

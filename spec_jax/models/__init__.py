@@ -1,0 +1,5 @@
+"""Decoder-only transformer, KV cache, checkpoint loaders and tokenizers."""
+
+from spec_jax.models.config import ModelConfig, SUPPORTED_MODEL_TYPES
+from spec_jax.models.model import Model, init_model
+from spec_jax.models.transformer import ForwardOutput, KVCache, forward, init_params

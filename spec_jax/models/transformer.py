@@ -1,0 +1,253 @@
+"""One decoder-only transformer for the llama / mistral / qwen2 / qwen3 families.
+
+Params are a plain pytree; per-layer weights are stacked on a leading [L] axis:
+
+  embed        [V, D]
+  layers/
+    attn_norm  [L, D]            mlp_norm [L, D]
+    wq [L, D, Hq*Dh]   wk, wv [L, D, Hkv*Dh]   wo [L, Hq*Dh, D]
+    bq [L, Hq*Dh]      bk, bv [L, Hkv*Dh]       (qkv_bias only)
+    q_norm, k_norm [L, Dh]                      (qk_norm only)
+    w_gate, w_up [L, D, F]   w_down [L, F, D]
+  final_norm   [D]
+  lm_head      [D, V]                           (absent when tie_embeddings)
+
+q/k weights use the Hugging Face "rotate_half" RoPE layout; llama2.c checkpoints are permuted
+into it when loaded (as the HF conversion script does), so one RoPE serves every family.
+
+`forward` writes the T new tokens of every row at that row's offset of a fixed-capacity KV
+cache (in place: a scatter on the stacked cache, no copy) and attends through
+`kernels_pallas.verify_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kernels_pallas
+from kernels_pallas.reference import verify_attention_reference
+from spec_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Stacked key/value cache.
+
+  k, v: [L, B, S, Hkv, Dh]. Which entries are valid is tracked by the caller (per-row lengths);
+  entries past a row's length are stale and masked by attention.
+  """
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
+    shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+    dtype = jnp.dtype(config.dtype)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+class ForwardOutput(NamedTuple):
+  """logits [B,T,V] float32; hidden [B,T,D] (after the final norm, what the LM head reads);
+  layer_hidden: tuple of [B,T,D], the residual stream after each requested layer;
+  cache: the updated KVCache."""
+  logits: jax.Array
+  hidden: jax.Array
+  layer_hidden: tuple
+  cache: KVCache
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def rms_norm(x, weight, eps):
+  """RMSNorm in float32, cast back to x's dtype."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [Dh/2] (numpy, static), with llama3 / linear scaling."""
+  dh = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
+  scaling = config.rope_scaling_dict
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind in (None, "default"):
+    return inv_freq
+  if kind == "linear":
+    return inv_freq / float(scaling["factor"])
+  if kind == "llama3":
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return np.where(medium, smoothed, scaled)
+  raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def apply_rope(x, positions, inv_freq):
+  """x [B,T,H,Dh], positions int32 [B,T] -> x rotated (HF rotate_half layout)."""
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  cos = jnp.concatenate([cos, cos], -1)
+  sin = jnp.concatenate([sin, sin], -1)
+  rotated = jnp.concatenate([-x2, x1], -1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _write_rows(cache_layer, new, offsets):
+  """cache_layer [B,S,H,Dh] <- new [B,T,H,Dh] at per-row offsets [B] (in place under jit)."""
+  def one(c, n, o):
+    return jax.lax.dynamic_update_slice(c, n, (o, 0, 0))
+  return jax.vmap(one)(cache_layer, new.astype(cache_layer.dtype), offsets)
+
+
+def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
+  t = q.shape[1]
+  window = config.sliding_window
+  needs_window = window is not None and window < k_layer.shape[1]
+  if needs_window or t > 16:
+    # Prefill and sliding-window attention take the jnp path; the kernel is for small T.
+    return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                      sliding_window=window if needs_window else None)
+  return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                         impl=config.attention_impl)
+
+
+def decoder_layer(config: ModelConfig, lp, x, positions, k_layer, v_layer, offsets, tree_mask,
+                  inv_freq):
+  """One pre-norm block. lp: this layer's params (no [L] axis). Returns (x, k_layer, v_layer)."""
+  b, t, _ = x.shape
+  hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
+  h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+  q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+  if config.qkv_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  q = q.reshape(b, t, hq, dh)
+  k = k.reshape(b, t, hkv, dh)
+  v = v.reshape(b, t, hkv, dh)
+  if config.qk_norm:
+    q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  k_layer = _write_rows(k_layer, k, offsets)
+  v_layer = _write_rows(v_layer, v, offsets)
+  attn = _attention(config, q, k_layer, v_layer, offsets + t, tree_mask)
+  x = x + attn.reshape(b, t, hq * dh) @ lp["wo"]
+  h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+  x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+  return x, k_layer, v_layer
+
+
+def embed(params, tokens):
+  return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params, config: ModelConfig, hidden):
+  """hidden [..., D] (after the final norm) -> float32 logits [..., V]."""
+  w = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
+            positions=None, tree_mask=None, return_layers: Sequence[int] = ()) -> ForwardOutput:
+  """Runs T new tokens per row through the model, writing their KV at per-row offsets.
+
+  Args:
+    params: the model pytree (module docstring).
+    config: ModelConfig (static).
+    tokens: int32 [B, T]; entries must be valid ids (pad with any valid id).
+    cache: KVCache with capacity S >= offsets + T for every row.
+    offsets: int32 [B], where row b's new tokens go: positions offsets[b] .. offsets[b]+T-1.
+      Row b attends to cache entries < offsets[b] plus its new tokens (causally).
+    positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
+      tree drafts pass offset + depth here.
+    tree_mask: optional bool [B, T, T] visibility among the new tokens (default causal).
+    return_layers: indices of layers whose output residual stream to return (EAGLE-3 features).
+
+  Returns:
+    ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache).
+  """
+  b, t = tokens.shape
+  offsets = offsets.astype(jnp.int32)
+  if positions is None:
+    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  inv_freq = rope_inv_freq(config)
+  dtype = jnp.dtype(config.dtype)
+  x = embed(params, tokens).astype(dtype)
+  k_all, v_all = cache.k, cache.v
+  wanted = set(int(i) for i in return_layers)
+  layer_hidden = {}
+  # A static Python loop over layers: each layer's cache slab is updated in place inside the
+  # stacked buffer (no scan carrying the whole cache as xs/ys, which would copy it).
+  for layer in range(config.num_layers):
+    lp = jax.tree.map(lambda w: w[layer], params["layers"])
+    x, k_l, v_l = decoder_layer(config, lp, x, positions, k_all[layer], v_all[layer], offsets,
+                                tree_mask, inv_freq)
+    k_all = k_all.at[layer].set(k_l)
+    v_all = v_all.at[layer].set(v_l)
+    if layer in wanted:
+      layer_hidden[layer] = x
+  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  logits = lm_head(params, config, hidden)
+  return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
+                       KVCache(k=k_all, v=v_all))
+
+
+# ----------------------------------------------------------------------------- init
+
+def init_params(config: ModelConfig, key) -> dict:
+  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring."""
+  d, f, v, l = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
+  hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
+  dtype = jnp.dtype(config.dtype)
+  keys = iter(jax.random.split(key, 16))
+
+  def normal(shape, std=0.02):
+    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+  layers = {
+      "attn_norm": jnp.ones((l, d), dtype),
+      "mlp_norm": jnp.ones((l, d), dtype),
+      "wq": normal((l, d, hq * dh)),
+      "wk": normal((l, d, hkv * dh)),
+      "wv": normal((l, d, hkv * dh)),
+      "wo": normal((l, hq * dh, d)),
+      "w_gate": normal((l, d, f)),
+      "w_up": normal((l, d, f)),
+      "w_down": normal((l, f, d)),
+  }
+  if config.qkv_bias:
+    layers["bq"] = normal((l, hq * dh))
+    layers["bk"] = normal((l, hkv * dh))
+    layers["bv"] = normal((l, hkv * dh))
+  if config.qk_norm:
+    layers["q_norm"] = jnp.ones((l, dh), dtype)
+    layers["k_norm"] = jnp.ones((l, dh), dtype)
+  params = {"embed": normal((v, d)), "layers": layers, "final_norm": jnp.ones((d,), dtype)}
+  if not config.tie_embeddings:
+    params["lm_head"] = normal((d, v))
+  return params
+
+
+def expected_shapes(config: ModelConfig) -> dict:
+  """The shape of every param leaf (same tree as init_params), for loaders to check against."""
+  abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+  return jax.tree.map(lambda s: tuple(s.shape), abstract)

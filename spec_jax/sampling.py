@@ -1,0 +1,131 @@
+"""Sampling parameters and the one logits -> probabilities transform.
+
+Target and draft distributions both come from `probs`, so the rejection sampler compares like
+with like: p = probs(target_logits, s) and q = probs(draft_logits, s) are the exact
+distributions that plain sampling would draw from. Greedy is temperature 0: a one-hot argmax,
+which turns rejection sampling into exact matching.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class Sampling:
+  """Sampling settings, scalars or per-row [B] arrays.
+
+  temperature: >= 0; 0 is greedy (one-hot argmax).
+  top_k: >= 0 integer; 0 disables top-k.
+  top_p: in (0, 1]; 1 disables top-p.
+  """
+  temperature: jax.Array | float = 1.0
+  top_k: jax.Array | int = 0
+  top_p: jax.Array | float = 1.0
+
+  def __post_init__(self):
+    if all(_is_concrete(v) for v in (self.temperature, self.top_k, self.top_p)):
+      self.check()
+
+  def check(self, batch_size: Optional[int] = None) -> "Sampling":
+    """Raises ValueError on invalid values or per-row arrays whose length is not batch_size."""
+    t = np.asarray(self.temperature, dtype=np.float64)
+    k = np.asarray(self.top_k)
+    p = np.asarray(self.top_p, dtype=np.float64)
+    for name, arr in (("temperature", t), ("top_k", k), ("top_p", p)):
+      if arr.ndim > 1:
+        raise ValueError(f"Sampling.{name} must be a scalar or a [batch] vector, got shape {arr.shape}")
+      if batch_size is not None and arr.ndim == 1 and arr.shape[0] != batch_size:
+        raise ValueError(f"Sampling.{name} has {arr.shape[0]} entries but the batch has "
+                         f"{batch_size} rows; pass a scalar or one value per row")
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+      raise ValueError(f"Sampling.temperature must be finite and >= 0 (0 = greedy), got {t.tolist()}")
+    if not np.issubdtype(k.dtype, np.integer) and not np.all(np.equal(np.mod(k, 1), 0)):
+      raise ValueError(f"Sampling.top_k must be a non-negative integer (0 = off), got {k.tolist()}")
+    if np.any(k < 0):
+      raise ValueError(f"Sampling.top_k must be >= 0 (0 = off), got {k.tolist()}")
+    if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
+      raise ValueError(f"Sampling.top_p must lie in (0, 1] (1 = off), got {p.tolist()}")
+    return self
+
+  def as_arrays(self, batch_size: int) -> "Sampling":
+    """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
+    self.check(batch_size)
+    return Sampling(
+        temperature=jnp.broadcast_to(jnp.asarray(self.temperature, jnp.float32), (batch_size,)),
+        top_k=jnp.broadcast_to(jnp.asarray(self.top_k, jnp.int32), (batch_size,)),
+        top_p=jnp.broadcast_to(jnp.asarray(self.top_p, jnp.float32), (batch_size,)))
+
+  @property
+  def is_greedy(self) -> bool:
+    return bool(np.all(np.asarray(self.temperature) == 0))
+
+
+def _is_concrete(x) -> bool:
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return isinstance(x, (numbers.Number, np.ndarray, jax.Array, list, tuple))
+
+
+def _per_row(value, ndim: int):
+  """A scalar or [B] setting, reshaped to broadcast against [B, ..., V] (ndim dims in all)."""
+  value = jnp.asarray(value)
+  if value.ndim == 0:
+    return value
+  return value.reshape(value.shape + (1,) * (ndim - value.ndim))
+
+
+def probs(logits, sampling: Sampling):
+  """logits / T -> top-k -> top-p -> softmax.
+
+  Args:
+    logits: [..., V]. Per-row settings of shape [B] apply along the first axis.
+    sampling: Sampling.
+
+  Returns:
+    float32 probabilities [..., V]; rows with temperature 0 are one-hot at the argmax
+    (first index on ties).
+  """
+  logits = logits.astype(jnp.float32)
+  nd = logits.ndim
+  temperature = _per_row(sampling.temperature, nd).astype(jnp.float32)
+  top_k = _per_row(sampling.top_k, nd).astype(jnp.int32)
+  top_p = _per_row(sampling.top_p, nd).astype(jnp.float32)
+  vocab = logits.shape[-1]
+
+  greedy = temperature <= 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)
+
+  # One descending sort serves both filters; ties at a threshold are all kept.
+  sorted_logits = jnp.sort(scaled, axis=-1)[..., ::-1]
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = jnp.take_along_axis(sorted_logits, jnp.broadcast_to(k - 1, scaled.shape[:-1] + (1,)),
+                            axis=-1)
+  masked = jnp.where(scaled < kth, -jnp.inf, scaled)
+
+  # top-p: keep the smallest prefix of the sorted (top-k filtered) distribution whose mass
+  # reaches top_p, i.e. token i is kept when the mass strictly before it is < top_p.
+  sorted_masked = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)
+  sorted_probs = jax.nn.softmax(sorted_masked, axis=-1)
+  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+  keep_sorted = mass_before < top_p
+  # The smallest kept logit is the cut-off (keep_sorted is a prefix of the sorted order).
+  n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
+  cutoff = jnp.take_along_axis(sorted_masked, n_keep - 1, axis=-1)
+  masked = jnp.where(masked < cutoff, -jnp.inf, masked)
+
+  sampled = jax.nn.softmax(masked, axis=-1)
+  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  return jnp.where(greedy, one_hot, sampled)
+
+
+def sample(key, probabilities):
+  """Draws one token per row from probabilities [..., V] -> int32 [...]."""
+  logp = jnp.log(jnp.maximum(probabilities, 0.0))
+  return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
