@@ -13,3 +13,9 @@ from spec_jax.sampling import Sampling
 
 __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_model", "load",
            "Sampling", "sampling", "rejection_sample"]
+
+from spec_jax import drafters
+from spec_jax.engine import GenerateOutput, generate
+from spec_jax.stats import SpecStats
+
+__all__ += ["drafters", "generate", "GenerateOutput", "SpecStats"]

@@ -1,0 +1,123 @@
+"""The drafter interface: what the engine hands a draft source and what it gets back.
+
+A drafter is a small pytree of params plus pure functions; the engine calls them inside one
+`jax.jit` around `lax.while_loop`, so every array has a static shape:
+
+    state = drafter.init_state(params, prefill)                   # once, after the target's prefill
+    draft_tokens, draft_probs, state = drafter.propose(params, state, ctx)   # every round
+    state = drafter.commit(params, state, tokens, n_accepted, verify)        # after rejection
+
+- draft_tokens int32 [B, K]; -1 marks "no draft here": valid drafts are a prefix of each row,
+  and the engine derives draft_lengths[b] from the first -1 (an n-gram drafter with fewer than K
+  matches proposes fewer).
+- draft_probs float32 [B, K, V], the distribution each draft was sampled from (the real q), or
+  None for deterministic proposals (q one-hot at the draft token). Both are lossless.
+
+Drafter objects are static arguments of the jitted engine: they must be hashable by their
+static configuration (not by their params, which travel separately as `drafter.params`).
+Adding a draft source is one new module implementing this; the engine does not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.struct
+import jax
+
+from spec_jax.sampling import Sampling
+
+
+@flax.struct.dataclass
+class PrefillInfo:
+  """What the target's prefill produced, for drafters to initialise from.
+
+  tokens: int32 [B, S] token buffer: row b holds its prompt in [0, prompt_lens[b]) and the first
+    sampled token at prompt_lens[b] (lengths = prompt_lens + 1 committed tokens).
+  prompt_tokens: int32 [B, P] the right-padded prompts the target prefilled (offset 0).
+  prompt_lens: int32 [B].
+  hidden: [B, P, D] the target's final hidden states over the (right-padded) prompt.
+  layer_hidden: tuple of [B, P, D], the layers the drafter asked for (`target_layers`).
+  target_params: the target model's params (heads reuse its embedding and LM head).
+  sampling: per-row Sampling arrays [B].
+  """
+  tokens: jax.Array
+  prompt_tokens: jax.Array
+  prompt_lens: jax.Array
+  hidden: jax.Array
+  layer_hidden: tuple
+  target_params: Any
+  sampling: Sampling
+
+
+@flax.struct.dataclass
+class DraftContext:
+  """Inputs of one propose call.
+
+  key: PRNG key for this round's drafting (already split from the engine's key).
+  tokens: int32 [B, S] committed tokens; row b is valid in [0, lengths[b]).
+  lengths: int32 [B] committed tokens per row. tokens[b, lengths[b]-1] is the last committed
+    token; the target's KV cache holds entries for positions < lengths[b]-1.
+  sampling: per-row Sampling arrays [B].
+  target_params: the target's params.
+  num_draft: K (static).
+  """
+  key: jax.Array
+  tokens: jax.Array
+  lengths: jax.Array
+  sampling: Sampling
+  target_params: Any
+  num_draft: int = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class VerifyInfo:
+  """What the verify step saw, for drafters that follow the target's features (EAGLE, MTP).
+
+  input_tokens: int32 [B, K+1], the verify inputs: the last committed token, then the drafts.
+  hidden: [B, K+1, D] the target's final hidden state after each input (position i predicts
+    the token after input i).
+  layer_hidden: tuple of [B, K+1, D] for the drafter's `target_layers`.
+  lengths_before: int32 [B] committed tokens before this round (input 0 sits at lengths_before-1).
+  lengths: int32 [B] committed tokens after this round.
+  """
+  input_tokens: jax.Array
+  hidden: jax.Array
+  layer_hidden: tuple
+  lengths_before: jax.Array
+  lengths: jax.Array
+
+
+class Drafter:
+  """Base class. Subclasses set `params` and implement propose (and, if stateful, the rest).
+
+  Attributes:
+    params: pytree passed back into every call (traced, not static).
+    target_layers: indices of target layers whose hidden states the drafter needs (EAGLE-3).
+    max_draft: the largest K this drafter can propose (None = any).
+  """
+  params: Any = None
+  target_layers: tuple = ()
+  max_draft: Optional[int] = None
+
+  def check_compatible(self, target) -> None:
+    """Raises ValueError if this drafter cannot draft for `target` (a Model)."""
+
+  def init_state(self, params, prefill: PrefillInfo):
+    return ()
+
+  def propose(self, params, state, ctx: DraftContext):
+    raise NotImplementedError
+
+  def commit(self, params, state, tokens, n_accepted, verify: VerifyInfo):
+    return state
+
+  # Static identity: subclasses override with their static configuration.
+  def _static_key(self):
+    return (type(self).__name__,)
+
+  def __hash__(self):
+    return hash(self._static_key())
+
+  def __eq__(self, other):
+    return type(self) is type(other) and self._static_key() == other._static_key()

@@ -1,0 +1,79 @@
+"""A separate small draft model with its own KV cache (Leviathan et al. 2023).
+
+The draft model keeps a KV cache aligned with the target's positions. At each propose, its
+cache is valid for positions < lengths-2 at least (after a round whose drafts were all
+accepted, the last draft was never fed to it), so the first draft step always feeds the two
+last committed tokens at positions lengths-2, lengths-1; rewriting the slot at lengths-2 with
+the same token is harmless. Then K-1 single-token steps. No extra state is needed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import sampling as sampling_lib
+from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
+from spec_jax.models.transformer import KVCache, forward
+
+
+def _row_keys(key, batch):
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+def check_same_vocabulary(draft, target, what="draft model"):
+  """Raises ValueError when `draft` and `target` (Models) do not share one vocabulary."""
+  dv, tv = draft.config.vocab_size, target.config.vocab_size
+  if dv != tv:
+    raise ValueError(f"the {what} has a vocabulary of {dv} tokens but the target has {tv}: "
+                     "speculative decoding needs the same tokenizer and vocabulary for both")
+  dt, tt = draft.tokenizer, target.tokenizer
+  if dt is not None and tt is not None:
+    dp, tp = list(dt.pieces()), list(tt.pieces())
+    if dp != tp:
+      diff = next((i for i, (a, b) in enumerate(zip(dp, tp)) if a != b), min(len(dp), len(tp)))
+      raise ValueError(
+          f"the {what}'s tokenizer differs from the target's (first difference at token id "
+          f"{diff}: {dp[diff] if diff < len(dp) else None!r} vs "
+          f"{tp[diff] if diff < len(tp) else None!r}): speculative decoding needs the same "
+          "vocabulary, token for token")
+
+
+class DraftModel(Drafter):
+  """Drafts K tokens autoregressively from a small model, sampled from the same
+  `sampling.probs` transform as the target, so draft_probs are the real q."""
+
+  def __init__(self, model):
+    self.model = model
+    self.config = model.config
+    self.params = model.params
+
+  def _static_key(self):
+    return ("DraftModel", self.config)
+
+  def check_compatible(self, target) -> None:
+    check_same_vocabulary(self.model, target)
+
+  def init_state(self, params, prefill: PrefillInfo):
+    b, s = prefill.tokens.shape
+    cache = KVCache.zeros(self.config, b, s)
+    out = forward(params, self.config, prefill.prompt_tokens, cache, jnp.zeros((b,), jnp.int32))
+    return out.cache
+
+  def propose(self, params, cache, ctx: DraftContext):
+    b, k = ctx.tokens.shape[0], ctx.num_draft
+    keys = jax.random.split(ctx.key, k)
+    idx = jnp.stack([ctx.lengths - 2, ctx.lengths - 1], axis=1)
+    inputs = jnp.take_along_axis(ctx.tokens, idx, axis=1)
+    out = forward(params, self.config, inputs, cache, ctx.lengths - 2)
+    cache, logits = out.cache, out.logits[:, -1]
+    drafts, qs = [], []
+    for i in range(k):
+      q = sampling_lib.probs(logits, ctx.sampling)
+      tok = jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q)
+      drafts.append(tok)
+      qs.append(q)
+      if i + 1 < k:
+        out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
+        cache, logits = out.cache, out.logits[:, 0]
+    return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache

@@ -1,0 +1,55 @@
+"""Prompt lookup (n-gram) drafting over prompt + generated tokens (Saxena 2023).
+
+The last n committed tokens are searched for in each row's earlier text, for n from max_ngram
+down to min_ngram; the most recent earlier occurrence of the longest matching n-gram wins and
+the tokens that followed it are proposed. Fixed-size search: every start position of the
+[B, S] token buffer is compared at once, no host loop. Fewer than K continuation tokens (or no
+match) are expressed as -1 padding, which the engine turns into draft_lengths.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from spec_jax.drafters.base import DraftContext, Drafter
+
+
+class NGram(Drafter):
+  """Deterministic drafts (draft_probs None): lossless through the rejection sampler."""
+
+  params = None
+
+  def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"NGram {name} must be an integer >= 1, got {v!r}")
+    if min_ngram > max_ngram:
+      raise ValueError(f"NGram min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+    self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+  def _static_key(self):
+    return ("NGram", self.max_ngram, self.min_ngram)
+
+  def propose(self, params, state, ctx: DraftContext):
+    tokens, lengths, k = ctx.tokens, ctx.lengths, ctx.num_draft
+    b, s = tokens.shape
+    starts = jnp.arange(s, dtype=jnp.int32)[None, :]                      # candidate start j
+    best_start = jnp.full((b,), -1, jnp.int32)                             # continuation start
+    for n in range(self.max_ngram, self.min_ngram - 1, -1):
+      # pattern = the last n committed tokens of each row.
+      pattern = jnp.take_along_axis(
+          tokens, jnp.clip(lengths[:, None] - n + jnp.arange(n)[None, :], 0, s - 1), axis=1)
+      match = jnp.ones((b, s), bool)
+      for i in range(n):
+        shifted = jnp.roll(tokens, -i, axis=1)                             # shifted[j] = tokens[j+i]
+        match &= shifted == pattern[:, i:i + 1]
+      # The match must end before the pattern's own end and have a continuation: j + n < lengths.
+      match &= (starts + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+      latest = jnp.max(jnp.where(match, starts, -1), axis=1)
+      found = (latest >= 0) & (best_start < 0)
+      best_start = jnp.where(found, latest + n, best_start)
+    offs = jnp.arange(k, dtype=jnp.int32)[None, :]
+    idx = jnp.clip(best_start[:, None] + offs, 0, s - 1)
+    cont = jnp.take_along_axis(tokens, idx, axis=1)
+    ok = (best_start[:, None] >= 0) & (best_start[:, None] + offs < lengths[:, None])
+    return jnp.where(ok, cont, -1), None, state

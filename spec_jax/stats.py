@@ -1,0 +1,66 @@
+"""Acceptance statistics of a speculative generation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStats:
+  """Counts over every row and round of one generate() call.
+
+  rounds: target verify passes, summed over rows (rows that finished are not counted).
+  drafted: draft tokens proposed (valid ones only; an n-gram miss proposes fewer than K).
+  accepted: draft tokens accepted by the rejection sampler.
+  acceptance_rate: accepted / drafted (alpha, the per-token acceptance).
+  mean_accepted_length: tokens emitted per target forward, bonus included: (accepted + rounds)
+    / rounds, the tau of the papers (1.0 for plain decoding).
+  accepted_at: [K] fraction of rounds in which draft position i was accepted.
+  seconds: wall time of the compiled generation (prefill + decode loop; compile excluded).
+  tokens_per_second: new tokens / seconds, over all rows.
+  new_tokens: new tokens emitted over all rows (stop tokens included).
+  iterations: decode-loop iterations (target forwards after the prefill).
+  num_draft: K.
+  """
+  rounds: int
+  drafted: int
+  accepted: int
+  acceptance_rate: float
+  mean_accepted_length: float
+  accepted_at: tuple
+  seconds: float
+  tokens_per_second: float
+  new_tokens: int = 0
+  iterations: int = 0
+  num_draft: int = 0
+
+  @classmethod
+  def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
+                  num_draft) -> "SpecStats":
+    rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
+    accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
+    return cls(
+        rounds=rounds,
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        mean_accepted_length=(accepted + rounds) / rounds if rounds else 0.0,
+        accepted_at=tuple(float(a) / rounds if rounds else 0.0 for a in accepted_at),
+        seconds=float(seconds),
+        tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
+        new_tokens=int(new_tokens),
+        iterations=int(iterations),
+        num_draft=int(num_draft))
+
+  def summary(self) -> str:
+    at = " ".join(f"{a:.2f}" for a in self.accepted_at)
+    return (f"K={self.num_draft} rounds={self.rounds} drafted={self.drafted} "
+            f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
+            f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
+            f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "
+            f"tokens/s={self.tokens_per_second:.1f}")
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
