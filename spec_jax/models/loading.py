@@ -1,5 +1,84 @@
-"""sj.load: Hugging Face folders and llama2.c .bin checkpoints (being written)."""
+"""sj.load: one entry point for Hugging Face folders and llama2.c `.bin` checkpoints.
+
+    model = sj.load("../shared/models/stories260K")        # llama2.c folder (.bin + tok*.bin)
+    model = sj.load("../shared/models/tinystories656K")    # HF folder (config.json + safetensors)
+    model = sj.load("path/to/model.bin", dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.models import hf, llama2c
+from spec_jax.models.model import Model
+from spec_jax.models.tokenizers import HFTokenizer, Llama2cTokenizer, find_llama2c_tokenizer
+
+DTYPES = ("float32", "bfloat16")
 
 
-def load(path, dtype=None):
-  raise NotImplementedError("sj.load is being written")
+def _llama2c_weights(folder: pathlib.Path) -> list:
+  return sorted(p for p in folder.glob("*.bin") if p.is_file() and not p.name.startswith("tok"))
+
+
+def _to_device(params, dtype: str):
+  target = jnp.dtype(dtype)
+  return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(target, copy=False)), params)
+
+
+def load(path, dtype: Optional[str] = None) -> Model:
+  """Loads a checkpoint into a Model(config, params, tokenizer, mtp_params, source).
+
+  Args:
+    path: a Hugging Face folder (config.json + model.safetensors or a sharded index), a
+      llama2.c folder (exactly one model `.bin` beside its `tok*.bin`), or a llama2.c `.bin`.
+    dtype: None keeps the checkpoint's dtype; "float32" or "bfloat16" converts the params and
+      sets config.dtype.
+
+  Raises:
+    ValueError: a missing path, an unrecognised layout, an unsupported architecture, or a
+      corrupt, truncated or inconsistent checkpoint (the message names the file).
+  """
+  if dtype is not None:
+    dtype = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be None or one of {DTYPES}, got {dtype!r}")
+  path = pathlib.Path(os.fspath(path)).expanduser()
+  if not path.exists():
+    raise ValueError(f"no such file or directory: {path}")
+
+  if path.is_dir() and (path / "config.json").is_file():
+    config, params, mtp = hf.load_hf(path, dtype)
+    tokenizer = HFTokenizer.from_folder(path, eos_ids=config.eos_token_ids)
+    return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
+                 mtp_params=mtp, source=str(path))
+
+  if path.is_dir():
+    weights = _llama2c_weights(path)
+    if len(weights) != 1:
+      found = ", ".join(p.name for p in weights) or "none"
+      raise ValueError(f"{path}: expected a Hugging Face folder (config.json + safetensors) or a "
+                       f"llama2.c folder with exactly one model .bin (besides tok*.bin); "
+                       f"found model .bin files: {found}")
+    bin_path = weights[0]
+  elif path.suffix == ".bin":
+    bin_path = path
+  else:
+    raise ValueError(f"{path}: expected a Hugging Face folder (with config.json), a llama2.c "
+                     f"folder, or a llama2.c .bin file")
+
+  config, params = llama2c.read_llama2c(bin_path)
+  if dtype is not None:
+    config = config.replace(dtype=dtype)
+  tok_path = find_llama2c_tokenizer(bin_path.parent, config.vocab_size)
+  tokenizer = Llama2cTokenizer.from_file(tok_path) if tok_path is not None else None
+  if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
+    raise ValueError(f"{tok_path}: tokenizer has {tokenizer.vocab_size} pieces but {bin_path} "
+                     f"has vocab_size {config.vocab_size}")
+  return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
+               mtp_params=None, source=str(path))

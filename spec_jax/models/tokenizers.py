@@ -1,0 +1,245 @@
+"""Tokenizers with one small interface, for llama2.c `tok*.bin` files and Hugging Face folders.
+
+Both classes provide:
+
+  encode(text, add_bos=True) -> list[int]   text -> ids, with the model's BOS convention
+  decode(ids) -> str                        ids -> text, skipping BOS/EOS/special tokens
+  vocab_size                                number of ids
+  pieces() -> list[str]                     the token strings in id order (vocabulary checks)
+  bos_id, eos_ids                           int or None; tuple of ints
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import pathlib
+import struct
+from typing import Optional, Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+  """The interface every tokenizer of spec_jax implements."""
+
+  bos_id: Optional[int]
+  eos_ids: tuple
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+  def pieces(self) -> list[str]: ...
+
+
+# ----------------------------------------------------------------------------- llama2.c
+
+_NUM_SPECIAL = 3  # llama2.c / sentencepiece: 0 <unk>, 1 <s>, 2 </s>; raw bytes follow at 3..258.
+
+
+def _byte_of_piece(piece: bytes) -> Optional[int]:
+  """b"<0x0A>" -> 10; anything else -> None (run.c's sscanf "<0x%02hhX>")."""
+  if len(piece) == 6 and piece.startswith(b"<0x") and piece.endswith(b">"):
+    try:
+      return int(piece[3:5], 16)
+    except ValueError:
+      return None
+  return None
+
+
+class Llama2cTokenizer:
+  """The tokenizer of llama2.c's `run.c`: a sentencepiece BPE vocabulary stored as
+  (score, bytes) pairs, encoded by greedy highest-score pair merging with byte fallback.
+
+  BOS is 1. llama2.c marks the end of a story with BOS too (run.c stops on token 1), so
+  eos_ids is (1,).
+  """
+
+  def __init__(self, vocab: Sequence[bytes], scores: Sequence[float], max_token_length: int = 0,
+               source: Optional[str] = None):
+    if len(vocab) != len(scores):
+      raise ValueError(f"{source}: {len(vocab)} pieces but {len(scores)} scores")
+    self._vocab = [bytes(p) for p in vocab]
+    self._scores = [float(s) for s in scores]
+    self.max_token_length = int(max_token_length)
+    self.source = source
+    self.bos_id: Optional[int] = 1
+    self.eos_ids: tuple = (1,)
+    self._lookup: dict[bytes, int] = {}
+    for i, piece in enumerate(self._vocab):
+      self._lookup.setdefault(piece, i)
+    self._bytes = [_byte_of_piece(p) for p in self._vocab]
+
+  @classmethod
+  def from_file(cls, path) -> "Llama2cTokenizer":
+    """Reads llama2.c's tokenizer format: int32 max_token_length, then per token
+    float32 score, int32 length, `length` bytes."""
+    path = pathlib.Path(path)
+    data = path.read_bytes()
+    if len(data) < 4:
+      raise ValueError(f"{path}: too short for a llama2.c tokenizer ({len(data)} bytes)")
+    (max_len,) = struct.unpack_from("<i", data, 0)
+    offset, vocab, scores = 4, [], []
+    while offset < len(data):
+      if offset + 8 > len(data):
+        raise ValueError(f"{path}: truncated llama2.c tokenizer (token {len(vocab)} at byte {offset})")
+      score, length = struct.unpack_from("<fi", data, offset)
+      offset += 8
+      if length < 0 or offset + length > len(data):
+        raise ValueError(f"{path}: truncated or corrupt llama2.c tokenizer (token {len(vocab)} "
+                         f"claims {length} bytes at byte {offset} of {len(data)})")
+      vocab.append(data[offset:offset + length])
+      scores.append(score)
+      offset += length
+    return cls(vocab, scores, max_len, source=str(path))
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._vocab)
+
+  def pieces(self) -> list[str]:
+    return [p.decode("utf-8", errors="backslashreplace") for p in self._vocab]
+
+  def _initial_ids(self, text: str) -> list[int]:
+    ids = []
+    if text:
+      space = self._lookup.get(b" ")
+      ids.append(space if space is not None else ord(" ") + _NUM_SPECIAL)
+    for char in text:
+      raw = char.encode("utf-8", errors="surrogatepass")
+      piece = self._lookup.get(raw)
+      if piece is not None:
+        ids.append(piece)
+      else:
+        ids.extend(b + _NUM_SPECIAL for b in raw)
+    return ids
+
+  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    """Exactly run.c's `encode`: dummy-prefix space, codepoint lookup with byte fallback, then
+    repeatedly merge the adjacent pair whose concatenation is the highest-scoring piece
+    (leftmost on ties). A heap with lazy invalidation keeps it O(n log n)."""
+    ids = self._initial_ids(text)
+    n = len(ids)
+    if n > 1:
+      vocab, lookup, scores = self._vocab, self._lookup, self._scores
+      prev = list(range(-1, n - 1))
+      nxt = list(range(1, n + 1))
+      nxt[-1] = -1
+      version = [0] * n
+      alive = [True] * n
+      heap = []
+
+      def push(i):
+        j = nxt[i]
+        if j < 0:
+          return
+        merged = lookup.get(vocab[ids[i]] + vocab[ids[j]])
+        if merged is not None:
+          # Positions keep their left-to-right order, so (-score, i) picks run.c's pair.
+          heapq.heappush(heap, (-scores[merged], i, version[i], j, version[j], merged))
+
+      for i in range(n - 1):
+        push(i)
+      while heap:
+        _, i, vi, j, vj, merged = heapq.heappop(heap)
+        if not (alive[i] and alive[j] and version[i] == vi and version[j] == vj and nxt[i] == j):
+          continue
+        ids[i] = merged
+        version[i] += 1
+        alive[j] = False
+        nxt[i] = nxt[j]
+        if nxt[j] >= 0:
+          prev[nxt[j]] = i
+        if prev[i] >= 0:
+          push(prev[i])
+        push(i)
+      ids = [ids[i] for i in range(n) if alive[i]]
+    return ([self.bos_id] if add_bos else []) + ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """run.c's `decode` over a sequence: special ids are dropped, the first piece after BOS loses
+    its leading space, "<0xXX>" pieces are raw bytes; invalid UTF-8 becomes U+FFFD."""
+    out = bytearray()
+    prev = None
+    for token in ids:
+      token = int(token)
+      if token < 0 or token >= len(self._vocab):
+        raise ValueError(f"token id {token} is outside the vocabulary [0, {len(self._vocab)})")
+      if token < _NUM_SPECIAL:
+        prev = token
+        continue
+      piece = self._vocab[token]
+      if prev == self.bos_id and piece.startswith(b" "):
+        piece = piece[1:]
+      byte = self._bytes[token]
+      out += bytes([byte]) if byte is not None else piece
+      prev = token
+    return out.decode("utf-8", errors="replace")
+
+
+def find_llama2c_tokenizer(folder, vocab_size: Optional[int] = None) -> Optional[pathlib.Path]:
+  """The `tok*.bin` beside a llama2.c checkpoint: the only one, or among several the one whose
+  vocabulary size matches `vocab_size` (then the first by name). None when there is none."""
+  candidates = sorted(p for p in pathlib.Path(folder).glob("tok*.bin") if p.is_file())
+  if len(candidates) <= 1:
+    return candidates[0] if candidates else None
+  if vocab_size is not None:
+    for path in candidates:
+      try:
+        if Llama2cTokenizer.from_file(path).vocab_size == vocab_size:
+          return path
+      except ValueError:
+        continue
+  return candidates[0]
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class HFTokenizer:
+  """A `transformers` tokenizer behind the common interface.
+
+  encode(add_bos=True) adds BOS exactly when the tokenizer itself does (its post-processor or
+  add_bos_token), never twice, and never appends an EOS.
+  """
+
+  def __init__(self, hf_tokenizer, eos_ids: Sequence[int] = ()):
+    self.hf = hf_tokenizer
+    self.bos_id: Optional[int] = hf_tokenizer.bos_token_id
+    eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
+    for token in eos_ids:
+      if int(token) not in eos:
+        eos.append(int(token))
+    self.eos_ids: tuple = tuple(int(t) for t in eos)
+    probe = hf_tokenizer.encode("a", add_special_tokens=True)
+    self._adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+    self._special = set(int(t) for t in hf_tokenizer.all_special_ids)
+
+  @classmethod
+  def from_folder(cls, folder, eos_ids: Sequence[int] = ()) -> Optional["HFTokenizer"]:
+    """None when the folder holds no tokenizer files."""
+    folder = pathlib.Path(folder)
+    if not any((folder / name).exists() for name in _HF_TOKENIZER_FILES):
+      return None
+    import transformers  # heavy: imported only when a Hugging Face folder is loaded
+    return cls(transformers.AutoTokenizer.from_pretrained(os.fspath(folder)), eos_ids)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.hf)
+
+  def pieces(self) -> list[str]:
+    return [str(p) for p in self.hf.convert_ids_to_tokens(list(range(len(self.hf))))]
+
+  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    ids = list(self.hf.encode(text, add_special_tokens=False))
+    if add_bos and self._adds_bos and not (ids and ids[0] == self.bos_id):
+      ids = [self.bos_id] + ids
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.hf.decode([int(t) for t in ids], skip_special_tokens=True)
