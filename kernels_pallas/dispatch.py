@@ -1,14 +1,126 @@
-"""verify_attention: validates inputs and picks the kernel for the backend."""
+"""verify_attention: validates inputs and picks the kernel for the backend.
+
+impl="auto"      GPU kernel on a gpu backend, TPU kernel on tpu, the jnp reference elsewhere.
+impl="pallas"    a Pallas kernel always: native on gpu / tpu, under the Pallas interpreter on
+                 any other backend (CPU tests). `kernel` picks "gpu" or "tpu" flavour; None =
+                 the backend's own, "gpu" on CPU.
+impl="reference" the jnp reference.
+
+A kernel that does not support the shapes (see pallas_gpu / pallas_tpu.unsupported_reason) falls
+back to the reference with a one-time warning: never a wrong answer. Everything here reads
+static shapes and dtypes only, so it works under jit with traced kv_lengths and tree_mask.
+"""
 
 from __future__ import annotations
 
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import pallas_gpu, pallas_tpu
 from kernels_pallas.reference import verify_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
+KERNELS = ("gpu", "tpu")
+
+_KERNEL_FNS = {"gpu": pallas_gpu.verify_attention_pallas_gpu,
+               "tpu": pallas_tpu.verify_attention_pallas_tpu}
+_UNSUPPORTED = {"gpu": pallas_gpu.unsupported_reason, "tpu": pallas_tpu.unsupported_reason}
+_warned: set = set()
 
 
-def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto"):
-  """See ../shared/DESIGN.md. q [B,T,Hq,D]; k_cache, v_cache [B,S,Hkv,D]; kv_lengths int32[B]."""
+def validate_inputs(q, k_cache, v_cache, kv_lengths, tree_mask=None):
+  """Raises ValueError naming what is wrong and what is allowed. Static shapes/dtypes only."""
+  def shape(x, name):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape)
+
+  qs, ks, vs = shape(q, "q"), shape(k_cache, "k_cache"), shape(v_cache, "v_cache")
+  if len(qs) != 4:
+    raise ValueError(f"q must be rank 4 [B, T, Hq, D], got shape {qs}")
+  if len(ks) != 4:
+    raise ValueError(f"k_cache must be rank 4 [B, S, Hkv, D], got shape {ks}")
+  if vs != ks:
+    raise ValueError(f"v_cache shape {vs} must equal k_cache shape {ks} ([B, S, Hkv, D])")
+  b, t, hq, d = qs
+  kb, s, hkv, kd = ks
+  if kb != b:
+    raise ValueError(f"batch mismatch: q has B={b}, k_cache/v_cache have B={kb}")
+  if kd != d:
+    raise ValueError(f"head_dim mismatch: q has D={d}, k_cache/v_cache have D={kd}")
+  if min(b, t, hq, d, s, hkv) < 1:
+    raise ValueError(f"all dims must be >= 1, got q {qs}, k_cache {ks}")
+  if hq % hkv:
+    raise ValueError(f"Hq={hq} query heads must be a multiple of Hkv={hkv} kv heads")
+  if t > s:
+    raise ValueError(f"T={t} new tokens cannot exceed the cache capacity S={s}")
+  for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating dtype, got {x.dtype}")
+  if k_cache.dtype != v_cache.dtype:
+    raise ValueError(f"k_cache dtype {k_cache.dtype} != v_cache dtype {v_cache.dtype}")
+  ls = shape(kv_lengths, "kv_lengths")
+  if ls != (b,):
+    raise ValueError(f"kv_lengths must have shape [B]=({b},), got {ls}")
+  if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+    raise ValueError(f"kv_lengths must be an integer array (int32), got {kv_lengths.dtype}")
+  if tree_mask is not None:
+    ms = shape(tree_mask, "tree_mask")
+    if ms != (b, t, t):
+      raise ValueError(f"tree_mask must have shape [B, T, T]=({b}, {t}, {t}) or be None, "
+                       f"got {ms}")
+    if tree_mask.dtype != jnp.bool_:
+      raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype}")
+
+
+def _warn_once(key, message):
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(message, stacklevel=3)
+
+
+def resolve(impl: str, kernel: str | None = None, platform: str | None = None):
+  """(kernel or None for the reference, interpret) for impl on platform (default: backend)."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
+  if kernel is not None and kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+  platform = platform or jax.default_backend()
+  if impl == "reference":
+    return None, False
+  if impl == "auto":
+    if kernel is not None:
+      return kernel, platform != kernel
+    return (platform, False) if platform in KERNELS else (None, False)
+  chosen = kernel or (platform if platform in KERNELS else "gpu")
+  return chosen, platform != chosen
+
+
+def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto", *,
+                     kernel: str | None = None, **kernel_kwargs):
+  """See ../shared/DESIGN.md. q [B,T,Hq,D]; k_cache, v_cache [B,S,Hkv,D]; kv_lengths int32[B].
+
+  kv_lengths counts the valid cache entries including the T new ones at kv_lengths-T ..
+  kv_lengths-1 (T <= kv_lengths <= S is the caller's contract). tree_mask bool [B,T,T] or None
+  (causal). impl: "auto" | "pallas" | "reference". kernel: "gpu" | "tpu" | None picks the Pallas
+  flavour (see the module docstring). kernel_kwargs (block_k, num_splits, ...) go to the kernel.
+  Returns [B,T,Hq,D] in q's dtype.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  validate_inputs(q, k_cache, v_cache, kv_lengths, tree_mask)
+  chosen, interpret = resolve(impl, kernel)
+  if chosen is None:
+    return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
+  reason = _UNSUPPORTED[chosen](q.shape, k_cache.shape, q.dtype, k_cache.dtype,
+                                **({"block_k": kernel_kwargs["block_k"]}
+                                   if "block_k" in kernel_kwargs else {}))
+  if reason is not None:
+    _warn_once((chosen, reason),
+               f"kernels_pallas.verify_attention: the {chosen} Pallas kernel does not support "
+               f"this call ({reason}); using the jnp reference instead.")
+    return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
+  return _KERNEL_FNS[chosen](q, k_cache, v_cache, kv_lengths.astype(jnp.int32), tree_mask,
+                             interpret=interpret, **kernel_kwargs)
