@@ -40,16 +40,21 @@ def check_same_vocabulary(draft, target, what="draft model"):
 
 
 class DraftModel(Drafter):
-  """Drafts K tokens autoregressively from a small model, sampled from the same
-  `sampling.probs` transform as the target, so draft_probs are the real q."""
+  """Drafts K tokens autoregressively from a small model.
 
-  def __init__(self, model):
+  By default each draft is sampled from the same `sampling.probs` transform as the target, so
+  draft_probs are the real q. With greedy_drafts=True the drafts are the draft model's argmax,
+  proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
+  """
+
+  def __init__(self, model, greedy_drafts: bool = False):
     self.model = model
     self.config = model.config
     self.params = model.params
+    self.greedy_drafts = bool(greedy_drafts)
 
   def _static_key(self):
-    return ("DraftModel", self.config)
+    return ("DraftModel", self.config, self.greedy_drafts)
 
   def check_compatible(self, target) -> None:
     check_same_vocabulary(self.model, target)
@@ -69,11 +74,15 @@ class DraftModel(Drafter):
     cache, logits = out.cache, out.logits[:, -1]
     drafts, qs = [], []
     for i in range(k):
-      q = sampling_lib.probs(logits, ctx.sampling)
-      tok = jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q)
+      if self.greedy_drafts:
+        tok, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      else:
+        q = sampling_lib.probs(logits, ctx.sampling)
+        tok = jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q)
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k:
         out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
         cache, logits = out.cache, out.logits[:, 0]
-    return jnp.stack(drafts, 1), jnp.stack(qs, 1), cache
+    draft_probs = None if self.greedy_drafts else jnp.stack(qs, 1)
+    return jnp.stack(drafts, 1), draft_probs, cache

@@ -1,0 +1,93 @@
+"""python -m spec_jax generate|bench ...
+
+    python -m spec_jax generate --prompt "Once upon a time"
+    python -m spec_jax generate --drafter ngram --num-draft 4 --temperature 0.8
+    python -m spec_jax generate --drafter draft:../shared/models/salty279K --num-draft 4
+    python -m spec_jax bench ...          (same as python -m spec_jax.bench ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "models"
+                    / "stories260K")
+
+
+def make_drafter(spec: str | None, target):
+  """'ngram' | 'ngram:MAX[:MIN]' | 'draft:PATH' | 'heads:PATH' | None -> a drafter or None."""
+  import spec_jax as sj
+  if spec in (None, "", "none"):
+    return None
+  kind, _, arg = spec.partition(":")
+  if kind == "ngram":
+    parts = [int(x) for x in arg.split(":") if x] if arg else []
+    return sj.drafters.NGram(*parts) if parts else sj.drafters.NGram()
+  if kind == "draft":
+    if not arg:
+      raise ValueError("--drafter draft:PATH needs the draft model's path")
+    return sj.drafters.DraftModel(sj.load(arg))
+  if kind == "heads":
+    if not arg:
+      raise ValueError("--drafter heads:PATH needs the trained heads' directory")
+    return sj.drafters.load(arg, target)
+  raise ValueError(f"unknown drafter {spec!r}; use ngram, ngram:MAX[:MIN], draft:PATH or heads:PATH")
+
+
+def _generate(args) -> int:
+  import jax
+  import spec_jax as sj
+  if not os.path.exists(args.model):
+    print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder "
+          "or a llama2.c .bin)", file=sys.stderr)
+    return 2
+  try:
+    model = sj.load(args.model)
+    drafter = make_drafter(args.drafter, model)
+    sampling = sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = args.prompt or ["Once upon a time"]
+    out = sj.generate(model, prompts, drafter=drafter, num_draft=args.num_draft,
+                      max_new_tokens=args.max_new_tokens, sampling=sampling,
+                      key=jax.random.key(args.seed))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  for prompt, text, toks in zip(prompts, out.text or [None] * len(prompts), out.tokens):
+    print(prompt + (text if text is not None else " " + " ".join(map(str, toks))))
+    print()
+  s = out.stats
+  print(f"{s.new_tokens} new tokens in {s.seconds:.3f} s: {s.tokens_per_second:.1f} tokens/s "
+        f"(compile excluded)")
+  if drafter is not None:
+    print(s.summary())
+  return 0
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] == "bench":
+    from spec_jax import bench
+    return bench.main(argv[1:])
+  parser = argparse.ArgumentParser(prog="python -m spec_jax")
+  sub = parser.add_subparsers(dest="command", required=True)
+  g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+  g.add_argument("--model", default=DEFAULT_MODEL, help="HF folder or llama2.c .bin (default: %(default)s)")
+  g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+  g.add_argument("--max-new-tokens", type=int, default=128)
+  g.add_argument("--temperature", type=float, default=0.0)
+  g.add_argument("--top-k", type=int, default=0)
+  g.add_argument("--top-p", type=float, default=1.0)
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--drafter", default=None,
+                 help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
+  g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
+  sub.add_parser("bench", help="side-by-side benchmark (see python -m spec_jax.bench --help)")
+  args = parser.parse_args(argv)
+  return _generate(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

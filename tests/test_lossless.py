@@ -1,0 +1,151 @@
+"""Losslessness of the whole engine, tested statistically against the exact target joint.
+
+A tiny random target (vocabulary 8) lets us enumerate every continuation: the exact joint
+distribution of the first three generated tokens, P(x1, x2, x3) = p(x1) p(x2|x1) p(x3|x1,x2),
+each factor from the same `sampling.probs` transform plain sampling uses. One generate() call
+with N rows of the same prompt (independent fold_in(key, row) streams) gives N samples of that
+joint through the speculative path (prefill token + drafted/verified rounds with rejections,
+corrections and bonus tokens). A Pearson chi-square test (tests/stats_helpers.py) with
+alpha = 1e-3 and fixed seeds compares the counts with the exact joint over the 512 outcomes.
+
+The same test, run with a deliberately wrong sampler (accept a draft whenever it lies in the
+target's top-p set, a shortcut that silently changes the distribution), must fail: that shows
+the test has the power to catch a lossy engine.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from spec_jax import engine
+from spec_jax.models.transformer import KVCache, forward
+from tests.stats_helpers import chi_square, chi2_critical, assert_same_distribution
+
+V = 8
+NEW = 3
+N = 40_000
+PROMPT = [1, 4, 2]
+TARGET_CFG = sj.ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                            num_heads=2, num_kv_heads=1, max_position_embeddings=64)
+DRAFT_CFG = TARGET_CFG.replace(hidden_size=8, intermediate_size=16)
+
+
+def _peaky(model, scale):
+  """Random tiny models are near-uniform; scale the embedding so distributions have shape."""
+  model.params["embed"] = model.params["embed"] * scale
+  return model
+
+
+@functools.lru_cache(None)
+def _models():
+  target = _peaky(sj.init_model(TARGET_CFG, jax.random.key(11)), 60.0)
+  draft = _peaky(sj.init_model(DRAFT_CFG, jax.random.key(12)), 60.0)
+  return target, draft
+
+
+def exact_joint(model, prompt, sampling):
+  """P(x1..x3) [V, V, V] of plain sampling under `sampling` (scalars)."""
+  seqs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)     # [V*V, 2]
+  tokens = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+  cache = KVCache.zeros(model.config, len(seqs), 16)
+  logits = forward(model.params, model.config, jnp.asarray(tokens), cache,
+                   jnp.zeros(len(seqs), jnp.int32)).logits
+  p = np.asarray(sj.sampling.probs(logits, sampling), np.float64)            # [V*V, P+2, V]
+  n = len(prompt)
+  p1 = p[0, n - 1]                                                            # [V]
+  p2 = p[::V, n].reshape(V, V)                                                # [x1, x2]
+  p3 = p[:, n + 1].reshape(V, V, V)                                           # [x1, x2, x3]
+  joint = p1[:, None, None] * p2[:, :, None] * p3
+  return joint / joint.sum()
+
+
+def sample_joint(target, drafter, sampling, k, seed=0):
+  out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=k, max_new_tokens=NEW,
+                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=16)
+  toks = np.asarray(out.tokens)
+  assert toks.shape == (N, NEW)
+  return toks, out.stats
+
+
+def joint_counts(toks):
+  return np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
+
+
+SETTINGS = {
+    "T1": sj.Sampling(temperature=1.0),
+    "T0.7_topk3": sj.Sampling(temperature=0.7, top_k=3),
+    "T1.3_topp0.8": sj.Sampling(temperature=1.3, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("drafter_kind,k", [("sampled", 2), ("deterministic", 1)])
+def test_speculative_joint_matches_target(setting, drafter_kind, k):
+  target, draft = _models()
+  sampling = SETTINGS[setting]
+  drafter = sj.drafters.DraftModel(draft, greedy_drafts=(drafter_kind == "deterministic"))
+  toks, stats = sample_joint(target, drafter, sampling, k)
+  # The drafts must actually be rejected sometimes, or the test would prove little.
+  assert 0.05 < stats.acceptance_rate < 0.98, stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling), alpha=1e-3)
+
+
+def test_ngram_drafts_are_lossless():
+  target, _ = _models()
+  sampling = SETTINGS["T1"]
+  prompt_rep = [1, 4, 2, 1, 4, 2, 1, 4]   # n-gram proposals fire on this prompt
+  out = sj.generate(target, [prompt_rep] * N, drafter=sj.drafters.NGram(2, 1), num_draft=2,
+                    max_new_tokens=NEW, sampling=sampling, key=jax.random.key(3),
+                    stop_tokens=[], capacity=24)
+  toks = np.asarray(out.tokens)
+  assert out.stats.drafted > N // 2, out.stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint(target, prompt_rep, sampling))
+
+
+def test_mixed_greedy_and_sampled_rows():
+  """Even rows greedy, odd rows T=1: the greedy rows follow the argmax path exactly and the
+  sampled rows still have the exact joint."""
+  target, draft = _models()
+  temps = np.where(np.arange(N) % 2 == 0, 0.0, 1.0).astype(np.float32)
+  toks, _ = sample_joint(target, sj.drafters.DraftModel(draft), sj.Sampling(temperature=temps), 2)
+  greedy = sj.generate(target, [PROMPT], max_new_tokens=NEW, sampling=sj.Sampling(0.0),
+                       stop_tokens=[]).tokens[0]
+  assert (toks[0::2] == np.asarray(greedy)[None]).all()
+  assert_same_distribution(joint_counts(toks[1::2]),
+                           exact_joint(target, PROMPT, sj.Sampling(temperature=1.0)))
+
+
+def _wrong_top_p_sampler(key, draft_tokens, draft_probs, target_probs, draft_lengths=None):
+  """The classic lossy shortcut: accept a draft whenever the target gives it any mass after
+  top-p (it lies in the top-p set), otherwise resample from p."""
+  b, k = draft_tokens.shape
+  lengths = jnp.full((b,), k) if draft_lengths is None else draft_lengths
+  p_draft = jnp.take_along_axis(target_probs[:, :k], jnp.maximum(draft_tokens, 0)[..., None],
+                                axis=-1)[..., 0]
+  ok = (p_draft > 0) & (jnp.arange(k)[None] < lengths[:, None])
+  n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+  final = jax.random.categorical(key, jnp.log(jnp.take_along_axis(
+      target_probs, n[:, None, None], axis=1)[:, 0]))
+  pos = jnp.arange(k + 1)[None]
+  toks = jnp.where(pos < n[:, None], jnp.pad(draft_tokens, ((0, 0), (0, 1))), -1)
+  toks = jnp.where(pos == n[:, None], final[:, None], toks)
+  return toks.astype(jnp.int32), n.astype(jnp.int32)
+
+
+def test_the_check_catches_a_lossy_sampler(monkeypatch):
+  target, draft = _models()
+  sampling = SETTINGS["T1.3_topp0.8"]
+  monkeypatch.setattr(engine, "rejection_sample", _wrong_top_p_sampler)
+  engine._generate_loop.clear_cache()
+  engine._COMPILED.clear()
+  try:
+    toks, _ = sample_joint(target, sj.drafters.DraftModel(draft), sampling, 2)
+  finally:
+    engine._generate_loop.clear_cache()
+    engine._COMPILED.clear()
+  stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
+  assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
