@@ -14,7 +14,11 @@ import pytest
 import spec_jax as sj
 from spec_jax.models.tokenizers import HFTokenizer, Llama2cTokenizer, find_llama2c_tokenizer
 from spec_jax.models.transformer import KVCache, forward
-from tests.conftest import need_shared
+
+try:  # tests/ as a package, or as a plain rootdir (pytest's default import mode)
+  from tests.conftest import need_shared
+except ImportError:
+  from conftest import need_shared
 
 KNOWN_260K = ("Once upon a time, there was a little girl named Lily. She loved to play outside in "
               "the park. One day, she saw a big, red ball")

@@ -226,7 +226,11 @@ class HFTokenizer:
     if not any((folder / name).exists() for name in _HF_TOKENIZER_FILES):
       return None
     import transformers  # heavy: imported only when a Hugging Face folder is loaded
-    return cls(transformers.AutoTokenizer.from_pretrained(os.fspath(folder)), eos_ids)
+    try:
+      hf_tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(folder))
+    except Exception as e:  # noqa: BLE001 - report any tokenizer problem at the boundary
+      raise ValueError(f"{folder}: transformers could not load the tokenizer: {e}") from e
+    return cls(hf_tokenizer, eos_ids)
 
   @property
   def vocab_size(self) -> int:
