@@ -102,6 +102,18 @@ def probs(logits, sampling: Sampling):
   greedy = temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature)
 
+  # The sort behind top-k / top-p is skipped at run time when no row asks for either.
+  needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
+  masked = jax.lax.cond(needs_filter, lambda x: _top_k_top_p(x, top_k, top_p), lambda x: x,
+                        scaled)
+  sampled = jax.nn.softmax(masked, axis=-1)
+  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  return jnp.where(greedy, one_hot, sampled)
+
+
+def _top_k_top_p(scaled, top_k, top_p):
+  """Masks (to -inf) the logits outside each row's top-k, then outside its top-p nucleus."""
+  vocab = scaled.shape[-1]
   # One descending sort serves both filters; ties at a threshold are all kept.
   sorted_logits = jnp.sort(scaled, axis=-1)[..., ::-1]
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -120,9 +132,7 @@ def probs(logits, sampling: Sampling):
   cutoff = jnp.take_along_axis(sorted_masked, n_keep - 1, axis=-1)
   masked = jnp.where(masked < cutoff, -jnp.inf, masked)
 
-  sampled = jax.nn.softmax(masked, axis=-1)
-  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-  return jnp.where(greedy, one_hot, sampled)
+  return masked
 
 
 def sample(key, probabilities):

@@ -1,0 +1,86 @@
+"""sampling.probs against a numpy oracle, per-row settings, and every bad-input path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax as sj
+
+
+def oracle(logits, t, k, p):
+  """Plain numpy: logits/T -> top-k -> top-p -> softmax, one row [V]."""
+  logits = np.asarray(logits, np.float64)
+  if t == 0:
+    out = np.zeros_like(logits)
+    out[np.argmax(logits)] = 1.0
+    return out
+  x = logits / t
+  order = np.argsort(-x, kind="stable")
+  keep = np.ones_like(x, bool)
+  if k > 0:
+    keep[:] = x >= x[order[min(k, len(x)) - 1]]
+  probs = np.where(keep, np.exp(x - x.max()), 0.0)
+  probs /= probs.sum()
+  if p < 1:
+    sorted_p = probs[order]
+    before = np.cumsum(sorted_p) - sorted_p
+    kept = order[before < p]
+    mask = np.zeros_like(keep)
+    mask[kept] = True
+    probs = np.where(mask, probs, 0.0)
+    probs /= probs.sum()
+  return probs
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8),
+                                   (0.7, 3, 0.9), (2.0, 50, 0.5), (0.0, 4, 0.3), (1.0, 0, 1e-6)])
+def test_probs_matches_oracle(t, k, p):
+  logits = jax.random.normal(jax.random.key(0), (4, 37)) * 3
+  got = np.asarray(sj.sampling.probs(logits, sj.Sampling(t, k, p)))
+  want = np.stack([oracle(row, t, k, p) for row in np.asarray(logits)])
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def test_per_row_settings_apply_along_the_first_axis():
+  logits = jax.random.normal(jax.random.key(1), (3, 5, 23)) * 2      # [B, K, V]
+  t = np.array([0.0, 1.0, 0.5], np.float32)
+  k = np.array([0, 4, 0], np.int32)
+  p = np.array([1.0, 1.0, 0.7], np.float32)
+  got = np.asarray(sj.sampling.probs(logits, sj.Sampling(t, k, p)))
+  for b in range(3):
+    for i in range(5):
+      np.testing.assert_allclose(got[b, i], oracle(np.asarray(logits)[b, i], t[b], k[b], p[b]),
+                                 atol=1e-6)
+
+
+def test_greedy_is_one_hot_at_the_first_argmax():
+  logits = jnp.asarray([[1.0, 3.0, 3.0, 0.0]])
+  np.testing.assert_array_equal(sj.sampling.probs(logits, sj.Sampling(0.0)), [[0, 1, 0, 0]])
+
+
+def test_probs_is_jittable_with_traced_settings():
+  logits = jax.random.normal(jax.random.key(2), (2, 11))
+  s = sj.Sampling(0.8, 3, 0.9).as_arrays(2)
+  got = jax.jit(sj.sampling.probs)(logits, s)
+  np.testing.assert_allclose(got, sj.sampling.probs(logits, s), atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(temperature=np.ones((2, 2))), "scalar or a"),
+])
+def test_bad_sampling_values_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sj.Sampling(**kwargs)
+
+
+def test_wrong_number_of_rows_raises():
+  with pytest.raises(ValueError, match="2 entries but the batch has 3"):
+    sj.Sampling(temperature=np.array([1.0, 0.5])).as_arrays(3)
