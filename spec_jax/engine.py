@@ -204,7 +204,7 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
                                         stop_tokens, limit)
     verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
                         hidden=out.hidden, layer_hidden=out.layer_hidden,
-                        lengths_before=st.lengths, lengths=lengths)
+                        lengths_before=st.lengths, lengths=lengths, target_params=target_params)
     dstate = drafter.commit(drafter_params, dstate, emitted, n_acc, verify)
     active = (~st.done).astype(jnp.int32)
     return DecodeState(

@@ -2,6 +2,11 @@
 
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.drafters.draft_model import DraftModel
+from spec_jax.drafters.eagle import EAGLE, EAGLE3
+from spec_jax.drafters.heads_io import HEAD_KINDS, load
+from spec_jax.drafters.medusa import Medusa
+from spec_jax.drafters.mtp import MTP
 from spec_jax.drafters.ngram import NGram
 
-__all__ = ["Drafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel", "NGram"]
+__all__ = ["Drafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel", "NGram",
+           "Medusa", "EAGLE", "EAGLE3", "MTP", "HEAD_KINDS", "load"]

@@ -80,12 +80,15 @@ class VerifyInfo:
   layer_hidden: tuple of [B, K+1, D] for the drafter's `target_layers`.
   lengths_before: int32 [B] committed tokens before this round (input 0 sits at lengths_before-1).
   lengths: int32 [B] committed tokens after this round.
+  target_params: the target's params (feature heads embed the accepted tokens in commit), or
+    None where a caller does not provide them.
   """
   input_tokens: jax.Array
   hidden: jax.Array
   layer_hidden: tuple
   lengths_before: jax.Array
   lengths: jax.Array
+  target_params: Any = None
 
 
 class Drafter:

@@ -1,0 +1,320 @@
+"""Feature-level autoregressive draft heads: the shared machinery of EAGLE, EAGLE-3 and MTP.
+
+All three heads are one small decoder layer that runs beside the frozen target, reads the
+target's features, reuses the target's frozen embedding and LM head, and drafts K tokens
+autoregressively by feeding its own predicted feature back in. They differ only in
+
+  kind     feature f_j the head reads                   input x_j                     logits
+  eagle    target hidden after the final norm (what     fc(concat(emb, f)) + fc_b     lm_head(o)
+           the LM head reads; EAGLE-1's convention)
+  eagle3   fuse(concat(low, mid, high layer outputs))   fc(concat(emb, f)) + fc_b     lm_head(norm(o))
+           (pre-norm residual streams, target_layers)
+  mtp      the target's last layer output before the    fc(concat(enorm(emb),         lm_head(norm(o)))
+           final norm (DeepSeek-V3 / Qwen3-Next)         hnorm(f)))
+
+where emb is the target's embedding of the NEXT token, o the output of the head's decoder
+layer (the residual stream), norm the head's own RMSNorm, lm_head the target's.
+
+Positions and the head's KV cache (capacity S = the engine's), one convention for all kinds:
+
+  slot j holds the pair (f_j, token_{j+1}): the feature of position j (the target's state
+  after token j, which predicted token j+1) with the embedding of the token that actually
+  followed. RoPE position j. The layer's output o_j at slot j is the head's prediction of
+  f_{j+1}, and lm_head(o_j) its distribution for token j+2.
+
+With `lengths` committed tokens, the target has features for positions < lengths-1 (the last
+committed token has not been fed to the target yet), so the head cache is valid for slots
+< lengths-1, and the state also carries `next_feature` = o at slot lengths-2: the prediction
+of f_{lengths-1}, whose logits give the first draft (token `lengths`).
+
+  init_state: pairs (prefill hidden j, tokens j+1) for j < P at offset 0 (one forward over the
+    padded prompt; slots >= prompt_lens are stale and overwritten later); next_feature = o at
+    slot prompt_lens-1.
+  propose: draft 1 from next_feature; then for i = 1..K-1 the pair (o_prev, draft_i) goes to
+    slot lengths-2+i, its output gives draft i+1. These speculative slots are overwritten.
+  commit: the verify fed [last committed, d_1..d_K] at positions p = lengths_before-1 ..
+    p+K and returned features f_p..f_{p+K}; the accepted prefix is inputs 0..n_accepted, whose
+    next tokens are emitted[0..n_accepted] (accepted drafts, then the correction / bonus). One
+    head forward over the K+1 pairs (f_{p+i}, emitted[i]) at offset p rewrites slots p..p+K
+    (those past p+n_accepted are stale, beyond the new valid range) and next_feature = o at
+    slot p+n_accepted = lengths-2.
+
+Training (train/): `unroll` runs the same layer over whole windows with teacher features at
+step 1 and, for the training-time-test steps s > 1 (EAGLE-3), the head's own step s-1 outputs
+fed back as features, with the attention pattern the drafter sees at test time (the real
+prefix up to slot j-s+1 plus the s-1 drafted slots j-s+2..j).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax import sampling as sampling_lib
+from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
+                                         rope_inv_freq)
+
+KINDS = ("eagle", "eagle3", "mtp")
+
+
+@flax.struct.dataclass
+class FeatureHeadState:
+  """k, v: [B, S, Hkv, Dh] the head's KV cache (slot convention: module docstring).
+  next_feature: [B, D] float32, the head's prediction of the last committed token's feature."""
+  k: jax.Array
+  v: jax.Array
+  next_feature: jax.Array
+
+
+def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[int] = None,
+                      num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                      copy_attention_flags: bool = False) -> ModelConfig:
+  """The head's one-layer ModelConfig (float32): the target's width and RoPE, its own MLP."""
+  c = target_config
+  heads = num_heads or c.num_heads
+  kv = num_kv_heads or (c.num_kv_heads if heads == c.num_heads else heads)
+  return c.replace(
+      num_layers=1, intermediate_size=int(intermediate_size or c.intermediate_size),
+      num_heads=heads, num_kv_heads=kv,
+      head_dim=c.head_dim if heads == c.num_heads else c.hidden_size // heads,
+      qkv_bias=c.qkv_bias if copy_attention_flags else False,
+      qk_norm=c.qk_norm if copy_attention_flags else False,
+      sliding_window=None, dtype="float32", num_mtp_layers=0)
+
+
+def init_layer_params(cfg: ModelConfig, key, std: float = 0.02) -> dict:
+  """One decoder layer's params (no [L] axis) in transformer.py's layout: normal(std) weights,
+  unit norms, zero biases."""
+  d, f, hq, hkv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                       cfg.head_dim)
+  ks = iter(jax.random.split(key, 8))
+
+  def normal(shape):
+    return std * jax.random.normal(next(ks), shape, jnp.float32)
+
+  p = {"attn_norm": jnp.ones((d,)), "mlp_norm": jnp.ones((d,)),
+       "wq": normal((d, hq * dh)), "wk": normal((d, hkv * dh)), "wv": normal((d, hkv * dh)),
+       "wo": normal((hq * dh, d)), "w_gate": normal((d, f)), "w_up": normal((d, f)),
+       "w_down": normal((f, d))}
+  if cfg.qkv_bias:
+    p.update(bq=jnp.zeros((hq * dh,)), bk=jnp.zeros((hkv * dh,)), bv=jnp.zeros((hkv * dh,)))
+  if cfg.qk_norm:
+    p.update(q_norm=jnp.ones((dh,)), k_norm=jnp.ones((dh,)))
+  return p
+
+
+class FeatureHead(Drafter):
+  """EAGLE / EAGLE-3 / MTP drafter (see the module docstring). Subclasses fix `kind`.
+
+  Args:
+    params: the head's pytree (fc, [fc_b], [fuse], [enorm, hnorm], layer, [out_norm]).
+    target_config: the target's ModelConfig (static; heads are built for one target shape).
+    layer_config: the head's one-layer ModelConfig.
+    target_layers: the target layers the head reads (eagle3: low/mid/high; mtp: (L-1,)).
+    greedy_drafts: propose the argmax deterministically (draft_probs None) instead of samples.
+  """
+
+  kind = "eagle"
+
+  def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
+               target_layers: tuple = (), greedy_drafts: bool = False):
+    self.params = params
+    self.target_config = target_config
+    self.layer_config = layer_config
+    self.target_layers = tuple(int(i) for i in target_layers)
+    self.greedy_drafts = bool(greedy_drafts)
+    self.max_draft = None
+    bad = [i for i in self.target_layers if not 0 <= i < target_config.num_layers]
+    if bad:
+      raise ValueError(f"{self.kind}: target_layers {bad} outside the target's "
+                       f"{target_config.num_layers} layers")
+
+  # ----------------------------------------------------------------------- identity / io
+
+  def _static_key(self):
+    return (type(self).__name__, self.kind, self.target_config, self.layer_config,
+            self.target_layers, self.greedy_drafts)
+
+  def hyper_params(self) -> dict:
+    c = self.layer_config
+    return {"intermediate_size": c.intermediate_size, "num_heads": c.num_heads,
+            "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "qkv_bias": c.qkv_bias,
+            "qk_norm": c.qk_norm, "target_layers": list(self.target_layers)}
+
+  def with_params(self, params, greedy_drafts=None):
+    return type(self)(params, self.target_config, self.layer_config, self.target_layers,
+                      self.greedy_drafts if greedy_drafts is None else greedy_drafts)
+
+  def check_compatible(self, target) -> None:
+    c, t = target.config, self.target_config
+    for name in ("hidden_size", "vocab_size", "num_layers", "tie_embeddings"):
+      if getattr(c, name) != getattr(t, name):
+        raise ValueError(f"these {self.kind} heads were built for a target with {name}="
+                         f"{getattr(t, name)}; this target has {getattr(c, name)}")
+
+  # ----------------------------------------------------------------------- the math
+
+  def target_feature(self, params, hidden, layer_hidden):
+    """The feature f [..., T, D] (float32) the head reads, from a target forward's outputs."""
+    if self.kind == "eagle":
+      return hidden.astype(jnp.float32)
+    if self.kind == "eagle3":
+      cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
+      return cat @ params["fuse"]
+    return layer_hidden[-1].astype(jnp.float32)                        # mtp
+
+  def combine(self, params, target_params, tokens, feature):
+    """x [B, T, D] from next tokens [B, T] and features [B, T, D]."""
+    e = embed(target_params, tokens).astype(jnp.float32)
+    eps = self.target_config.rms_norm_eps
+    if self.kind == "mtp":
+      cat = jnp.concatenate([rms_norm(e, params["enorm"], eps),
+                             rms_norm(feature, params["hnorm"], eps)], axis=-1)
+      return cat @ params["fc"]
+    return jnp.concatenate([e, feature], axis=-1) @ params["fc"] + params["fc_b"]
+
+  def logits(self, params, target_params, out):
+    """Head output o [..., D] -> float32 logits [..., V] through the target's LM head."""
+    if "out_norm" in params:
+      out = rms_norm(out, params["out_norm"], self.target_config.rms_norm_eps)
+    w_dtype = target_params["embed"].dtype
+    return lm_head(target_params, self.target_config, out.astype(w_dtype))
+
+  def _layer(self, params, x, k, v, offsets):
+    """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v)."""
+    t = x.shape[1]
+    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets, None,
+                         rope_inv_freq(self.layer_config))
+
+  def _empty_cache(self, batch, capacity):
+    c = self.layer_config
+    shape = (batch, capacity, c.num_kv_heads, c.head_dim)
+    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+  # ----------------------------------------------------------------------- drafter interface
+
+  def init_state(self, params, prefill: PrefillInfo):
+    b, s = prefill.tokens.shape
+    p = prefill.prompt_tokens.shape[1]
+    feats = self.target_feature(params, prefill.hidden, prefill.layer_hidden)      # [B, P, D]
+    nxt = prefill.tokens[:, 1:p + 1]                                                # token j+1
+    x = self.combine(params, prefill.target_params, nxt, feats)
+    k, v = self._empty_cache(b, s)
+    o, k, v = self._layer(params, x, k, v, jnp.zeros((b,), jnp.int32))
+    last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    return FeatureHeadState(k=k, v=v, next_feature=last)
+
+  def _draw(self, logits, key, sampling):
+    if self.greedy_drafts:
+      return jnp.argmax(logits, -1).astype(jnp.int32), None
+    q = sampling_lib.probs(logits, sampling)
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(logits.shape[0]))
+    return jax.vmap(sampling_lib.sample)(keys, q), q
+
+  def propose(self, params, state: FeatureHeadState, ctx: DraftContext):
+    k_draft = ctx.num_draft
+    keys = jax.random.split(ctx.key, k_draft)
+    feature, kc, vc = state.next_feature, state.k, state.v
+    drafts, qs = [], []
+    for i in range(k_draft):
+      tok, q = self._draw(self.logits(params, ctx.target_params, feature), keys[i], ctx.sampling)
+      drafts.append(tok)
+      qs.append(q)
+      if i + 1 < k_draft:
+        x = self.combine(params, ctx.target_params, tok[:, None], feature[:, None])
+        o, kc, vc = self._layer(params, x, kc, vc, ctx.lengths - 2 + i + 1)
+        feature = o[:, 0]
+    probs = None if self.greedy_drafts else jnp.stack(qs, 1)
+    # The speculative slots are rewritten by commit; keep the cache buffers, not the feature.
+    return jnp.stack(drafts, 1), probs, state.replace(k=kc, v=vc)
+
+  def commit(self, params, state: FeatureHeadState, tokens, n_accepted, verify: VerifyInfo):
+    if verify.target_params is None:
+      raise ValueError(f"{self.kind} heads need VerifyInfo.target_params (the target's "
+                       "embedding) in commit")
+    feats = self.target_feature(params, verify.hidden, verify.layer_hidden)       # [B, K+1, D]
+    x = self.combine(params, verify.target_params, jnp.maximum(tokens, 0), feats)
+    o, k, v = self._layer(params, x, state.k, state.v, verify.lengths_before - 1)
+    last = jnp.take_along_axis(o, n_accepted[:, None, None], axis=1)[:, 0]
+    return FeatureHeadState(k=k, v=v, next_feature=last)
+
+  # ----------------------------------------------------------------------- training
+
+  def unroll(self, params, target_params, tokens, feats, steps: int = 1):
+    """Training forward over whole windows, without a cache.
+
+    Args:
+      tokens: int32 [B, T] a window of text; feats: [B, T, D] the target's features f_j
+        (target_feature of a forward over `tokens`).
+      steps: training-time-test steps (1 = teacher forcing only).
+    Returns:
+      outs: list of `steps` arrays [B, T-1, D]: outs[s-1][:, j] is the head's output at slot j
+        (predicting f_{j+1} and token j+2) when slots j-s+2..j hold the head's own earlier
+        predictions (s-1 drafted steps) and slots <= j-s+1 the target's features. Entries with
+        j < s-1 have no real prefix; mask them out of the loss.
+    """
+    cfg = self.layer_config
+    lp = params["layer"]
+    nxt = tokens[:, 1:]
+    t = nxt.shape[1]
+    b = tokens.shape[0]
+    inv_freq = rope_inv_freq(cfg)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    eps = cfg.rms_norm_eps
+    hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    group = hq // hkv
+    slot = jnp.arange(t)
+    ks, vs, outs = [], [], []
+    feature = feats[:, :-1].astype(jnp.float32)
+    for s in range(1, steps + 1):
+      if s > 1:
+        feature = _shift_right(outs[-1], 1)
+      x = self.combine(params, target_params, nxt, feature)
+      h = rms_norm(x, lp["attn_norm"], eps)
+      q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+      if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+      q = q.reshape(b, t, hkv, group, dh)
+      k = k.reshape(b, t, hkv, dh)
+      v = v.reshape(b, t, hkv, dh)
+      if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], eps)
+        k = rms_norm(k, lp["k_norm"], eps)
+      q = apply_rope(q.reshape(b, t, hq, dh), positions, inv_freq).reshape(b, t, hkv, group, dh)
+      k = apply_rope(k, positions, inv_freq)
+      ks.append(k)
+      vs.append(v)
+      scale = dh ** -0.5
+      # Real prefix: step-1 keys at slots i <= j-(s-1).
+      scores = jnp.einsum("bthgd,bshd->bhgts", q, ks[0]) * scale
+      visible = slot[None, :] <= slot[:, None] - (s - 1)                   # [T(query), T(key)]
+      scores = jnp.where(visible, scores, -1e30)
+      # Drafted slots: step-r keys at slot j-(s-r), r = 2..s (a diagonal each).
+      diag_k = [_shift_right(ks[r - 1], s - r) for r in range(2, s + 1)]
+      diag_v = [_shift_right(vs[r - 1], s - r) for r in range(2, s + 1)]
+      diag = [jnp.einsum("bthgd,bthd->bhgt", q, kk)[..., None] * scale for kk in diag_k]
+      all_scores = jnp.concatenate([scores] + diag, axis=-1)
+      weights = jax.nn.softmax(all_scores, axis=-1)
+      attn = jnp.einsum("bhgts,bshd->bthgd", weights[..., :t], vs[0])
+      for r, vv in enumerate(diag_v):
+        attn = attn + jnp.einsum("bhgt,bthd->bthgd", weights[..., t + r], vv)
+      x = x + attn.reshape(b, t, hq * dh) @ lp["wo"]
+      h = rms_norm(x, lp["mlp_norm"], eps)
+      x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+      outs.append(x)
+    return outs
+
+
+def _shift_right(x, d):
+  """x [B, T, ...] -> y with y[:, j] = x[:, j-d] (zeros for j < d)."""
+  if d == 0:
+    return x
+  pad = jnp.zeros_like(x[:, :d])
+  return jnp.concatenate([pad, x[:, :-d]], axis=1)

@@ -1,0 +1,181 @@
+"""Saving and loading trained draft heads, bound to the target they were trained on.
+
+A saved head is a folder:
+
+    heads.json     metadata (written atomically): format, kind, num_draft (K trained for),
+                   hyper_params, and the target's fingerprint (its ModelConfig fields and the
+                   sha256 over the float32 bytes of every param leaf in tree order)
+    params/        the head's params (an orbax StandardCheckpointer checkpoint)
+
+`load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
+that says what differs (the config, and which fields, or the weights). `load` on a Hugging Face
+folder whose checkpoint carries MTP weights returns that native MTP head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Optional
+
+import jax
+import numpy as np
+
+FORMAT = "spec_jax.heads/1"
+META = "heads.json"
+PARAMS = "params"
+# Runtime choices that do not change what the head was trained against.
+_IGNORED_FIELDS = ("attention_impl",)
+
+
+def _kinds():
+  from spec_jax.drafters.eagle import EAGLE, EAGLE3
+  from spec_jax.drafters.medusa import Medusa
+  from spec_jax.drafters.mtp import MTP
+  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}
+
+
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "mtp")
+
+
+def config_fields(config) -> dict:
+  out = {}
+  for k, v in dataclasses.asdict(config).items():
+    if k in _IGNORED_FIELDS:
+      continue
+    out[k] = [list(x) if isinstance(x, tuple) else x for x in v] if isinstance(v, tuple) else v
+  return json.loads(json.dumps(out))
+
+
+def weights_sha256(params) -> str:
+  """sha256 over the float32 little-endian bytes of every leaf, in jax.tree order."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    arr = np.ascontiguousarray(np.asarray(leaf, dtype=np.float32))
+    h.update(str(arr.shape).encode())
+    h.update(arr.astype("<f4").tobytes())
+  return h.hexdigest()
+
+
+def fingerprint(model) -> dict:
+  """{"config": ModelConfig fields, "sha256": weights checksum} of a Model."""
+  return {"config": config_fields(model.config), "sha256": weights_sha256(model.params)}
+
+
+def check_fingerprint(saved: dict, model, what: str = "these heads") -> None:
+  """Raises ValueError when `model` is not the target `saved` describes."""
+  mine = config_fields(model.config)
+  theirs = saved.get("config", {})
+  diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+  if diff:
+    shown = "; ".join(f"{k}: trained on {theirs.get(k)!r}, given {mine.get(k)!r}"
+                      for k in diff[:6])
+    raise ValueError(f"{what} were trained on a different target: the config differs ({shown})")
+  sha = weights_sha256(model.params)
+  if sha != saved.get("sha256"):
+    raise ValueError(f"{what} were trained on a different target: the configs match but the "
+                     f"weights differ (sha256 {sha[:16]}... given, {str(saved.get('sha256'))[:16]}"
+                     f"... at training time)")
+
+
+def _write_json_atomic(path: pathlib.Path, obj) -> None:
+  tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
+  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / MTP) trained for `target` into folder `path`."""
+  import orbax.checkpoint as ocp
+  path = pathlib.Path(path).absolute()
+  path.mkdir(parents=True, exist_ok=True)
+  params_dir = path / PARAMS
+  tmp_dir = path / (PARAMS + f".tmp{os.getpid()}")
+  if tmp_dir.exists():
+    shutil.rmtree(tmp_dir)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_dir, jax.tree.map(np.asarray, drafter.params))
+    ckpt.wait_until_finished()
+  if params_dir.exists():
+    shutil.rmtree(params_dir)
+  os.replace(tmp_dir, params_dir)
+  meta = {"format": FORMAT, "kind": drafter.kind, "num_draft": int(num_draft),
+          "hyper_params": drafter.hyper_params(), "target": fingerprint(target)}
+  if extra:
+    meta["extra"] = extra
+  _write_json_atomic(path / META, meta)
+  return path
+
+
+def build(kind: str, target, hyper_params: dict, key=None, **options):
+  """A fresh drafter of `kind` for `target` with saved/configured hyper-parameters."""
+  kinds = _kinds()
+  if kind not in kinds:
+    raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
+  hp = dict(hyper_params)
+  if kind == "medusa":
+    return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")), key=key, **options)
+  hp.pop("head_dim", None)
+  hp.pop("qkv_bias", None)
+  hp.pop("qk_norm", None)
+  kv = hp.pop("num_kv_heads", None)
+  layers = hp.pop("target_layers", None)
+  if kind == "eagle3":
+    hp["target_layers"] = layers
+  drafter = kinds[kind].init(target, key=key, **hp, **options)
+  if kv is not None and drafter.layer_config.num_kv_heads != kv:
+    raise ValueError(f"saved head has {kv} kv heads but the rebuilt one has "
+                     f"{drafter.layer_config.num_kv_heads}")
+  return drafter
+
+
+def load(path, target, greedy_drafts: bool = False):
+  """The drafter saved at `path` by train.distill_heads, for `target` (a Model).
+
+  `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
+  `heads/`; or a Hugging Face folder whose checkpoint carries MTP weights (its native head).
+  Raises ValueError when `target` differs from the model the heads were trained on.
+  """
+  import orbax.checkpoint as ocp
+  path = pathlib.Path(os.fspath(path)).expanduser().absolute()
+  if not (path / META).is_file() and (path / "heads" / META).is_file():
+    path = path / "heads"
+  if not (path / META).is_file():
+    if (path / "config.json").is_file():
+      return _load_native_mtp(path, target, greedy_drafts)
+    raise ValueError(f"{path}: no {META} (not a folder saved by train.distill_heads) and no "
+                     "config.json (not a Hugging Face folder with MTP weights)")
+  try:
+    meta = json.loads((path / META).read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path / META}: unreadable head metadata: {e}") from e
+  if meta.get("format") != FORMAT:
+    raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  check_fingerprint(meta["target"], target, what=f"the {meta['kind']} heads at {path}")
+  skeleton = build(meta["kind"], target, meta["hyper_params"])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                          skeleton.params)
+  with ocp.StandardCheckpointer() as ckpt:
+    params = ckpt.restore(path / PARAMS, abstract)
+  params = jax.tree.map(jax.numpy.asarray, params)
+  drafter = skeleton.with_params(params, greedy_drafts=greedy_drafts)
+  drafter.trained_num_draft = int(meta.get("num_draft", 0))
+  return drafter
+
+
+def _load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool):
+  from spec_jax.drafters.mtp import MTP
+  from spec_jax.models.loading import load as load_model
+  if getattr(target, "mtp_params", None) and target.source and \
+      pathlib.Path(target.source).absolute() == path:
+    return MTP.from_model(target, greedy_drafts=greedy_drafts)
+  model = load_model(path, dtype=target.config.dtype)
+  check_fingerprint(fingerprint(model), target, what=f"the MTP module of {path}")
+  return MTP.from_model(model, greedy_drafts=greedy_drafts)

@@ -1,0 +1,133 @@
+"""Medusa heads (Cai et al. 2024): K extra next-next-token heads on the target's last hidden.
+
+Head i (0-based) reads the target's final hidden state h_t (after the final norm, what the LM
+head reads) at the position t of the last verified token and predicts token t+2+i:
+
+    r_i = h_t + silu(h_t @ w[i] + b[i])            residual SiLU block, w zero-initialised
+    logits_i = r_i @ lm_head[i]                     the head's own copy of the target's LM head
+
+h_t predicts token t+1 itself (that token is the correction / bonus the verify just produced,
+the last committed token), so head i drafts the (i+1)-th token after the last committed one.
+With w = 0 every head starts as the target's own next-token head (the Medusa initialisation).
+
+Vocabulary heads: each head owns a trainable copy of the target's LM head (`lm_head` [K, D, V],
+initialised from the target's). Medusa-1 trains them; they are small here (D x V per head).
+
+State: h_t, [B, D]. After the prefill it is PrefillInfo.hidden at prompt_lens-1 (it predicted
+the first sampled token); after each verify it is VerifyInfo.hidden at index n_accepted (the
+hidden after the last accepted input, which predicted the correction / bonus token).
+
+Drafts for positions after the first are not conditioned on the earlier drafts (Medusa's
+nature): q_i is a fixed distribution per head, still exact, so the rejection sampler keeps the
+target's distribution. Sampled drafts carry their real q (`sampling.probs` of the head's logits
+under the row's Sampling); with greedy_drafts=True the argmax is proposed deterministically.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import sampling as sampling_lib
+from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.transformer import lm_head as target_lm_head
+
+
+def _row_keys(key, batch):
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+def init_medusa_params(target_config: ModelConfig, target_params, num_heads: int, key=None,
+                       init_scale: float = 0.0) -> dict:
+  """w [K, D, D] (zeros, or normal * init_scale / sqrt(D)), b [K, D] zeros, lm_head [K, D, V]
+  copies of the target's LM head."""
+  d, v = target_config.hidden_size, target_config.vocab_size
+  head = (target_params["embed"].T if target_config.tie_embeddings else target_params["lm_head"])
+  head = jnp.asarray(head, jnp.float32)
+  if init_scale and key is not None:
+    w = init_scale / jnp.sqrt(d) * jax.random.normal(key, (num_heads, d, d), jnp.float32)
+  else:
+    w = jnp.zeros((num_heads, d, d), jnp.float32)
+  return {"w": w, "b": jnp.zeros((num_heads, d), jnp.float32),
+          "lm_head": jnp.broadcast_to(head[None], (num_heads, d, v)).copy()}
+
+
+def medusa_logits(params, hidden):
+  """hidden [..., D] -> float32 logits [..., K, V] of every head."""
+  h = hidden.astype(jnp.float32)
+  pre = jnp.einsum("...d,kde->...ke", h, params["w"]) + params["b"]   # [..., K, D]
+  r = h[..., None, :] + jax.nn.silu(pre)
+  return jnp.einsum("...kd,kdv->...kv", r, params["lm_head"])
+
+
+class Medusa(Drafter):
+  """K = num_heads Medusa heads (max_draft = num_heads). See the module docstring."""
+
+  kind = "medusa"
+
+  def __init__(self, params, target_config: ModelConfig, num_heads: Optional[int] = None,
+               greedy_drafts: bool = False):
+    k = int(params["w"].shape[0])
+    if num_heads is not None and num_heads != k:
+      raise ValueError(f"Medusa params have {k} heads but num_heads={num_heads}")
+    d, v = target_config.hidden_size, target_config.vocab_size
+    if params["lm_head"].shape != (k, d, v):
+      raise ValueError(f"Medusa lm_head has shape {params['lm_head'].shape}; the target needs "
+                       f"({k}, {d}, {v})")
+    self.params = params
+    self.target_config = target_config
+    self.num_heads = k
+    self.max_draft = k
+    self.greedy_drafts = bool(greedy_drafts)
+
+  @classmethod
+  def init(cls, target, num_heads: int = 4, key=None, init_scale: float = 0.0,
+           greedy_drafts: bool = False) -> "Medusa":
+    """Fresh heads for `target` (a Model); init_scale > 0 gives random non-zero blocks."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+      raise ValueError(f"Medusa num_heads must be an integer >= 1, got {num_heads!r}")
+    key = jax.random.key(0) if key is None else key
+    params = init_medusa_params(target.config, target.params, num_heads, key, init_scale)
+    return cls(params, target.config, greedy_drafts=greedy_drafts)
+
+  def hyper_params(self) -> dict:
+    return {"num_heads": self.num_heads}
+
+  def with_params(self, params, greedy_drafts=None) -> "Medusa":
+    return Medusa(params, self.target_config,
+                  greedy_drafts=self.greedy_drafts if greedy_drafts is None else greedy_drafts)
+
+  def _static_key(self):
+    return ("Medusa", self.target_config, self.num_heads, self.greedy_drafts)
+
+  def check_compatible(self, target) -> None:
+    c = target.config
+    if (c.hidden_size, c.vocab_size) != (self.target_config.hidden_size,
+                                         self.target_config.vocab_size):
+      raise ValueError(f"these Medusa heads were built for hidden size "
+                       f"{self.target_config.hidden_size} and vocabulary "
+                       f"{self.target_config.vocab_size}; the target has {c.hidden_size} and "
+                       f"{c.vocab_size}")
+
+  def init_state(self, params, prefill: PrefillInfo):
+    idx = (prefill.prompt_lens - 1)[:, None, None]
+    return jnp.take_along_axis(prefill.hidden, idx, axis=1)[:, 0].astype(jnp.float32)
+
+  def propose(self, params, hidden, ctx: DraftContext):
+    b, k = hidden.shape[0], ctx.num_draft
+    sub = jax.tree.map(lambda x: x[:k], params)
+    logits = medusa_logits(sub, hidden)                               # [B, K, V]
+    if self.greedy_drafts:
+      return jnp.argmax(logits, -1).astype(jnp.int32), None, hidden
+    q = sampling_lib.probs(logits, ctx.sampling)                      # per-row settings on axis 0
+    keys = jax.random.split(ctx.key, k)
+    drafts = jnp.stack([jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q[:, i])
+                        for i in range(k)], axis=1)
+    return drafts, q, hidden
+
+  def commit(self, params, hidden, tokens, n_accepted, verify):
+    idx = n_accepted[:, None, None]
+    return jnp.take_along_axis(verify.hidden, idx, axis=1)[:, 0].astype(jnp.float32)
