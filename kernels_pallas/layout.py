@@ -91,7 +91,8 @@ def visible(positions, length, num_new: int, bits):
   in_prefix = positions < first_new
   in_new = (rel >= 0) & (positions < length)
   shift = jnp.clip(rel, 0, MAX_NEW_TOKENS - 1)
-  bit = jax.lax.shift_right_logical(bits, shift) & 1
+  # Arithmetic vs logical shift does not matter: bit j <= 31 is then masked with & 1.
+  bit = jnp.right_shift(bits, shift) & 1
   return in_prefix | (in_new & (bit != 0))
 
 
