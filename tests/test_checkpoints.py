@@ -77,23 +77,30 @@ def test_stories260k_greedy_known_text(stories260k):
 
 
 def test_stories260k_heldout_loss(stories260k):
+  """llama2.c's evaluation: each story encoded with its BOS, stories joined, cut into 256-token
+  windows. heldout.txt separates paragraphs, not stories; a paragraph opening with "Once upon a
+  time" starts a story (the others are joined to it with a space). The README's figure is about
+  1.30 nats/token; we measure 1.286 (per paragraph with a BOS each it would be 1.39: less
+  context)."""
   tok, cfg = stories260k.tokenizer, stories260k.config
-  max_len = 256
-  rows = [tok.encode(p.strip())[:max_len] for p in paragraphs("heldout.txt", 40)]
-  tokens = np.zeros((len(rows), max_len), np.int32)
-  mask = np.zeros((len(rows), max_len), bool)
-  for i, row in enumerate(rows):
-    tokens[i, :len(row)] = row
-    mask[i, :len(row)] = True
-  cache = KVCache.zeros(cfg, len(rows), max_len)
+  window, count = 256, 24
+  stories = []
+  for p in paragraphs("heldout.txt", 300):
+    if p.strip().startswith("Once upon a time") or not stories:
+      stories.append(p.strip())
+    else:
+      stories[-1] += " " + p.strip()
+  stream = [t for story in stories for t in tok.encode(story)]
+  assert len(stream) >= window * count
+  tokens = np.asarray(stream[:window * count], np.int32).reshape(count, window)
+  cache = KVCache.zeros(cfg, count, window)
   logits = _forward(stories260k.params, cfg, jnp.asarray(tokens), cache,
-                    jnp.zeros(len(rows), jnp.int32)).logits
+                    jnp.zeros(count, jnp.int32)).logits
   logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
   nll = -jnp.take_along_axis(logp, jnp.asarray(tokens[:, 1:, None]), axis=-1)[..., 0]
-  target_mask = jnp.asarray(mask[:, 1:])
-  loss = float(jnp.sum(nll * target_mask) / jnp.sum(target_mask))
-  print(f"stories260K heldout loss: {loss:.4f} nats/token over {int(target_mask.sum())} tokens")
-  assert 1.15 < loss < 1.45
+  loss = float(jnp.mean(nll))
+  print(f"stories260K heldout loss: {loss:.4f} nats/token over {nll.size} tokens")
+  assert 1.24 < loss < 1.34, loss
 
 
 def test_llama2c_bin_path_and_dtype(tmp_path):
