@@ -1,0 +1,1048 @@
+"""python -m spec_jax.bench: the honest side-by-side benchmark.
+
+Two suites, each one run that prints one table and writes one JSON file (atomically):
+
+  --suite spec (default)  plain decoding (K=0) and every drafter of every (target, drafter) pair,
+      at several K and batch sizes and temperatures, on the SAME prompts, in ONE run: tokens/s
+      (median of repeats, min/max), speedup over plain decoding at the same batch and
+      temperature in that run, alpha, tau, the measured cost ratios c_draft and c_verify, the
+      analytic bound tau / (K c_draft + c_verify) and efficiency = speedup / bound
+      (../shared/DESIGN.md, "Performance model"). Ends with one verdict line per pair and
+      temperature: the best K per batch and whether it beats plain decoding there.
+  --suite plain  plain greedy decoding of spec_jax against transformers' PyTorch `generate`
+      (same prompts, same number of new tokens, greedy tokens checked equal before timing), and
+      the verify cost ratio c(T) = t(forward over T new tokens at fill F) / t(forward over 1).
+
+    python -m spec_jax.bench                                   # spec suite, default pairs
+    python -m spec_jax.bench --quick                           # small smoke run
+    python -m spec_jax.bench --suite plain
+    python -m spec_jax.bench --config configs/bench_default.yaml
+    python -m spec_jax.bench --pairs ../shared/models/stories260K@ngram --num-draft 2 4 \\
+        --batch 1 8 --prompts ../shared/data/prompts/spec_bench.jsonl
+
+Models (`TARGET` in a pair, `--plain-models`): a Hugging Face folder, a llama2.c folder or .bin
+(anything `sj.load` reads), or `random:100m` / `random:tiny` / `random:tiny-draft` (random
+weights, see RANDOM_MODELS; no tokenizer: prompts become seeded random token ids).
+Drafters (`DRAFTER`): `ngram`, `ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `heads:PATH`.
+A pair is written `TARGET@DRAFTER`; `--pairs default` is DEFAULT_PAIRS.
+
+Timing rules: every configuration gets one warm-up call first (compilation is excluded:
+generate() compiles ahead of time and times only the compiled call); every configuration of one
+(target, batch, temperature) cell is then run round-robin, `repeats` times, with plain decoding
+measured at the start AND at the end of every round, so slow phases of a shared machine hit
+all configurations alike; stop_tokens=[] so every row of every configuration produces exactly
+max_new_tokens new tokens; same prompts and same PRNG key everywhere. The spread (max-min)/median
+of the plain baseline is reported as the machine's noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gzip
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED = pathlib.Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))
+SCHEMA_VERSION = 1
+
+DEFAULT_PAIRS = (
+    "../shared/models/stories260K@draft:../shared/models/salty279K",
+    "../shared/models/stories260K@ngram",
+    "../shared/models/tinystories656K@ngram",
+)
+DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinystories656K",
+                        "random:100m")
+PROMPT_SETS = {  # short names for --prompts
+    "tinystories": "../shared/data/tinystories/heldout.txt",
+    "spec_bench": "../shared/data/prompts/spec_bench.jsonl",
+    "mt_bench": "../shared/data/prompts/mt_bench.jsonl",
+    "humaneval": "../shared/data/prompts/HumanEval.jsonl.gz",
+    "gsm8k": "../shared/data/prompts/gsm8k_test.jsonl",
+}
+
+# Random llama shapes. "100m": 100,092,672 params (tied embeddings; kv 4 heads).
+RANDOM_MODELS = {
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                 num_heads=12, num_kv_heads=4, tie_embeddings=True,
+                 max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tiny": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, tie_embeddings=False, max_position_embeddings=512,
+                 rms_norm_eps=1e-5),
+    "tiny-draft": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=4, num_kv_heads=2, tie_embeddings=False,
+                       max_position_embeddings=512, rms_norm_eps=1e-5),
+}
+
+QUICK = dict(num_draft=[2, 4], batch=[1, 4], max_new_tokens=32, repeats=2, cost_repeats=5)
+
+SPEC_DEFINITIONS = {
+    "tokens_per_s": "new tokens over all rows / wall seconds of one compiled generate() call "
+                    "(prefill + decode loop, compile excluded); median, min, max over `n` repeats",
+    "speedup": "median tokens/s of this row / median tokens/s of plain decoding (K=0) of the same "
+               "target, batch and temperature, measured in this same run on the same prompts; "
+               "< 1 means speculation is SLOWER than plain decoding at that batch",
+    "alpha": "acceptance_rate = accepted draft tokens / drafted tokens (SpecStats), averaged "
+             "over repeats; null for plain decoding",
+    "tau": "mean_accepted_length = tokens emitted per target forward, bonus included "
+           "((accepted + rounds) / rounds); 1 for plain decoding",
+    "t_target_1_ms": "time of one jitted target forward over 1 new token at batch B, cache fill F "
+                     "(F = longest prompt + max_new_tokens // 2, capacity = the run's capacity), "
+                     "measured inside a jitted fori_loop of n forwards / n (no per-call dispatch, "
+                     "as inside the engine's while_loop); median of cost_repeats calls",
+    "c_verify": "t(target forward over K+1 new tokens) / t(target forward over 1 new token), "
+                "same batch, fill and capacity; 1 for K=0",
+    "c_draft": "drafting cost of one round / K, in units of t_target_1. DraftModel: t(draft-model "
+               "forward over 1 token, same batch, fill, capacity) / t_target_1 (so K*c_draft is K "
+               "draft forwards; the sampling of q and the 2-token first step are not included). "
+               "NGram: t(jitted propose() of K tokens) / K / t_target_1. 0 for K=0",
+    "bound": "tau / (K * c_draft + c_verify): the analytic speedup with the measured tau and cost "
+             "ratios and no other overhead (Leviathan et al. with c_verify = 1)",
+    "efficiency": "speedup / bound: the fraction of the analytic speedup the engine realises",
+    "noise_pct": "(max - min) / median of all plain-decoding repeats of a cell, in percent: the "
+                 "machine's noise during that cell",
+}
+PLAIN_DEFINITIONS = {
+    "ours_tokens_per_s": "sj.generate(drafter=None, greedy, stop_tokens=[]): new tokens / seconds "
+                         "(stats.seconds: prefill + decode, compile excluded); median/min/max",
+    "hf_tokens_per_s": "transformers `generate` (PyTorch, do_sample=False, min_new_tokens = "
+                       "max_new_tokens, EOS disabled, torch threads = CPU cores): new tokens / "
+                       "wall seconds of the call; median/min/max",
+    "greedy_match": "both produced exactly the same greedy tokens on the timed prompts",
+    "c": "verify cost ratio: t(forward over T new tokens at fill F) / t(forward over 1 token at "
+         "fill F), batch 1, capacity F + 16; t = jitted fori_loop of n forwards (cache carried "
+         "in place, argmax fed back) / n, median of cost_repeats",
+    "c_call": "the same ratio from single jitted forward calls (params as arguments, cache "
+              "donated, block_until_ready): includes the per-call dispatch overhead",
+}
+
+
+# ============================================================================ small helpers
+
+def log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def resolve_path(p: str) -> pathlib.Path:
+  """'../shared/...' resolves against the repository root when not found from the cwd."""
+  path = pathlib.Path(p).expanduser()
+  if path.exists() or path.is_absolute():
+    return path
+  parts = path.parts
+  if parts and parts[0] == ".." and len(parts) > 1 and parts[1] == "shared":
+    alt = SHARED.joinpath(*parts[2:])
+    if alt.exists():
+      return alt
+  alt = ROOT / path
+  return alt if alt.exists() else path
+
+
+def model_label(spec: str) -> str:
+  if spec.startswith("random:"):
+    return spec
+  return pathlib.Path(spec).name or spec
+
+
+def drafter_label(spec: str) -> str:
+  if spec in ("none", "", None):
+    return "none"
+  kind, _, arg = spec.partition(":")
+  if kind in ("draft", "heads") and arg:
+    return f"{kind}:{model_label(arg)}"
+  return spec
+
+
+def summarize(values: Sequence[float]) -> dict:
+  vals = [float(v) for v in values]
+  med = statistics.median(vals)
+  return {"median": med, "min": min(vals), "max": max(vals), "n": len(vals),
+          "spread_pct": 100.0 * (max(vals) - min(vals)) / med if med else 0.0}
+
+
+def atomic_write_json(path, data) -> None:
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(data, f, indent=1, default=_json_default)
+      f.write("\n")
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def _json_default(x):
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  if dataclasses.is_dataclass(x):
+    return dataclasses.asdict(x)
+  return str(x)
+
+
+def machine_info() -> dict:
+  import jax
+  info = {"platform": platform.platform(), "python": platform.python_version(),
+          "cpu_count": os.cpu_count(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
+  try:
+    info["loadavg_start"] = os.getloadavg()
+  except OSError:
+    pass
+  return info
+
+
+# ============================================================================ models, drafters
+
+def load_model(spec: str, seed: int = 0):
+  """A model spec -> sj.Model (see the module docstring)."""
+  import jax
+  import spec_jax as sj
+  if spec.startswith("random:"):
+    name = spec.partition(":")[2]
+    if name not in RANDOM_MODELS:
+      raise ValueError(f"unknown random model {spec!r}; known: "
+                       f"{', '.join('random:' + k for k in RANDOM_MODELS)}")
+    config = sj.ModelConfig(**RANDOM_MODELS[name])
+    # Distinct seeds per shape so a random draft is not a copy of the target.
+    return sj.init_model(config, jax.random.key(seed + sorted(RANDOM_MODELS).index(name)))
+  path = resolve_path(spec)
+  if not path.exists():
+    raise ValueError(f"model {spec!r} not found (tried {path}); give a HF folder, a llama2.c "
+                     f"folder or .bin, or random:NAME")
+  return sj.load(path)
+
+
+def make_drafter(spec: str, target, seed: int = 0):
+  """'none' | 'ngram' | 'ngram:MAX[:MIN]' | 'draft:MODEL' | 'heads:PATH' -> drafter or None."""
+  import spec_jax as sj
+  if spec in (None, "", "none"):
+    return None
+  kind, _, arg = spec.partition(":")
+  if kind == "ngram":
+    parts = [int(x) for x in arg.split(":") if x] if arg else []
+    return sj.drafters.NGram(*parts)
+  if kind == "draft":
+    if not arg:
+      raise ValueError("drafter draft:MODEL needs the draft model (path or random:NAME)")
+    return sj.drafters.DraftModel(load_model(arg, seed))
+  if kind == "heads":
+    if not arg:
+      raise ValueError("drafter heads:PATH needs the trained heads' directory")
+    if not hasattr(sj.drafters, "load"):
+      raise ValueError("this spec_jax has no sj.drafters.load for trained heads")
+    return sj.drafters.load(str(resolve_path(arg)), target)
+  raise ValueError(f"unknown drafter {spec!r}; use none, ngram, ngram:MAX[:MIN], draft:MODEL "
+                   f"or heads:PATH")
+
+
+def parse_pairs(pairs) -> list:
+  """['default'] | ['TARGET@DRAFTER', {'target':..., 'drafter':...}, ...] -> [(target, drafter)]."""
+  if pairs is None or pairs == "default":
+    pairs = ["default"]
+  if isinstance(pairs, str):
+    pairs = [pairs]
+  out = []
+  for p in pairs:
+    if p == "default":
+      out.extend(tuple(x.split("@", 1)) for x in DEFAULT_PAIRS)
+    elif isinstance(p, dict):
+      if "target" not in p or "drafter" not in p:
+        raise ValueError(f"a pair given as a mapping needs 'target' and 'drafter' keys: {p}")
+      out.append((str(p["target"]), str(p["drafter"])))
+    elif isinstance(p, str) and "@" in p:
+      t, d = p.split("@", 1)
+      out.append((t, d))
+    else:
+      raise ValueError(f"bad pair {p!r}: write TARGET@DRAFTER (e.g. "
+                       f"../shared/models/stories260K@ngram) or 'default'")
+  seen, uniq = set(), []
+  for p in out:
+    if p not in seen:
+      seen.add(p)
+      uniq.append(p)
+  return uniq
+
+
+def draft_model_of(drafter):
+  return getattr(drafter, "model", None)
+
+
+# ============================================================================ prompts
+
+def _paragraph_openings(path: pathlib.Path, words: int) -> list:
+  text = path.read_text(encoding="utf-8")
+  out, seen = [], set()
+  for para in text.split("\n\n"):
+    w = para.split()
+    if len(w) < words:
+      continue
+    opening = " ".join(w[:words])
+    if opening not in seen:
+      seen.add(opening)
+      out.append(opening)
+  return out
+
+
+def _jsonl_prompts(path: pathlib.Path) -> list:
+  opener = gzip.open if path.suffix == ".gz" else open
+  out = []
+  with opener(path, "rt", encoding="utf-8") as f:
+    for line_no, line in enumerate(f, 1):
+      line = line.strip()
+      if not line:
+        continue
+      rec = json.loads(line)
+      if isinstance(rec.get("turns"), list) and rec["turns"]:
+        out.append(str(rec["turns"][0]))          # Spec-Bench / MT-bench
+      elif "prompt" in rec:
+        out.append(str(rec["prompt"]))            # HumanEval
+      elif "question" in rec:
+        out.append(str(rec["question"]))          # GSM8K
+      elif "text" in rec:
+        out.append(str(rec["text"]))
+      else:
+        raise ValueError(f"{path}:{line_no}: no 'turns', 'prompt', 'question' or 'text' field")
+  return out
+
+
+def read_prompt_texts(source: str, words: int = 8) -> list:
+  """--prompts: a PROMPT_SETS name, a .txt (paragraph openings), .jsonl or .jsonl.gz file."""
+  path = resolve_path(PROMPT_SETS.get(source, source))
+  if not path.exists():
+    raise ValueError(f"prompt source {source!r} not found (tried {path}); use one of "
+                     f"{', '.join(PROMPT_SETS)} or a .txt / .jsonl / .jsonl.gz path")
+  if path.name.endswith((".jsonl", ".jsonl.gz", ".json")):
+    texts = _jsonl_prompts(path)
+  else:
+    texts = _paragraph_openings(path, words)
+  if not texts:
+    raise ValueError(f"no prompts found in {path}")
+  return texts
+
+
+def prompt_token_lists(model, source: str, n: int, words: int, max_prompt_tokens: int,
+                       seed: int) -> tuple:
+  """n prompts as token-id lists for `model` -> (ids, texts or None).
+
+  Models with a tokenizer encode the texts of `source` (BOS as the tokenizer adds it), each cut
+  to its first max_prompt_tokens tokens. Random models (no tokenizer) get seeded random ids of
+  8..15 tokens (the same for a given seed).
+  """
+  import numpy as np
+  if model.tokenizer is None:
+    rng = np.random.default_rng(seed)
+    v = model.config.vocab_size
+    ids = [rng.integers(3, v, size=int(rng.integers(8, 16))).tolist() for _ in range(n)]
+    return ids, None
+  texts = read_prompt_texts(source, words)
+  if len(texts) < n:
+    texts = (texts * (n // len(texts) + 1))
+  texts = texts[:n]
+  ids = [model.encode(t)[:max_prompt_tokens] for t in texts]
+  return ids, texts
+
+
+# ============================================================================ cost timing
+
+_FN_CACHE: dict = {}
+
+
+def _forward_loop_fn(config):
+  """jit(params, tokens [B,T], cache, offsets, n) -> (tokens, cache): n forwards in a fori_loop,
+  the argmax of every position fed back as the next inputs (so the LM head is not dead code),
+  the cache carried and updated in place at the same offsets (the fill stays F)."""
+  key = ("fwd", config)
+  if key not in _FN_CACHE:
+    import jax
+    import jax.numpy as jnp
+    from spec_jax.models.transformer import forward
+
+    def run(params, tokens, cache, offsets, n):
+      def body(_, carry):
+        toks, c = carry
+        out = forward(params, config, toks, c, offsets)
+        return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out.cache
+      return jax.lax.fori_loop(0, n, body, (tokens, cache))
+
+    _FN_CACHE[key] = jax.jit(run, donate_argnums=(2,))
+  return _FN_CACHE[key]
+
+
+def _propose_loop_fn(drafter, k):
+  """jit(params, state, tokens [B,S], lengths, key, n) -> tokens: n propose() calls in a
+  fori_loop; the first draft is written back into the buffer so no call is loop-invariant."""
+  key = ("propose", drafter, k)
+  if key not in _FN_CACHE:
+    import jax
+    import jax.numpy as jnp
+    import spec_jax as sj
+    from spec_jax.drafters.base import DraftContext
+
+    def run(params, state, tokens, lengths, rng, target_params, n):
+      b = tokens.shape[0]
+      sampling = sj.Sampling(temperature=0.0).as_arrays(b)
+
+      def body(i, toks):
+        ctx = DraftContext(key=jax.random.fold_in(rng, i), tokens=toks, lengths=lengths,
+                           sampling=sampling, target_params=target_params, num_draft=k)
+        drafts, _, _ = drafter.propose(params, state, ctx)
+        return jax.lax.dynamic_update_slice(toks, jnp.maximum(drafts[:, :1], 0).astype(toks.dtype),
+                                            (0, 0))
+      return jax.lax.fori_loop(0, n, body, tokens)
+
+    _FN_CACHE[key] = jax.jit(run)
+  return _FN_CACHE[key]
+
+
+def _time_calls(call, repeats: int, min_call_s: float = 0.02, max_inner: int = 512) -> dict:
+  """call(n) runs n inner iterations and blocks. Picks n so a call lasts >= min_call_s (the
+  fastest of 3 single calls calibrates), times `repeats` calls -> {'per_iter_s': median
+  per-iteration seconds, 'min_s', 'max_s', 'spread_pct', 'n_inner', 'repeats'}."""
+  call(1)                                   # compile + warm
+  one = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    call(1)
+    one.append(time.perf_counter() - t0)
+  n = int(min(max_inner, max(1, math.ceil(min_call_s / max(min(one), 1e-7)))))
+  call(n)                                   # warm at n
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    call(n)
+    times.append((time.perf_counter() - t0) / n)
+  s = summarize(times)
+  return {"per_iter_s": s["median"], "min_s": s["min"], "max_s": s["max"],
+          "spread_pct": s["spread_pct"], "n_inner": n, "repeats": repeats}
+
+
+def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: int,
+                 single_call: bool = False, tokens=None) -> dict:
+  """Seconds per forward of `model` over t new tokens per row at cache fill `fill`."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from spec_jax.models.transformer import KVCache
+  if fill + t > capacity:
+    raise ValueError(f"fill {fill} + T {t} exceeds the capacity {capacity}")
+  config = model.config
+  fn = _forward_loop_fn(config)
+  if tokens is None:
+    tokens = np.random.default_rng(0).integers(3, config.vocab_size, size=(batch, t))
+  state = {"tokens": jnp.asarray(tokens, jnp.int32).reshape(batch, t),
+           "cache": KVCache.zeros(config, batch, capacity)}
+  offsets = jnp.full((batch,), fill, jnp.int32)
+
+  def call(n):
+    toks, cache = fn(model.params, state["tokens"], state["cache"], offsets, jnp.int32(n))
+    jax.block_until_ready(toks)
+    state["cache"] = cache
+  if single_call:
+    return _time_calls(call, repeats, min_call_s=0.0, max_inner=1)
+  return _time_calls(call, repeats)
+
+
+def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int,
+                 repeats: int) -> dict:
+  """Seconds per jitted drafter.propose() of K tokens on a [B, capacity] buffer at `fill`."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  fn = _propose_loop_fn(drafter, k)
+  rng = np.random.default_rng(0)
+  # A realistic buffer: text-like repetition so n-gram matches are found.
+  base = rng.integers(3, target.config.vocab_size, size=(batch, 32))
+  tokens = np.zeros((batch, capacity), np.int32)
+  for j in range(0, capacity, 32):
+    tokens[:, j:j + 32] = base[:, :min(32, capacity - j)]
+  tokens = jnp.asarray(tokens)
+  lengths = jnp.full((batch,), fill, jnp.int32)
+  state = ()  # NGram is stateless; drafters with a state need their own timing path
+  key = jax.random.key(0)
+
+  def call(n):
+    jax.block_until_ready(fn(drafter.params, state, tokens, lengths, key, target.params,
+                             jnp.int32(n)))
+  return _time_calls(call, repeats)
+
+
+# ============================================================================ spec suite
+
+@dataclasses.dataclass
+class CellResult:
+  stats: list
+  tokens_per_s: list
+
+
+def run_generate(target, prompts, drafter, k: int, max_new: int, temperature: float, seed: int):
+  import jax
+  import spec_jax as sj
+  out = sj.generate(target, prompts, drafter=drafter, num_draft=k if drafter is not None else 4,
+                    max_new_tokens=max_new, sampling=sj.Sampling(temperature=temperature),
+                    key=jax.random.key(seed), stop_tokens=[])
+  counts = {len(t) for t in out.tokens}
+  if counts != {max_new}:
+    raise RuntimeError(f"expected exactly {max_new} new tokens per row with stop_tokens=[], got "
+                       f"{sorted(counts)}")
+  return out
+
+
+def _engine_capacity(longest: int, max_new: int, k: int) -> int:
+  from spec_jax import engine
+  return engine._round_up(longest + max_new + k + 1, engine.CAPACITY_BUCKET)
+
+
+def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
+  return tau / (k * c_draft + c_verify)
+
+
+def run_spec_suite(opts) -> dict:
+  import numpy as np
+  pairs = parse_pairs(opts.pairs)
+  ks = sorted(set(int(k) for k in opts.num_draft))
+  if any(k < 1 for k in ks):
+    raise ValueError(f"--num-draft values must be >= 1 (K=0, plain decoding, is always run), "
+                     f"got {ks}")
+  batches = sorted(set(int(b) for b in opts.batch))
+  temps = [float(t) for t in opts.temperatures]
+  by_target: dict = {}
+  for t, d in pairs:
+    by_target.setdefault(t, []).append(d)
+
+  rows, baselines, notes = [], [], []
+  for target_spec, drafter_specs in by_target.items():
+    log(f"[bench] loading target {target_spec}")
+    target = load_model(target_spec, opts.seed)
+    drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
+    ids, texts = prompt_token_lists(target, opts.prompts, max(batches), opts.prompt_words,
+                                    opts.max_prompt_tokens, opts.seed)
+    context = target.config.max_position_embeddings
+    for d in drafters.values():
+      dm = draft_model_of(d)
+      if dm is not None:
+        context = min(context, dm.config.max_position_embeddings)
+    longest = max(len(r) for r in ids)
+    max_new = min(int(opts.max_new_tokens), context - longest - 1)
+    if max_new < int(opts.max_new_tokens):
+      notes.append(f"{model_label(target_spec)}: max_new_tokens capped from "
+                   f"{opts.max_new_tokens} to {max_new} by the context of {context} positions "
+                   f"(longest prompt {longest} tokens)")
+      log("[bench] note: " + notes[-1])
+    if max_new < 1:
+      raise ValueError(f"prompts of {longest} tokens leave no room in a context of {context}")
+    fill = longest + max_new // 2
+    cost_capacity = _engine_capacity(longest, max_new, max(ks))
+    configs = [("none", 0)] + [(d, k) for d in drafter_specs for k in ks]
+    cost_cache: dict = {}
+
+    for batch in batches:
+      prompts = ids[:batch]
+      lb = max(len(r) for r in prompts)
+      # ----- cost ratios (independent of temperature) for this batch
+      log(f"[bench] {model_label(target_spec)} B={batch}: timing cost ratios "
+          f"(fill {fill}, capacity {cost_capacity})")
+      t1 = time_forward(target, batch, 1, fill, cost_capacity, opts.cost_repeats)
+      tv = {k: time_forward(target, batch, k + 1, fill, cost_capacity, opts.cost_repeats)
+            for k in ks}
+      td = {}
+      for dspec, dr in drafters.items():
+        dm = draft_model_of(dr)
+        if dm is not None:
+          one = time_forward(dm, batch, 1, fill, cost_capacity, opts.cost_repeats)
+          td[dspec] = {k: dict(one, per_round_s=k * one["per_iter_s"]) for k in ks}
+        else:
+          td[dspec] = {}
+          for k in ks:
+            pr = time_propose(dr, target, batch, k, fill, cost_capacity, opts.cost_repeats)
+            td[dspec][k] = dict(pr, per_round_s=pr["per_iter_s"])
+      cost_cache[batch] = (t1, tv, td)
+
+      for temp in temps:
+        cell = f"{model_label(target_spec)} B={batch} T={temp:g}"
+        log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
+        for dspec, k in configs:
+          t0 = time.perf_counter()
+          run_generate(target, prompts, drafters.get(dspec), k, max_new, temp, opts.seed)
+          log(f"[bench]   warm {drafter_label(dspec)} K={k}: {time.perf_counter() - t0:.1f} s")
+        results = {c: CellResult([], []) for c in configs}
+        for rep in range(opts.repeats):
+          order = [configs[0]] + configs[1:] + [configs[0]]
+          for c in order:
+            out = run_generate(target, prompts, drafters.get(c[0]), c[1], max_new, temp,
+                               opts.seed)
+            results[c].stats.append(out.stats)
+            results[c].tokens_per_s.append(out.stats.tokens_per_second)
+          plain = results[configs[0]].tokens_per_s
+          log(f"[bench] {cell}: round {rep + 1}/{opts.repeats}: plain "
+              f"{plain[-2]:.0f}/{plain[-1]:.0f} tok/s; " + ", ".join(
+                  f"{drafter_label(c[0])} K={c[1]} {results[c].tokens_per_s[-1]:.0f}"
+                  for c in configs[1:]))
+        base = summarize(results[configs[0]].tokens_per_s)
+        baselines.append({"target": model_label(target_spec), "batch": batch,
+                          "temperature": temp, "tokens_per_s": base,
+                          "noise_pct": base["spread_pct"]})
+        for dspec, k in configs:
+          res = results[(dspec, k)]
+          tps = summarize(res.tokens_per_s)
+          alphas = [s.acceptance_rate for s in res.stats]
+          taus = [s.mean_accepted_length for s in res.stats]
+          tau = float(np.mean(taus))
+          if k == 0:
+            c_draft, c_verify, alpha = 0.0, 1.0, None
+            t_draft = 0.0
+          else:
+            c_verify = tv[k]["per_iter_s"] / t1["per_iter_s"]
+            t_draft = td[dspec][k]["per_round_s"]
+            c_draft = t_draft / k / t1["per_iter_s"]
+            alpha = float(np.mean(alphas))
+          bound = bound_of(tau, k, c_draft, c_verify)
+          speedup = tps["median"] / base["median"] if k else 1.0
+          last = res.stats[-1]
+          rows.append({
+              "target": model_label(target_spec), "target_spec": target_spec,
+              "target_params": target.config.num_params,
+              "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
+              "batch": batch, "temperature": temp, "max_new_tokens": max_new,
+              "new_tokens_per_run": batch * max_new, "prompt_tokens_longest": lb,
+              "capacity": _engine_capacity(lb, max_new, k),
+              "tokens_per_s": tps, "seconds_median": statistics.median(
+                  s.seconds for s in res.stats),
+              "speedup": speedup, "alpha": alpha, "tau": tau,
+              "alpha_per_repeat": alphas if k else None,
+              "accepted_at": list(last.accepted_at), "rounds": last.rounds,
+              "iterations": last.iterations,
+              "c_draft": c_draft, "c_verify": c_verify, "bound": bound,
+              "efficiency": speedup / bound,
+              "t_target_1_ms": 1e3 * t1["per_iter_s"],
+              "t_verify_ms": 1e3 * (tv[k]["per_iter_s"] if k else t1["per_iter_s"]),
+              "t_draft_round_ms": 1e3 * t_draft,
+              "cost_fill": fill, "cost_capacity": cost_capacity,
+              "noise_pct": base["spread_pct"],
+          })
+  verdicts = make_verdicts(rows, baselines)
+  return {"suite": "spec", "rows": rows, "baselines": baselines, "verdicts": verdicts,
+          "notes": notes, "definitions": SPEC_DEFINITIONS}
+
+
+def make_verdicts(rows, baselines) -> list:
+  noise = {(b["target"], b["batch"], b["temperature"]): b["noise_pct"] for b in baselines}
+  groups: dict = {}
+  for r in rows:
+    if r["K"] == 0:
+      continue
+    groups.setdefault((r["target"], r["drafter"], r["temperature"]), {}).setdefault(
+        r["batch"], []).append(r)
+  out = []
+  for (target, drafter, temp), per_batch in groups.items():
+    parts = []
+    for batch in sorted(per_batch):
+      best = max(per_batch[batch], key=lambda r: r["speedup"])
+      nz = noise[(target, batch, temp)]
+      s = best["speedup"]
+      if abs(s - 1.0) * 100 <= nz / 2:
+        judgement = "within noise of plain"
+      elif s > 1:
+        judgement = "beats plain"
+      else:
+        judgement = "LOSES to plain"
+      parts.append({"batch": batch, "best_K": best["K"], "speedup": s, "beats_plain": s > 1.0,
+                    "noise_pct": nz, "judgement": judgement})
+    pays = [p["batch"] for p in parts if p["judgement"] == "beats plain"]
+    out.append({"target": target, "drafter": drafter, "temperature": temp, "per_batch": parts,
+                "beats_plain_at_batches": pays})
+  return out
+
+
+# ============================================================================ plain suite
+
+def hf_model_from(model, spec: str):
+  """A transformers LlamaForCausalLM with exactly `model`'s weights (HF folders load directly)."""
+  import numpy as np
+  import torch
+  import transformers
+  path = None if spec.startswith("random:") else resolve_path(spec)
+  if path is not None and path.is_dir() and (path / "config.json").is_file():
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+  c = model.config
+  if c.qkv_bias or c.qk_norm or c.sliding_window or c.rope_scaling:
+    raise ValueError(f"{spec}: only plain llama shapes are converted to transformers here")
+  hf_config = transformers.LlamaConfig(
+      vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+      num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+      max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings, attention_bias=False,
+      bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None)
+  hf = transformers.LlamaForCausalLM(hf_config).eval()
+  p = model.params
+  lay = p["layers"]
+  t = lambda a: torch.from_numpy(np.array(a, dtype=np.float32, copy=True))
+  with torch.no_grad():
+    hf.model.embed_tokens.weight.copy_(t(p["embed"]))
+    hf.model.norm.weight.copy_(t(p["final_norm"]))
+    if not c.tie_embeddings:
+      hf.lm_head.weight.copy_(t(np.asarray(p["lm_head"]).T))
+    for i, layer in enumerate(hf.model.layers):
+      at, mlp = layer.self_attn, layer.mlp
+      layer.input_layernorm.weight.copy_(t(lay["attn_norm"][i]))
+      layer.post_attention_layernorm.weight.copy_(t(lay["mlp_norm"][i]))
+      at.q_proj.weight.copy_(t(np.asarray(lay["wq"][i]).T))
+      at.k_proj.weight.copy_(t(np.asarray(lay["wk"][i]).T))
+      at.v_proj.weight.copy_(t(np.asarray(lay["wv"][i]).T))
+      at.o_proj.weight.copy_(t(np.asarray(lay["wo"][i]).T))
+      mlp.gate_proj.weight.copy_(t(np.asarray(lay["w_gate"][i]).T))
+      mlp.up_proj.weight.copy_(t(np.asarray(lay["w_up"][i]).T))
+      mlp.down_proj.weight.copy_(t(np.asarray(lay["w_down"][i]).T))
+  if c.tie_embeddings:
+    hf.tie_weights()
+  return hf
+
+
+def hf_generate(hf, prompts, max_new: int):
+  """Greedy HF generate of exactly max_new tokens per row (equal-length prompts, no padding)
+  -> (new tokens [B, max_new] list, seconds)."""
+  import torch
+  ids = torch.tensor(prompts, dtype=torch.long)
+  mask = torch.ones_like(ids)
+  t0 = time.perf_counter()
+  with torch.inference_mode():
+    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                      min_new_tokens=max_new, eos_token_id=None, pad_token_id=0,
+                      num_beams=1, temperature=None, top_p=None, top_k=None)
+  seconds = time.perf_counter() - t0
+  return out[:, ids.shape[1]:].tolist(), seconds
+
+
+def run_plain_suite(opts) -> dict:
+  import jax
+  import numpy as np
+  import torch
+  torch.set_num_threads(os.cpu_count() or 1)
+  gen_rows, cost_rows, notes = [], [], []
+  for spec in opts.plain_models:
+    log(f"[bench] plain: loading {spec}")
+    model = load_model(spec, opts.seed)
+    label = model_label(spec)
+    hf = hf_model_from(model, spec)
+    n_params = model.config.num_params
+    hf_params = sum(p.numel() for p in hf.parameters())
+    nb = max(opts.plain_batch)
+    ids, _ = prompt_token_lists(model, opts.prompts, nb, opts.prompt_words,
+                                opts.max_prompt_tokens, opts.seed)
+    plen = min(len(r) for r in ids)
+    ids = [r[:plen] for r in ids]          # equal lengths: no padding on either side
+    max_new = min(int(opts.plain_max_new_tokens),
+                  model.config.max_position_embeddings - plen)
+    for batch in sorted(set(opts.plain_batch)):
+      prompts = ids[:batch]
+      # Greedy agreement first (also the warm-up of both).
+      ours = run_generate(model, prompts, None, 0, max_new, 0.0, opts.seed)
+      theirs, _ = hf_generate(hf, prompts, max_new)
+      match = ours.tokens == theirs
+      first_diff = None
+      if not match:
+        for b in range(batch):
+          for i, (a, c) in enumerate(zip(ours.tokens[b], theirs[b])):
+            if a != c:
+              first_diff = (b, i) if first_diff is None or i < first_diff[1] else first_diff
+              break
+        notes.append(f"{label} B={batch}: greedy tokens DIFFER from transformers (first "
+                     f"difference row {first_diff[0]} position {first_diff[1]})")
+        log("[bench] WARNING " + notes[-1])
+      ours_tps, hf_tps = [], []
+      for rep in range(opts.repeats):     # interleaved
+        out = run_generate(model, prompts, None, 0, max_new, 0.0, opts.seed)
+        ours_tps.append(out.stats.tokens_per_second)
+        _, sec = hf_generate(hf, prompts, max_new)
+        hf_tps.append(batch * max_new / sec)
+        log(f"[bench] plain {label} B={batch} rep {rep + 1}: ours {ours_tps[-1]:.1f} tok/s, "
+            f"transformers {hf_tps[-1]:.1f} tok/s")
+      o, h = summarize(ours_tps), summarize(hf_tps)
+      gen_rows.append({"model": label, "model_spec": spec, "params": n_params,
+                       "hf_params": hf_params, "batch": batch, "prompt_tokens": plen,
+                       "max_new_tokens": max_new, "ours_tokens_per_s": o,
+                       "hf_tokens_per_s": h, "ratio_ours_over_hf": o["median"] / h["median"],
+                       "greedy_match": match, "first_difference": first_diff})
+    del hf
+    # ----- verify cost ratio c(T)
+    for fill in opts.fills:
+      capacity = fill + 16
+      note = None
+      if capacity > model.config.max_position_embeddings:
+        note = (f"capacity {capacity} > max_position_embeddings "
+                f"{model.config.max_position_embeddings} (RoPE positions past the trained "
+                f"context; irrelevant for timing)")
+        notes.append(f"{label} F={fill}: {note}")
+      base = base_call = None
+      for t in range(1, int(opts.max_verify_tokens) + 1):
+        loop = time_forward(model, 1, t, fill, capacity, opts.cost_repeats)
+        call = time_forward(model, 1, t, fill, capacity, opts.cost_repeats, single_call=True)
+        if t == 1:
+          base, base_call = loop["per_iter_s"], call["per_iter_s"]
+        cost_rows.append({"model": label, "params": n_params, "batch": 1, "fill": fill,
+                          "capacity": capacity, "T": t, "t_ms": 1e3 * loop["per_iter_s"],
+                          "t_spread_pct": loop["spread_pct"], "n_inner": loop["n_inner"],
+                          "c": loop["per_iter_s"] / base, "t_call_ms": 1e3 * call["per_iter_s"],
+                          "t_call_spread_pct": call["spread_pct"],
+                          "c_call": call["per_iter_s"] / base_call, "note": note})
+        log(f"[bench] cost {label} F={fill} T={t}: {1e3 * loop['per_iter_s']:.3f} ms "
+            f"(c={cost_rows[-1]['c']:.2f}), single call {1e3 * call['per_iter_s']:.3f} ms")
+    del model
+    jax.clear_caches()
+    _FN_CACHE.clear()
+  return {"suite": "plain", "generate": gen_rows, "cost": cost_rows, "notes": notes,
+          "definitions": PLAIN_DEFINITIONS}
+
+
+# ============================================================================ printing
+
+def _fmt(x, nd=2, none="-"):
+  if x is None:
+    return none
+  return f"{x:.{nd}f}"
+
+
+def _table(headers, rows) -> str:
+  widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+            for i, h in enumerate(headers)]
+  line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
+  return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_spec(result: dict) -> str:
+  rows = sorted(result["rows"], key=lambda r: (r["target"], r["temperature"], r["batch"],
+                                               r["K"] > 0, r["drafter"], r["K"]))
+  table = []
+  for r in rows:
+    t = r["tokens_per_s"]
+    flag = "" if r["K"] == 0 else ("LOSS" if r["speedup"] < 1 else "")
+    table.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"], r["K"],
+                  f"{t['median']:.0f}", f"{t['min']:.0f}-{t['max']:.0f}",
+                  f"{r['speedup']:.2f}x", flag, _fmt(r["alpha"]), _fmt(r["tau"]),
+                  _fmt(r["c_draft"], 3), _fmt(r["c_verify"]), _fmt(r["bound"]),
+                  f"{100 * r['efficiency']:.0f}%"])
+  out = [_table(["target", "drafter", "T", "B", "K", "tok/s", "min-max", "speedup", "",
+                 "alpha", "tau", "c_draft", "c_verify", "bound", "eff"], table)]
+  out.append("")
+  out.append("legend: tok/s = new tokens (all rows) / s of one compiled generate() call (prefill + "
+             "decode, compile excluded), median of repeats; min-max over repeats. Every row "
+             "generates exactly max_new_tokens per prompt (stop_tokens=[]), same prompts and key.")
+  out.append("  speedup = tok/s / tok/s of plain decoding (K=0, drafter none) of the SAME target, "
+             "batch B and temperature T in this run (LOSS = slower than plain). alpha = accepted/"
+             "drafted; tau = tokens per target forward (bonus included).")
+  out.append("  c_verify = t(target fwd over K+1 tokens)/t(target fwd over 1), c_draft = draft "
+             "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
+             "ngram: propose()/K), both at the row's batch, fill = prompt + max_new/2; "
+             "bound = tau/(K*c_draft + c_verify); eff = speedup/bound.")
+  noise = [b["noise_pct"] for b in result["baselines"]]
+  if noise:
+    out.append(f"  noise: plain-baseline spread (max-min)/median per cell: median "
+               f"{statistics.median(noise):.0f}%, range {min(noise):.0f}%-{max(noise):.0f}% "
+               f"over {len(noise)} cells ({result['baselines'][0]['tokens_per_s']['n']} plain "
+               f"runs each, interleaved)")
+  for n in result.get("notes", []):
+    out.append("  note: " + n)
+  out.append("")
+  for v in result["verdicts"]:
+    parts = []
+    for p in v["per_batch"]:
+      parts.append(f"B={p['batch']}: best K={p['best_K']} {p['speedup']:.2f}x "
+                   f"({p['judgement']}, noise {p['noise_pct']:.0f}%)")
+    pays = v["beats_plain_at_batches"]
+    tail = (f"speculation pays at B in {pays}" if pays else
+            "speculation does not beat plain decoding at any batch measured")
+    out.append(f"verdict {v['target']} + {v['drafter']} T={v['temperature']:g}: "
+               + "; ".join(parts) + f" -> {tail}")
+  return "\n".join(out)
+
+
+def format_plain(result: dict) -> str:
+  out = []
+  table = []
+  for r in result["generate"]:
+    o, h = r["ours_tokens_per_s"], r["hf_tokens_per_s"]
+    table.append([r["model"], f"{r['params']:,}", r["batch"], r["prompt_tokens"],
+                  r["max_new_tokens"], f"{o['median']:.1f}", f"{o['min']:.1f}-{o['max']:.1f}",
+                  f"{h['median']:.1f}", f"{h['min']:.1f}-{h['max']:.1f}",
+                  f"{r['ratio_ours_over_hf']:.2f}x", "yes" if r["greedy_match"] else "NO"])
+  out.append("plain greedy decoding: spec_jax vs transformers generate (tokens/s, all rows)")
+  out.append(_table(["model", "params", "B", "prompt", "new", "spec_jax", "min-max",
+                     "transformers", "min-max", "ours/hf", "same tokens"], table))
+  out.append("")
+  out.append("verify cost ratio c(T) = t(forward over T new tokens at fill F) / t(forward over 1), "
+             "batch 1, capacity F+16")
+  models = []
+  for r in result["cost"]:
+    if (r["model"], r["fill"]) not in models:
+      models.append((r["model"], r["fill"]))
+  ts = sorted({r["T"] for r in result["cost"]})
+  table = []
+  for m, f in models:
+    rs = {r["T"]: r for r in result["cost"] if r["model"] == m and r["fill"] == f}
+    table.append([m, f, f"{rs[1]['t_ms']:.3f}"] + [f"{rs[t]['c']:.2f}" for t in ts]
+                 + [f"{rs[1]['t_call_ms']:.3f}", " ".join(f"{rs[t]['c_call']:.2f}" for t in ts)])
+  out.append(_table(["model", "F", "t(1) ms"] + [f"c({t})" for t in ts]
+                    + ["call t(1) ms", "c_call(1..)"], table))
+  out.append("")
+  out.append("legend: tokens/s = new tokens / s, median of repeats (min-max), compile excluded, "
+             "one warm-up; both produce exactly max_new_tokens per row (transformers: "
+             "min_new_tokens = max_new_tokens, EOS disabled; spec_jax: stop_tokens=[]); "
+             "'same tokens' = identical greedy tokens. c(T): jitted fori_loop of n forwards "
+             "(cache carried in place) / n, median of repeats; c_call: single jitted calls "
+             "(dispatch included).")
+  spreads = [r["ours_tokens_per_s"]["spread_pct"] for r in result["generate"]] + \
+      [r["hf_tokens_per_s"]["spread_pct"] for r in result["generate"]]
+  if spreads:
+    out.append(f"  noise: repeat spread (max-min)/median of tokens/s: median "
+               f"{statistics.median(spreads):.0f}%, range {min(spreads):.0f}%-"
+               f"{max(spreads):.0f}%")
+  for n in result.get("notes", []):
+    out.append("  note: " + n)
+  return "\n".join(out)
+
+
+# ============================================================================ CLI
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m spec_jax.bench", description=__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
+                 "underscores); flags given on the command line win")
+  p.add_argument("--suite", choices=("spec", "plain", "all"), default="spec")
+  p.add_argument("--pairs", nargs="+", default=["default"],
+                 help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
+  p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
+                 help="K values (plain K=0 is always measured)")
+  p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
+  p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
+                 default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
+  p.add_argument("--max-new-tokens", type=int, default=128,
+                 help="new tokens per row (capped by the context of target and draft model)")
+  p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
+  p.add_argument("--cost-repeats", type=int, default=20, help="timed calls per cost ratio")
+  p.add_argument("--prompts", default="tinystories",
+                 help=f"{' | '.join(PROMPT_SETS)} | a .txt / .jsonl / .jsonl.gz path")
+  p.add_argument("--prompt-words", type=int, default=8,
+                 help="words of each paragraph used as a prompt (.txt sources)")
+  p.add_argument("--max-prompt-tokens", type=int, default=128)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quick", action="store_true",
+                 help="smoke run: K 2 4, batch 1 4, 32 new tokens, 2 repeats, 5 cost repeats")
+  p.add_argument("--out", help="JSON output (default bench_results/bench_<suite>.json)")
+  p.add_argument("--plain-models", nargs="+", default=list(DEFAULT_PLAIN_MODELS))
+  p.add_argument("--plain-batch", type=int, nargs="+", default=[1, 8])
+  p.add_argument("--plain-max-new-tokens", type=int, default=128)
+  p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
+  p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
+  return p
+
+
+def _list_field(v):
+  if isinstance(v, str) and "," in v:
+    return [x.strip() for x in v.split(",") if x.strip()]
+  return v if isinstance(v, list) else [v]
+
+
+def parse_args(argv) -> argparse.Namespace:
+  parser = build_parser()
+  first = argparse.ArgumentParser(add_help=False)
+  first.add_argument("--config")
+  known, _ = first.parse_known_args(argv)
+  if known.config:
+    import yaml
+    path = resolve_path(known.config)
+    if not path.is_file():
+      raise ValueError(f"config file {known.config!r} not found")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+      raise ValueError(f"{path}: expected a mapping of flag names to values")
+    dests = {a.dest: a for a in parser._actions}
+    defaults = {}
+    for key, value in data.items():
+      dest = str(key).replace("-", "_")
+      if dest not in dests or dest in ("help", "config"):
+        raise ValueError(f"{path}: unknown key {key!r}; allowed: "
+                         f"{', '.join(sorted(d for d in dests if d not in ('help', 'config')))}")
+      action = dests[dest]
+      if dest == "temperatures":
+        value = [float(x) for x in _list_field(value)]
+      elif action.nargs == "+":
+        value = _list_field(value) if dest != "pairs" else (
+            value if isinstance(value, list) else [value])
+        if action.type is int:
+          value = [int(x) for x in value]
+      elif action.type is int:
+        value = int(value)
+      defaults[dest] = value
+    parser.set_defaults(**defaults)
+  args = parser.parse_args(argv)
+  if args.quick:
+    for k, v in QUICK.items():
+      setattr(args, k, v)
+  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+  if any(b < 1 for b in args.batch) or any(b < 1 for b in args.plain_batch):
+    raise ValueError("batch sizes must be >= 1")
+  if any(t < 0 for t in args.temperatures):
+    raise ValueError("temperatures must be >= 0")
+  return args
+
+
+def options_dict(args) -> dict:
+  return {k: v for k, v in vars(args).items()}
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    args = parse_args(argv)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  suites = ["plain", "spec"] if args.suite == "all" else [args.suite]
+  status = 0
+  for suite in suites:
+    out_path = pathlib.Path(args.out) if args.out and len(suites) == 1 else (
+        pathlib.Path(args.out).with_name(f"{pathlib.Path(args.out).stem}_{suite}.json")
+        if args.out else ROOT / "bench_results" / f"bench_{suite}.json")
+    started = time.time()
+    info = machine_info()
+    try:
+      result = run_spec_suite(args) if suite == "spec" else run_plain_suite(args)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    try:
+      info["loadavg_end"] = os.getloadavg()
+    except OSError:
+      pass
+    result.update({"schema_version": SCHEMA_VERSION,
+                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   "wall_seconds": time.time() - started, "machine": info,
+                   "options": options_dict(args), "command": ["python", "-m", "spec_jax.bench"]
+                   + argv})
+    text = format_spec(result) if suite == "spec" else format_plain(result)
+    result["table"] = text
+    atomic_write_json(out_path, result)
+    print(text)
+    print(f"\n[{suite} suite: {result['wall_seconds']:.0f} s; JSON written to {out_path}]")
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main())

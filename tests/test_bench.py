@@ -1,0 +1,131 @@
+"""python -m spec_jax.bench: runs the entry point on tiny random models and checks the JSON.
+
+No assertion here looks at a timing: only the schema, the bookkeeping (K=0 speedup 1, the bound
+and efficiency formulas, one row per configuration) and the option handling.
+"""
+
+import gzip
+import json
+import math
+
+import pytest
+
+from spec_jax import bench
+
+from .conftest import need_shared
+
+ROW_FIELDS = {"target", "drafter", "K", "batch", "temperature", "max_new_tokens", "tokens_per_s",
+              "speedup", "alpha", "tau", "c_draft", "c_verify", "bound", "efficiency",
+              "t_target_1_ms", "t_verify_ms", "t_draft_round_ms", "noise_pct", "capacity"}
+
+
+def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
+  out = tmp_path / "spec.json"
+  rc = bench.main(["--pairs", "random:tiny@ngram", "random:tiny@draft:random:tiny-draft",
+                   "-K", "1", "-B", "1", "--max-new-tokens", "8", "--repeats", "1",
+                   "--cost-repeats", "1", "--temperatures", "0", "--out", str(out)])
+  assert rc == 0
+  data = json.loads(out.read_text())
+  assert data["suite"] == "spec" and data["schema_version"] == bench.SCHEMA_VERSION
+  assert set(bench.SPEC_DEFINITIONS) <= set(data["definitions"])
+  rows = data["rows"]
+  assert sorted((r["drafter"], r["K"]) for r in rows) == [
+      ("draft:random:tiny-draft", 1), ("ngram", 1), ("none", 0)]
+  for r in rows:
+    assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+    assert r["batch"] == 1 and r["temperature"] == 0.0 and r["max_new_tokens"] == 8
+    assert set(r["tokens_per_s"]) >= {"median", "min", "max", "n"}
+    assert r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
+    assert math.isclose(r["bound"], r["tau"] / (r["K"] * r["c_draft"] + r["c_verify"]))
+    assert math.isclose(r["efficiency"], r["speedup"] / r["bound"])
+    if r["K"] == 0:
+      assert r["speedup"] == 1.0 and r["alpha"] is None and r["tau"] == 1.0
+      assert r["c_draft"] == 0.0 and r["c_verify"] == 1.0 and r["bound"] == 1.0
+      assert r["tokens_per_s"]["n"] == 2  # plain runs at the start and the end of the round
+    else:
+      assert 0.0 <= r["alpha"] <= 1.0 and 1.0 <= r["tau"] <= r["K"] + 1
+      assert r["c_draft"] > 0 and r["c_verify"] > 0
+      plain = next(p for p in rows if p["K"] == 0)
+      assert math.isclose(r["speedup"],
+                          r["tokens_per_s"]["median"] / plain["tokens_per_s"]["median"])
+  assert len(data["baselines"]) == 1 and "noise_pct" in data["baselines"][0]
+  verdicts = {v["drafter"]: v for v in data["verdicts"]}
+  assert set(verdicts) == {"ngram", "draft:random:tiny-draft"}
+  for v in verdicts.values():
+    (p,) = v["per_batch"]
+    assert p["batch"] == 1 and p["best_K"] == 1 and isinstance(p["beats_plain"], bool)
+  printed = capsys.readouterr().out
+  assert "legend" in printed and printed.count("verdict ") == 2
+  assert data["table"] in printed
+
+
+def test_plain_suite_tiny(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  out = tmp_path / "plain.json"
+  rc = bench.main(["--suite", "plain", "--plain-models", "random:tiny", "--plain-batch", "1", "2",
+                   "--plain-max-new-tokens", "6", "--repeats", "1", "--cost-repeats", "1",
+                   "--fills", "16", "--max-verify-tokens", "2", "--out", str(out)])
+  assert rc == 0
+  data = json.loads(out.read_text())
+  assert data["suite"] == "plain"
+  gen = data["generate"]
+  assert [r["batch"] for r in gen] == [1, 2]
+  for r in gen:
+    assert r["greedy_match"] is True, r  # same weights, same greedy tokens as transformers
+    assert r["params"] == r["hf_params"]
+    assert r["max_new_tokens"] == 6
+  cost = data["cost"]
+  assert [(r["fill"], r["T"]) for r in cost] == [(16, 1), (16, 2)]
+  assert cost[0]["c"] == 1.0 and cost[0]["c_call"] == 1.0 and cost[1]["capacity"] == 32
+
+
+def test_config_file_and_quick(tmp_path):
+  cfg = tmp_path / "b.yaml"
+  cfg.write_text("num-draft: [3, 5]\nbatch: 2\ntemperatures: [0, 0.5]\nmax_new_tokens: 40\n"
+                 "pairs:\n  - random:tiny@ngram\n  - {target: random:tiny, drafter: ngram:2}\n")
+  args = bench.parse_args(["--config", str(cfg), "--repeats", "4"])
+  assert args.num_draft == [3, 5] and args.batch == [2] and args.temperatures == [0.0, 0.5]
+  assert args.max_new_tokens == 40 and args.repeats == 4
+  assert bench.parse_pairs(args.pairs) == [("random:tiny", "ngram"), ("random:tiny", "ngram:2")]
+  args = bench.parse_args(["--config", str(cfg), "--max-new-tokens", "9"])  # flags win
+  assert args.max_new_tokens == 9
+  quick = bench.parse_args(["--quick"])
+  assert quick.num_draft == [2, 4] and quick.batch == [1, 4] and quick.max_new_tokens == 32
+  assert quick.repeats == 2
+  assert len(bench.parse_pairs(["default"])) == 3
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("no_such_flag: 1\n")
+  assert bench.main(["--config", str(bad)]) == 2
+  with pytest.raises(ValueError, match="TARGET@DRAFTER"):
+    bench.parse_pairs(["stories260K"])
+
+
+def test_default_config_file_parses():
+  args = bench.parse_args(["--config", str(bench.ROOT / "configs" / "bench_default.yaml")])
+  assert args.suite == "spec" and bench.parse_pairs(args.pairs)
+
+
+def test_prompt_readers(tmp_path):
+  (tmp_path / "mt.jsonl").write_text(json.dumps({"turns": ["first turn", "second"]}) + "\n" +
+                                     json.dumps({"question": "a question"}) + "\n")
+  with gzip.open(tmp_path / "he.jsonl.gz", "wt") as f:
+    f.write(json.dumps({"prompt": "def f():"}) + "\n")
+  assert bench.read_prompt_texts(str(tmp_path / "mt.jsonl")) == ["first turn", "a question"]
+  assert bench.read_prompt_texts(str(tmp_path / "he.jsonl.gz")) == ["def f():"]
+  (tmp_path / "s.txt").write_text("one two three four five\n\nsix seven\n\nnine ten eleven twelve")
+  assert bench.read_prompt_texts(str(tmp_path / "s.txt"), words=3) == [
+      "one two three", "nine ten eleven"]
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"other": 1}) + "\n")
+  with pytest.raises(ValueError, match="no 'turns'"):
+    bench.read_prompt_texts(str(tmp_path / "bad.jsonl"))
+
+
+def test_real_prompt_sets_read():
+  for name in ("spec_bench", "mt_bench", "humaneval", "gsm8k"):
+    need_shared("data", "prompts")
+    texts = bench.read_prompt_texts(name)
+    assert len(texts) > 50 and all(isinstance(t, str) and t for t in texts)
+  need_shared("data", "tinystories", "heldout.txt")
+  openings = bench.read_prompt_texts("tinystories", words=8)
+  assert len(openings) > 16 and all(len(o.split()) == 8 for o in openings)
