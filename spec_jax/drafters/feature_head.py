@@ -204,7 +204,7 @@ class FeatureHead(Drafter):
     b, s = prefill.tokens.shape
     p = prefill.prompt_tokens.shape[1]
     feats = self.target_feature(params, prefill.hidden, prefill.layer_hidden)      # [B, P, D]
-    nxt = prefill.tokens[:, 1:p + 1]                                                # token j+1
+    nxt = jnp.pad(prefill.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]                    # token j+1
     x = self.combine(params, prefill.target_params, nxt, feats)
     k, v = self._empty_cache(b, s)
     o, k, v = self._layer(params, x, k, v, jnp.zeros((b,), jnp.int32))

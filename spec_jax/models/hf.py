@@ -17,6 +17,10 @@ Names (HF [out, in] Linear weights are transposed into our [in, out]):
   model.layers.N.self_attn.{q,k}_norm.weight       layers/{q,k}_norm[N] (qk_norm)
   model.layers.N.mlp.{gate,up,down}_proj.weight    layers/w_{gate,up,down}[N]
   mtp.*                                            collected raw into Model.mtp_params
+  model.layers.{L+i}.* (i < num_mtp_layers)        DeepSeek-V3-layout MTP modules, likewise raw
+
+num_mtp_layers comes from config `num_nextn_predict_layers` (DeepSeek-V3) or
+`mtp_num_hidden_layers` (Qwen3-Next); `spec_jax.drafters.MTP.from_model` converts the raw tensors.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json") -> 
     qkv_bias = True
   else:
     qkv_bias = bool(getattr(cfg, "attention_bias", False))
+  num_mtp = int(_get(cfg, "num_nextn_predict_layers", 0) or _get(cfg, "mtp_num_hidden_layers", 0))
   eos = _token_ids(getattr(cfg, "eos_token_id", None))
   bos = getattr(cfg, "bos_token_id", None)
   return ModelConfig(
@@ -176,6 +181,7 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json") -> 
       bos_token_id=None if bos is None else int(bos),
       eos_token_ids=eos,
       dtype=dtype,
+      num_mtp_layers=num_mtp,
   )
 
 
@@ -321,6 +327,9 @@ def load_hf(folder, dtype: Optional[str] = None) -> tuple:
     m = _LAYER_RE.match(name)
     if m:
       layer, suffix = int(m.group(1)), m.group(2)
+      if config.num_layers <= layer < config.num_layers + config.num_mtp_layers:
+        mtp_names.append(name)  # DeepSeek-V3 layout: MTP modules after the last layer
+        continue
       if suffix in _ZERO_ONLY:
         zero_only.append(name)
         continue

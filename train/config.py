@@ -1,0 +1,180 @@
+"""Training configs: YAML files checked against a schema of defaults, plus --set overrides.
+
+    config = load_config("configs/distill_eagle.yaml", ["train.steps=200", "head.num_draft=6"])
+
+Every key must be one of DEFAULTS' (unknown keys raise ValueError naming the allowed ones);
+`target` and `out_dir` are required. Values given with --set are parsed as YAML scalars/lists.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Optional, Sequence
+
+import yaml
+
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "mtp")
+
+DEFAULTS = {
+    "target": None,            # path of the frozen target (sj.load)
+    "out_dir": None,           # checkpoints/, heads/, eval.json go here
+    "seed": 0,
+    "head": {
+        "kind": "eagle",       # medusa | eagle | eagle3 | mtp
+        "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
+        "intermediate_size": None,   # EAGLE/EAGLE-3/MTP layer MLP width (None: the target's)
+        "num_heads": None,     # attention heads of the head's layer (None: the target's)
+        "target_layers": None,  # EAGLE-3 fused layers (None: (1, L//2, L-1))
+        "init_std": 0.02,      # random init scale of the head's layer
+    },
+    "data": {
+        "sources": ["generated"],   # generated (self-distillation) and/or text (dev.txt)
+        "dev_path": "../shared/data/tinystories/dev.txt",
+        "num_prompts": 256,    # dev.txt paragraphs used as prompts for self-distillation
+        "prompt_tokens": 8,    # prompt length (tokens of the paragraph, BOS included)
+        "gen_tokens": 160,     # new tokens generated per prompt
+        "temperatures": [1.0],  # sampling temperatures, cycled over the prompts
+        "gen_batch": 64,       # rows per sj.generate call
+        "text_paragraphs": 0,  # dev.txt paragraphs for the text source (0: all)
+        "window": 64,          # training window T
+        "cache_dir": "runs/cache",
+    },
+    "train": {
+        "steps": 1000,
+        "batch_size": 32,
+        "lr": 3.0e-3,
+        "warmup_steps": 50,
+        "end_lr_ratio": 0.02,  # cosine decay ends at lr * end_lr_ratio
+        "weight_decay": 0.0,
+        "clip_norm": 1.0,
+        "dtype": "float32",    # compute dtype of the head: float32 | bfloat16
+        "ttt_steps": 1,        # training-time-test unroll steps (EAGLE/EAGLE-3/MTP)
+        "step_decay": 0.8,     # weight of unroll step / Medusa head i: decay^i
+        "feature_weight": 0.0,  # smooth-L1 on predicted features (EAGLE: 1.0 in the paper)
+        "ce_weight": 1.0,      # soft cross-entropy against the target (EAGLE: 0.1)
+        "feature_noise": 0.0,  # uniform noise on teacher features (EAGLE's robustness trick)
+        "checkpoint_every": 200,
+        "log_every": 25,
+        "stop_after": None,    # test hook: stop (as if killed) after this step's checkpoint
+    },
+    "eval": {
+        "enabled": True,
+        "path": "../shared/data/tinystories/heldout.txt",
+        "num_prompts": 24,
+        "prompt_tokens": 12,
+        "max_new_tokens": 96,
+        "num_draft": None,     # None: head.num_draft
+        "temperatures": [0.0, 1.0],
+        "before": True,        # also measure the untrained heads
+    },
+}
+
+
+def _check(cfg: dict, schema: dict, where: str = "") -> None:
+  for key, value in cfg.items():
+    if key not in schema:
+      allowed = ", ".join(sorted(schema))
+      raise ValueError(f"unknown config key {where}{key!r}; allowed here: {allowed}")
+    if isinstance(schema[key], dict):
+      if not isinstance(value, dict):
+        raise ValueError(f"config key {where}{key} must be a mapping, got {value!r}")
+      _check(value, schema[key], f"{where}{key}.")
+
+
+def _merge(base: dict, over: dict) -> dict:
+  out = copy.deepcopy(base)
+  for k, v in over.items():
+    if isinstance(out.get(k), dict) and isinstance(v, dict):
+      out[k] = _merge(out[k], v)
+    else:
+      out[k] = v
+  return out
+
+
+def parse_set(item: str) -> tuple:
+  """'train.steps=200' -> (['train', 'steps'], 200). Raises ValueError on bad syntax."""
+  if "=" not in item:
+    raise ValueError(f"--set expects dotted.key=value, got {item!r}")
+  key, raw = item.split("=", 1)
+  parts = key.strip().split(".")
+  if not key.strip() or any(not p for p in parts):
+    raise ValueError(f"--set expects dotted.key=value with a non-empty key, got {item!r}")
+  try:
+    value = yaml.safe_load(raw) if raw.strip() else None
+  except yaml.YAMLError as e:
+    raise ValueError(f"--set {item!r}: the value is not valid YAML: {e}") from e
+  return parts, value
+
+
+def apply_sets(cfg: dict, sets: Sequence[str]) -> dict:
+  cfg = copy.deepcopy(cfg)
+  for item in sets or ():
+    parts, value = parse_set(item)
+    node, schema = cfg, DEFAULTS
+    for i, p in enumerate(parts):
+      if not isinstance(schema, dict) or p not in schema:
+        allowed = ", ".join(sorted(schema)) if isinstance(schema, dict) else "(none)"
+        raise ValueError(f"--set {item!r}: unknown key {'.'.join(parts[:i + 1])!r}; allowed "
+                         f"there: {allowed}")
+      if i == len(parts) - 1:
+        if isinstance(schema[p], dict):
+          raise ValueError(f"--set {item!r}: {'.'.join(parts)} is a section, set one of its "
+                           f"keys ({', '.join(sorted(schema[p]))})")
+        node[p] = value
+      else:
+        node = node.setdefault(p, {})
+        schema = schema[p]
+  return cfg
+
+
+def validate(cfg: dict) -> dict:
+  _check(cfg, DEFAULTS)
+  for key in ("target", "out_dir"):
+    if not cfg.get(key):
+      raise ValueError(f"config needs a top-level {key!r}")
+  kind = cfg["head"]["kind"]
+  if kind not in HEAD_KINDS:
+    raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
+  k = cfg["head"]["num_draft"]
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"head.num_draft must be an integer >= 1, got {k!r}")
+  sources = cfg["data"]["sources"]
+  if isinstance(sources, str):
+    sources = cfg["data"]["sources"] = [sources]
+  bad = [s for s in sources if s not in ("generated", "text")]
+  if bad or not sources:
+    raise ValueError(f"data.sources must be a non-empty list of 'generated' / 'text', got "
+                     f"{sources!r}")
+  if "heldout" in pathlib.Path(str(cfg["data"]["dev_path"])).name:
+    raise ValueError(f"data.dev_path {cfg['data']['dev_path']!r} looks like the held-out split: "
+                     "held-out text is for evaluation only")
+  t = cfg["train"]
+  for name in ("steps", "batch_size", "checkpoint_every", "log_every", "ttt_steps"):
+    if isinstance(t[name], bool) or not isinstance(t[name], int) or t[name] < 1:
+      raise ValueError(f"train.{name} must be an integer >= 1, got {t[name]!r}")
+  if t["dtype"] not in ("float32", "bfloat16"):
+    raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
+  if kind == "medusa" and t["ttt_steps"] != 1:
+    raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
+  w = cfg["data"]["window"]
+  if not isinstance(w, int) or w < cfg["head"]["num_draft"] + 3:
+    raise ValueError(f"data.window must be an integer >= num_draft + 3, got {w!r}")
+  return cfg
+
+
+def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:
+  """Reads a YAML config, applies --set overrides, fills defaults and validates."""
+  path = pathlib.Path(path)
+  try:
+    raw = yaml.safe_load(path.read_text()) or {}
+  except OSError as e:
+    raise ValueError(f"cannot read config {path}: {e}") from e
+  except yaml.YAMLError as e:
+    raise ValueError(f"{path}: not valid YAML: {e}") from e
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: a config is a mapping of keys, got {type(raw).__name__}")
+  _check(raw, DEFAULTS)
+  cfg = _merge(DEFAULTS, raw)
+  cfg = apply_sets(cfg, sets)
+  return validate(cfg)

@@ -1,0 +1,122 @@
+"""Training data for head distillation: the target's own continuations and/or dev text.
+
+- generated (self-distillation): the first `prompt_tokens` tokens of dev.txt paragraphs are
+  continued by the target itself with sj.generate (batched, temperatures cycled over rows).
+- text: dev.txt paragraphs (teacher forcing; labels are the target's soft predictions anyway).
+
+Sequences are packed into one token stream and cut into non-overlapping windows [N, T]. The
+generated tokens are cached on disk (npz, written atomically) under a key that hashes the
+target's fingerprint and the data config, so a restart reuses them. The held-out split is never
+read here (it is for evaluation only).
+
+Batch order is a pure function of (seed, step): a restarted run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import sys
+
+import jax
+import numpy as np
+
+import spec_jax as sj
+
+
+def read_paragraphs(path) -> list[str]:
+  text = pathlib.Path(path).read_text()
+  return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def data_key(fingerprint_sha: str, data_cfg: dict) -> str:
+  blob = json.dumps({"target": fingerprint_sha, "data": data_cfg}, sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _save_npz_atomic(path: pathlib.Path, **arrays) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
+
+
+def generate_sequences(target, prompts: list, gen_tokens: int, temperatures, batch: int,
+                       seed: int, log=None) -> list:
+  """The target's continuations of token-id prompts (prompt + new tokens per row)."""
+  temps = np.asarray([temperatures[i % len(temperatures)] for i in range(len(prompts))],
+                     np.float32)
+  out = []
+  for start in range(0, len(prompts), batch):
+    rows = prompts[start:start + batch]
+    t = temps[start:start + batch]
+    if len(rows) < batch:  # keep one compiled shape: pad with repeats, drop them after
+      pad = batch - len(rows)
+      rows = rows + [rows[0]] * pad
+      t = np.concatenate([t, np.full((pad,), t[0], np.float32)])
+    res = sj.generate(target, rows, max_new_tokens=gen_tokens, sampling=sj.Sampling(t),
+                      key=jax.random.fold_in(jax.random.key(seed), start))
+    n = min(batch, len(prompts) - start)
+    out += [list(p) + list(new) for p, new in zip(rows[:n], res.tokens[:n])]
+    if log:
+      log(f"generated {start + n}/{len(prompts)} continuations")
+  return out
+
+
+def pack_windows(seqs: list, window: int) -> np.ndarray:
+  stream = np.concatenate([np.asarray(s, np.int32) for s in seqs])
+  n = len(stream) // window
+  if n == 0:
+    raise ValueError(f"only {len(stream)} training tokens: fewer than one window of {window}")
+  return stream[:n * window].reshape(n, window)
+
+
+def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
+                  log=lambda m: print(m, file=sys.stderr)) -> np.ndarray:
+  """int32 [N, window] training windows (cached for the generated source)."""
+  if target.tokenizer is None:
+    raise ValueError("training data is text: the target needs a tokenizer")
+  paragraphs = read_paragraphs(data_cfg["dev_path"])
+  seqs = []
+  if "generated" in data_cfg["sources"]:
+    gen_cfg = {k: data_cfg[k] for k in ("dev_path", "num_prompts", "prompt_tokens", "gen_tokens",
+                                        "temperatures", "gen_batch")}
+    gen_cfg["seed"] = seed
+    key = data_key(fingerprint_sha, gen_cfg)
+    path = pathlib.Path(data_cfg["cache_dir"]) / f"generated_{key}.npz"
+    if path.is_file():
+      z = np.load(path)
+      tokens, offsets = z["tokens"], z["offsets"]
+      gen = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+      log(f"data: {len(gen)} cached continuations from {path}")
+    else:
+      prompts = [target.encode(p)[:data_cfg["prompt_tokens"]]
+                 for p in paragraphs[:data_cfg["num_prompts"]]]
+      gen = generate_sequences(target, prompts, data_cfg["gen_tokens"],
+                               list(data_cfg["temperatures"]), data_cfg["gen_batch"], seed, log)
+      offsets = np.cumsum([0] + [len(s) for s in gen])
+      _save_npz_atomic(path, tokens=np.concatenate([np.asarray(s, np.int32) for s in gen]),
+                       offsets=offsets)
+      log(f"data: {len(gen)} continuations cached in {path}")
+    seqs += gen
+  if "text" in data_cfg["sources"]:
+    n = data_cfg["text_paragraphs"] or len(paragraphs)
+    seqs += [target.encode(p) for p in paragraphs[:n]]
+  windows = pack_windows(seqs, data_cfg["window"])
+  log(f"data: {windows.shape[0]} windows of {windows.shape[1]} tokens "
+      f"({windows.size} tokens)")
+  return windows
+
+
+def batch_indices(num_windows: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+  """Row indices of step `step`'s batch: a function of (seed, step) only (epoch-wise
+  permutations, so every window is seen once per epoch)."""
+  per_epoch = max(num_windows // batch_size, 1)
+  epoch, within = divmod(step, per_epoch)
+  perm = np.random.default_rng([seed, epoch]).permutation(num_windows)
+  idx = perm[within * batch_size:(within + 1) * batch_size]
+  if len(idx) < batch_size:  # fewer windows than one batch: sample with replacement
+    idx = np.random.default_rng([seed, epoch, step]).integers(0, num_windows, batch_size)
+  return idx

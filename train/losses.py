@@ -1,0 +1,80 @@
+"""Distillation losses: the heads learn the frozen target's own distributions and features.
+
+Labels are soft: p = softmax(target logits) at the position the head predicts (the target's
+exact next-token distribution given the real prefix), so a head that matches p drafts what
+the target would sample; greedy acceptance needs the argmax, which the soft label contains.
+
+  Medusa     sum_i decay^i  CE(p_{j+1+i}, head_i(h_j))                     (head i: token j+2+i)
+  EAGLE      sum_s decay^(s-1) [ w_f smoothL1(o^s_j, f_{j+1}) + w_ce CE(p_{j+1}, lm_head(o^s_j)) ]
+  EAGLE-3    the same with w_f = 0 and ttt_steps > 1 (training-time test: o^(s-1) fed back)
+  MTP        as EAGLE-3 (feature = the target's pre-norm last layer output)
+
+Each returns (loss, metrics) with metrics["agree"] [steps or heads] = top-1 agreement with the
+target's argmax per draft position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.drafters.medusa import medusa_logits
+
+
+def soft_cross_entropy(logits, probs, mask):
+  """mean over mask of -sum_v p log softmax(logits); logits/probs [..., V], mask [...]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  ce = -jnp.sum(probs * logp, axis=-1)
+  return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def top1_agreement(logits, probs, mask):
+  same = (jnp.argmax(logits, -1) == jnp.argmax(probs, -1)).astype(jnp.float32)
+  return jnp.sum(same * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def smooth_l1(pred, target, mask, beta: float = 1.0):
+  d = jnp.abs(pred.astype(jnp.float32) - target.astype(jnp.float32))
+  per = jnp.where(d < beta, 0.5 * d * d / beta, d - 0.5 * beta).mean(-1)
+  return jnp.sum(per * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def medusa_loss(params, hidden, target_probs, cfg):
+  """hidden [B, T, D] (final, normed), target_probs [B, T, V]."""
+  k = params["w"].shape[0]
+  t = hidden.shape[1]
+  logits = medusa_logits(params, hidden)                                  # [B, T, K, V]
+  loss, agree = 0.0, []
+  for i in range(k):
+    n = t - 1 - i
+    lg, p = logits[:, :n, i], target_probs[:, 1 + i:]
+    mask = jnp.ones(lg.shape[:2], jnp.float32)
+    loss = loss + cfg["step_decay"] ** i * cfg["ce_weight"] * soft_cross_entropy(lg, p, mask)
+    agree.append(top1_agreement(lg, p, mask))
+  return loss, {"agree": jnp.stack(agree)}
+
+
+def feature_head_loss(head, params, target_params, tokens, hidden, layer_hidden, target_probs,
+                      cfg, key):
+  """EAGLE / EAGLE-3 / MTP: the unrolled head against the target's features and p."""
+  feats = head.target_feature(params, hidden, layer_hidden)              # [B, T, D]
+  teacher = jax.lax.stop_gradient(head.target_feature(params, hidden, layer_hidden)) \
+      if head.kind != "eagle3" else None
+  noise = cfg["feature_noise"]
+  fed = feats
+  if noise:
+    fed = feats + noise * jax.random.uniform(key, feats.shape, feats.dtype, -1.0, 1.0)
+  outs = head.unroll(params, target_params, tokens, fed, steps=cfg["ttt_steps"])
+  t1 = tokens.shape[1] - 1
+  slot = jnp.arange(t1)
+  p = target_probs[:, 1:]
+  loss, agree = 0.0, []
+  for s, o in enumerate(outs, start=1):
+    mask = jnp.broadcast_to((slot >= s - 1).astype(jnp.float32)[None], o.shape[:2])
+    logits = head.logits(params, target_params, o)
+    step_loss = cfg["ce_weight"] * soft_cross_entropy(logits, p, mask)
+    if cfg["feature_weight"] and teacher is not None:
+      step_loss = step_loss + cfg["feature_weight"] * smooth_l1(o, teacher[:, 1:], mask)
+    loss = loss + cfg["step_decay"] ** (s - 1) * step_loss
+    agree.append(top1_agreement(logits, p, mask))
+  return loss, {"agree": jnp.stack(agree)}
