@@ -111,11 +111,15 @@ def apply_rope(x, positions, inv_freq):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _write_rows(cache_layer, new, offsets):
-  """cache_layer [B,S,H,Dh] <- new [B,T,H,Dh] at per-row offsets [B] (in place under jit)."""
-  def one(c, n, o):
-    return jax.lax.dynamic_update_slice(c, n, (o, 0, 0))
-  return jax.vmap(one)(cache_layer, new.astype(cache_layer.dtype), offsets)
+def _write_rows(cache, layer: int, new, offsets):
+  """cache [L,B,S,H,Dh] <- new [B,T,H,Dh] at [layer, b, offsets[b]:offsets[b]+T].
+
+  One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
+  it and stacking it back would copy the whole cache every layer)."""
+  b, t = new.shape[:2]
+  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+  cols = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  return cache.at[layer, rows, cols].set(new.astype(cache.dtype), mode="drop")
 
 
 def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
@@ -130,9 +134,17 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
                                          impl=config.attention_impl)
 
 
-def decoder_layer(config: ModelConfig, lp, x, positions, k_layer, v_layer, offsets, tree_mask,
-                  inv_freq):
-  """One pre-norm block. lp: this layer's params (no [L] axis). Returns (x, k_layer, v_layer)."""
+def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
+                  inv_freq, layer: Optional[int] = None):
+  """One pre-norm block. lp: this layer's params (no [L] axis).
+
+  k_cache, v_cache: with `layer` given, the stacked [L,B,S,Hkv,Dh] caches, of which slab `layer`
+  is written and read; with layer None, one layer's [B,S,Hkv,Dh] cache (drafter heads).
+  Returns (x, k_cache, v_cache)."""
+  if layer is None:
+    x, k_cache, v_cache = decoder_layer(config, lp, x, positions, k_cache[None], v_cache[None],
+                                        offsets, tree_mask, inv_freq, layer=0)
+    return x, k_cache[0], v_cache[0]
   b, t, _ = x.shape
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
@@ -147,13 +159,13 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_layer, v_layer, offse
     k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
-  k_layer = _write_rows(k_layer, k, offsets)
-  v_layer = _write_rows(v_layer, v, offsets)
-  attn = _attention(config, q, k_layer, v_layer, offsets + t, tree_mask)
+  k_cache = _write_rows(k_cache, layer, k, offsets)
+  v_cache = _write_rows(v_cache, layer, v, offsets)
+  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask)
   x = x + attn.reshape(b, t, hq * dh) @ lp["wo"]
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
-  return x, k_layer, v_layer
+  return x, k_cache, v_cache
 
 
 def embed(params, tokens):
@@ -195,14 +207,12 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
   k_all, v_all = cache.k, cache.v
   wanted = set(int(i) for i in return_layers)
   layer_hidden = {}
-  # A static Python loop over layers: each layer's cache slab is updated in place inside the
-  # stacked buffer (no scan carrying the whole cache as xs/ys, which would copy it).
+  # A static Python loop over layers: each layer scatters its new KV into the stacked buffer in
+  # place (no scan carrying the whole cache as xs/ys, which would copy it every step).
   for layer in range(config.num_layers):
     lp = jax.tree.map(lambda w: w[layer], params["layers"])
-    x, k_l, v_l = decoder_layer(config, lp, x, positions, k_all[layer], v_all[layer], offsets,
-                                tree_mask, inv_freq)
-    k_all = k_all.at[layer].set(k_l)
-    v_all = v_all.at[layer].set(v_l)
+    x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
+                                    inv_freq, layer=layer)
     if layer in wanted:
       layer_hidden[layer] = x
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
