@@ -75,7 +75,7 @@ def _check(cfg: dict, schema: dict, where: str = "") -> None:
   for key, value in cfg.items():
     if key not in schema:
       allowed = ", ".join(sorted(schema))
-      raise ValueError(f"unknown config key {where}{key!r}; allowed here: {allowed}")
+      raise ValueError(f"unknown config key '{where}{key}'; allowed here: {allowed}")
     if isinstance(schema[key], dict):
       if not isinstance(value, dict):
         raise ValueError(f"config key {where}{key} must be a mapping, got {value!r}")

@@ -1,0 +1,112 @@
+"""train.distill_heads: a short run learns, a killed run resumes exactly, configs are checked.
+
+Runs use the real stories260K (260K params) as the frozen target with tiny data and few steps.
+"""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+import spec_jax as sj
+from tests.conftest import ROOT, need_shared
+from train import distill_heads
+from train.config import load_config, parse_set
+
+
+def write_config(tmp_path, **sections) -> pathlib.Path:
+  need_shared("models", "stories260K")
+  cfg = {
+      "target": str(ROOT.parent / "shared" / "models" / "stories260K"),
+      "out_dir": str(tmp_path / "run"),
+      "seed": 0,
+      "head": {"kind": "medusa", "num_draft": 2},
+      "data": {"sources": ["text"], "dev_path": str(ROOT.parent / "shared" / "data" /
+                                                    "tinystories" / "dev.txt"),
+               "text_paragraphs": 40, "window": 16, "cache_dir": str(tmp_path / "cache")},
+      "train": {"steps": 30, "batch_size": 8, "lr": 1e-2, "warmup_steps": 2,
+                "checkpoint_every": 10, "log_every": 10},
+      "eval": {"enabled": False, "num_prompts": 2, "prompt_tokens": 6, "max_new_tokens": 8,
+               "temperatures": [0.0]},
+  }
+  for name, values in sections.items():
+    if isinstance(values, dict):
+      cfg[name].update(values)
+    else:
+      cfg[name] = values
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  path = tmp_path / "config.yaml"
+  path.write_text(yaml.safe_dump(cfg))
+  return path
+
+
+def test_short_training_lowers_loss_and_raises_agreement(tmp_path, capsys):
+  path = write_config(tmp_path, eval={"enabled": True})
+  out = distill_heads.main(["--config", str(path)])
+  assert out["final"]["loss"] < out["initial"]["loss"] - 0.3, (out["initial"], out["final"])
+  assert np.mean(out["final"]["agree"]) > np.mean(out["initial"]["agree"]) + 0.05
+  printed = capsys.readouterr().out
+  assert "before" in printed and "after" in printed and "tau" in printed
+  report = json.loads((tmp_path / "run" / "eval.json").read_text())
+  assert set(report["eval"]) == {"before", "after"}
+  target = sj.load(ROOT.parent / "shared" / "models" / "stories260K")
+  drafter = sj.drafters.load(tmp_path / "run", target)
+  assert isinstance(drafter, sj.drafters.Medusa) and drafter.num_heads == 2
+  for a, b in zip(jax.tree.leaves(drafter.params), jax.tree.leaves(out["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_killed_run_resumes_to_the_same_params(tmp_path):
+  """EAGLE-3 with the training-time-test unroll on self-distilled (generated, cached) data:
+  8 steps straight vs 4 steps, 'killed', then the same command again."""
+  common = dict(head={"kind": "eagle3", "num_draft": 2},
+                data={"sources": ["generated", "text"], "num_prompts": 8, "prompt_tokens": 4,
+                      "gen_tokens": 12, "gen_batch": 8, "text_paragraphs": 8},
+                train={"steps": 8, "checkpoint_every": 2, "ttt_steps": 2, "feature_noise": 0.1})
+  straight = distill_heads.main(["--config", str(write_config(tmp_path / "a", **common))])
+  path_b = write_config(tmp_path / "b", **common)
+  first = distill_heads.main(["--config", str(path_b), "--set", "train.stop_after=4"])
+  assert first["stopped"] and first["end_step"] == 4
+  caches = list((tmp_path / "b" / "cache").glob("generated_*.npz"))
+  assert len(caches) == 1
+  resumed = distill_heads.main(["--config", str(path_b)])
+  assert resumed["start_step"] == 4 and resumed["end_step"] == 8
+  for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_feature_head_losses_train(tmp_path, kind):
+  path = write_config(tmp_path, head={"kind": kind, "num_draft": 2},
+                      train={"steps": 12, "feature_weight": 1.0 if kind == "eagle" else 0.0,
+                             "ttt_steps": 2, "checkpoint_every": 12})
+  out = distill_heads.main(["--config", str(path)])
+  assert out["final"]["loss"] < out["initial"]["loss"]
+
+
+def test_config_errors(tmp_path):
+  path = write_config(tmp_path)
+  raw = yaml.safe_load(path.read_text())
+  raw["train"]["stepz"] = 3
+  path.write_text(yaml.safe_dump(raw))
+  with pytest.raises(ValueError, match="unknown config key 'train.stepz'"):
+    load_config(path)
+  path = write_config(tmp_path)
+  with pytest.raises(ValueError, match="dotted.key=value"):
+    distill_heads.main(["--config", str(path), "--set", "train.steps"])
+  with pytest.raises(ValueError, match="unknown key 'train.nope'"):
+    load_config(path, ["train.nope=1"])
+  with pytest.raises(ValueError, match="unknown head kind 'hydra'"):
+    load_config(path, ["head.kind=hydra"])
+  with pytest.raises(ValueError, match="evaluation only"):
+    load_config(path, ["data.dev_path=../shared/data/tinystories/heldout.txt"])
+  with pytest.raises(ValueError, match="is a section"):
+    load_config(path, ["train=3"])
+  with pytest.raises(ValueError, match="ttt_steps applies to EAGLE"):
+    load_config(path, ["train.ttt_steps=2"])
+  with pytest.raises(SystemExit):
+    distill_heads.main([])                     # argparse: --config is required
+  assert parse_set("eval.temperatures=[0, 1]") == (["eval", "temperatures"], [0, 1])
