@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sampling as sampling_lib
+from spec_jax import sharding as sharding_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import KVCache, forward
@@ -156,10 +157,11 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
 
 # ----------------------------------------------------------------------------- the jitted loop
 
-@functools.partial(jax.jit, static_argnames=("config", "drafter", "num_draft", "capacity"))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "drafter", "num_draft", "capacity", "mesh"))
 def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens,
                    stop_tokens, sampling: Sampling, key, *, config: ModelConfig, drafter: Drafter,
-                   num_draft: int, capacity: int):
+                   num_draft: int, capacity: int, mesh=None):
   """Prefill + rounds until every row is done. Returns the final DecodeState."""
   b, p = prompt_tokens.shape
   k, s = num_draft, capacity
@@ -168,7 +170,7 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
 
   # Prefill: the right-padded prompts at offset 0 (padding sits after each row's prompt, is
   # never attended by real tokens, and its KV slots are overwritten by generated tokens).
-  cache = KVCache.zeros(config, b, s)
+  cache = sharding_lib.constrain_cache(mesh, KVCache.zeros(config, b, s))
   pre = forward(target_params, config, prompt_tokens, cache, jnp.zeros((b,), jnp.int32),
                 return_layers=layers)
   last_logits = jnp.take_along_axis(pre.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
@@ -273,7 +275,7 @@ def _compiled_loop(args, static):
 
 def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int = 4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
-             stop_tokens=None, capacity: Optional[int] = None) -> GenerateOutput:
+             stop_tokens=None, capacity: Optional[int] = None, mesh=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   Args:
@@ -288,6 +290,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     stop_tokens: None = the model's end-of-text tokens; [] = never stop early.
     capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
       up to a multiple of 64); one compile per (B, prompt bucket, S, K).
+    mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
+      features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
 
   Returns:
     GenerateOutput(tokens, text, stats).
@@ -311,6 +315,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     drafter.check_compatible(target)
     k = int(num_draft)
   batch = len(ids)
+  sharding_lib.check_mesh(mesh, batch)
+  mesh = sharding_lib.as_auto(mesh)
   sampling = sampling.as_arrays(batch)
   stop = _stop_array(target, stop_tokens)
 
@@ -333,9 +339,13 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   if key is None:
     key = jax.random.key(0)
 
-  args = (target.params, drafter.params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens),
-          jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop), sampling, key)
-  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=int(capacity))
+  args = (sharding_lib.shard_params(mesh, target.params),
+          sharding_lib.shard_params(mesh, drafter.params),
+          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
+          *sharding_lib.replicate(mesh, (jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop))),
+          sharding_lib.shard_rows(mesh, sampling), sharding_lib.replicate(mesh, key))
+  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=int(capacity),
+                mesh=mesh)
   compiled = _compiled_loop(args, static)
   start = time.perf_counter()
   final = compiled(*args)
