@@ -109,6 +109,11 @@ SPEC_DEFINITIONS = {
     "bound": "tau / (K * c_draft + c_verify): the analytic speedup with the measured tau and cost "
              "ratios and no other overhead (Leviathan et al. with c_verify = 1)",
     "efficiency": "speedup / bound: the fraction of the analytic speedup the engine realises",
+    "c_draft_from_min, c_verify_from_min, bound_from_min": "the same ratios from the fastest "
+        "(least disturbed) timed call instead of the median: a check on the machine's noise",
+    "c_draft_propose, bound_propose, t_propose_ms": "the drafter's WHOLE propose() of one round "
+        "(DraftModel: 2-token first step, K-1 more steps, sampling of q at temperature 1; NGram: "
+        "same as c_draft) / K / t_target_1, and the bound with it: what drafting really costs",
     "noise_pct": "(max - min) / median of all plain-decoding repeats of a cell, in percent: the "
                  "machine's noise during that cell",
 }
@@ -200,6 +205,16 @@ def machine_info() -> dict:
   try:
     info["loadavg_start"] = os.getloadavg()
   except OSError:
+    pass
+  import subprocess
+  try:
+    info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
+                                        capture_output=True, timeout=10).stdout.strip()
+    info["git_dirty"] = subprocess.run(
+        ["git", "status", "--porcelain", "--", "spec_jax", "kernels_pallas"], cwd=ROOT,
+        text=True, capture_output=True, timeout=10).stdout.split("\n")
+    info["git_dirty"] = [x for x in info["git_dirty"] if x.strip()]
+  except (OSError, subprocess.SubprocessError):
     pass
   return info
 
@@ -382,29 +397,46 @@ def _forward_loop_fn(config):
 
 
 def _propose_loop_fn(drafter, k):
-  """jit(params, state, tokens [B,S], lengths, key, n) -> tokens: n propose() calls in a
-  fori_loop; the first draft is written back into the buffer so no call is loop-invariant."""
+  """jit(params, state, tokens [B,S], lengths, rng, sampling, target_params, n) -> (tokens,
+  state): n propose() calls in a fori_loop, the drafter state carried as in the engine; the
+  first draft is written back into the buffer so no call is loop-invariant."""
   key = ("propose", drafter, k)
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    import spec_jax as sj
     from spec_jax.drafters.base import DraftContext
 
-    def run(params, state, tokens, lengths, rng, target_params, n):
-      b = tokens.shape[0]
-      sampling = sj.Sampling(temperature=0.0).as_arrays(b)
-
-      def body(i, toks):
+    def run(params, state, tokens, lengths, rng, sampling, target_params, n):
+      def body(i, carry):
+        toks, st = carry
         ctx = DraftContext(key=jax.random.fold_in(rng, i), tokens=toks, lengths=lengths,
                            sampling=sampling, target_params=target_params, num_draft=k)
-        drafts, _, _ = drafter.propose(params, state, ctx)
-        return jax.lax.dynamic_update_slice(toks, jnp.maximum(drafts[:, :1], 0).astype(toks.dtype),
-                                            (0, 0))
-      return jax.lax.fori_loop(0, n, body, tokens)
+        drafts, _, st = drafter.propose(params, st, ctx)
+        toks = jax.lax.dynamic_update_slice(
+            toks, jnp.maximum(drafts[:, :1], 0).astype(toks.dtype), (0, 0))
+        return toks, st
+      return jax.lax.fori_loop(0, n, body, (tokens, state))
 
-    _FN_CACHE[key] = jax.jit(run)
+    _FN_CACHE[key] = jax.jit(run, donate_argnums=(1,))
   return _FN_CACHE[key]
+
+
+def _initial_drafter_state(drafter, target, tokens, fill: int, sampling):
+  """The drafter's state after a (fake) prefill of the first min(16, fill) tokens of `tokens`:
+  zero target features, real prompt tokens; enough for timing propose()."""
+  import jax
+  import jax.numpy as jnp
+  from spec_jax.drafters.base import PrefillInfo
+  b = tokens.shape[0]
+  p = max(1, min(16, fill))
+  d = target.config.hidden_size
+  dtype = jnp.dtype(target.config.dtype)
+  hidden = jnp.zeros((b, p, d), dtype)
+  prefill = PrefillInfo(tokens=tokens, prompt_tokens=tokens[:, :p],
+                        prompt_lens=jnp.full((b,), p, jnp.int32), hidden=hidden,
+                        layer_hidden=tuple(hidden for _ in drafter.target_layers),
+                        target_params=target.params, sampling=sampling)
+  return jax.jit(drafter.init_state)(drafter.params, prefill)
 
 
 def _time_calls(call, repeats: int, min_call_s: float = 0.02, max_inner: int = 512) -> dict:
@@ -455,28 +487,104 @@ def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: i
   return _time_calls(call, repeats)
 
 
-def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int,
-                 repeats: int) -> dict:
-  """Seconds per jitted drafter.propose() of K tokens on a [B, capacity] buffer at `fill`."""
+def _text_like_buffer(batch: int, capacity: int, vocab: int):
+  """[B, capacity] int32 tokens repeating a random 32-token phrase, so n-grams do match."""
+  import numpy as np
+  base = np.random.default_rng(0).integers(3, vocab, size=(batch, 32))
+  reps = -(-capacity // 32)
+  return np.tile(base, (1, reps))[:, :capacity].astype(np.int32)
+
+
+def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, repeats: int,
+                 temperature: float = 0.0) -> dict:
+  """Seconds per jitted drafter.propose() of K tokens (the whole draft of one round, sampling
+  of q included) on a [B, capacity] buffer with `fill` committed tokens per row."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
+  import spec_jax as sj
   fn = _propose_loop_fn(drafter, k)
-  rng = np.random.default_rng(0)
-  # A realistic buffer: text-like repetition so n-gram matches are found.
-  base = rng.integers(3, target.config.vocab_size, size=(batch, 32))
-  tokens = np.zeros((batch, capacity), np.int32)
-  for j in range(0, capacity, 32):
-    tokens[:, j:j + 32] = base[:, :min(32, capacity - j)]
-  tokens = jnp.asarray(tokens)
+  tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
   lengths = jnp.full((batch,), fill, jnp.int32)
-  state = ()  # NGram is stateless; drafters with a state need their own timing path
+  sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
+  st = {"state": _initial_drafter_state(drafter, target, tokens, fill, sampling)}
   key = jax.random.key(0)
 
   def call(n):
-    jax.block_until_ready(fn(drafter.params, state, tokens, lengths, key, target.params,
-                             jnp.int32(n)))
+    toks, st["state"] = fn(drafter.params, st["state"], tokens, lengths, key, sampling,
+                           target.params, jnp.int32(n))
+    jax.block_until_ready(toks)
   return _time_calls(call, repeats)
+
+
+def _verify_loop_fn(config):
+  """jit(params, tokens [B,T], cache, offsets, sampling, n): n engine verify_steps (target
+  forward + sampling.probs over the T positions), argmax fed back."""
+  key = ("verify", config)
+  if key not in _FN_CACHE:
+    import jax
+    import jax.numpy as jnp
+    from spec_jax import engine
+
+    def run(params, tokens, cache, offsets, sampling, n):
+      def body(_, carry):
+        toks, c = carry
+        probs, out = engine.verify_step(params, config, c, toks[:, 0], toks[:, 1:], offsets + 1,
+                                        sampling)
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32), out.cache
+      return jax.lax.fori_loop(0, n, body, (tokens, cache))
+
+    _FN_CACHE[key] = jax.jit(run, donate_argnums=(2,))
+  return _FN_CACHE[key]
+
+
+def time_verify_step(model, batch: int, t: int, fill: int, capacity: int, repeats: int,
+                     temperature: float) -> dict:
+  """Seconds per engine.verify_step over t tokens (forward + the probs transform)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import spec_jax as sj
+  from spec_jax.models.transformer import KVCache
+  fn = _verify_loop_fn(model.config)
+  sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
+  toks = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size,
+                                                       size=(batch, t)), jnp.int32)
+  st = {"cache": KVCache.zeros(model.config, batch, capacity)}
+  offsets = jnp.full((batch,), fill, jnp.int32)
+
+  def call(n):
+    out, st["cache"] = fn(model.params, toks, st["cache"], offsets, sampling, jnp.int32(n))
+    jax.block_until_ready(out)
+  return _time_calls(call, repeats)
+
+
+def time_accept(batch: int, k: int, vocab: int, with_draft_probs: bool, temperature: float,
+                repeats: int) -> dict:
+  """Seconds per engine.accept_step (rejection sampling of K drafts, [B,K+1,V] target probs)."""
+  import jax
+  import jax.numpy as jnp
+  import spec_jax as sj
+  from spec_jax import engine
+  key = ("accept", k, with_draft_probs)
+  if key not in _FN_CACHE:
+    def run(rng, drafts, q, p, n):
+      def body(i, carry):
+        d, acc = carry
+        emitted, n_acc = engine.accept_step(jax.random.fold_in(rng, i), d, q, p,
+                                            jnp.full((d.shape[0],), k, jnp.int32))
+        d = (d + jnp.maximum(emitted[:, :k], 0) + n_acc[:, None]) % vocab
+        return d, acc + jnp.sum(emitted) + jnp.sum(n_acc)
+      return jax.lax.fori_loop(0, n, body, (drafts, jnp.int32(0)))
+    _FN_CACHE[key] = jax.jit(run)
+  fn = _FN_CACHE[key]
+  r = jax.random.key(1)
+  s = sj.Sampling(temperature=temperature)
+  p = sj.sampling.probs(jax.random.normal(r, (batch, k + 1, vocab)) * 3, s)
+  q = sj.sampling.probs(jax.random.normal(jax.random.key(2), (batch, k, vocab)) * 3, s) \
+      if with_draft_probs else None
+  drafts = jax.random.randint(jax.random.key(3), (batch, k), 0, vocab, jnp.int32)
+  return _time_calls(lambda n: jax.block_until_ready(fn(r, drafts, q, p, jnp.int32(n))),
+                     repeats)
 
 
 # ============================================================================ spec suite
@@ -562,12 +670,19 @@ def run_spec_suite(opts) -> dict:
         dm = draft_model_of(dr)
         if dm is not None:
           one = time_forward(dm, batch, 1, fill, cost_capacity, opts.cost_repeats)
-          td[dspec] = {k: dict(one, per_round_s=k * one["per_iter_s"]) for k in ks}
+          td[dspec] = {}
+          for k in ks:
+            # The whole propose() of a round (2-token first step, K-1 more, sampling of q).
+            full = time_propose(dr, target, batch, k, fill, cost_capacity, opts.cost_repeats,
+                                1.0)
+            td[dspec][k] = dict(one, per_round_s=k * one["per_iter_s"],
+                                min_round_s=k * one["min_s"], propose_s=full["per_iter_s"])
         else:
           td[dspec] = {}
           for k in ks:
             pr = time_propose(dr, target, batch, k, fill, cost_capacity, opts.cost_repeats)
-            td[dspec][k] = dict(pr, per_round_s=pr["per_iter_s"])
+            td[dspec][k] = dict(pr, per_round_s=pr["per_iter_s"], min_round_s=pr["min_s"],
+                                propose_s=pr["per_iter_s"])
       cost_cache[batch] = (t1, tv, td)
 
       for temp in temps:
@@ -602,11 +717,16 @@ def run_spec_suite(opts) -> dict:
           tau = float(np.mean(taus))
           if k == 0:
             c_draft, c_verify, alpha = 0.0, 1.0, None
-            t_draft = 0.0
+            t_draft = t_propose = 0.0
+            c_draft_min, c_verify_min, c_propose = 0.0, 1.0, 0.0
           else:
             c_verify = tv[k]["per_iter_s"] / t1["per_iter_s"]
             t_draft = td[dspec][k]["per_round_s"]
             c_draft = t_draft / k / t1["per_iter_s"]
+            c_verify_min = tv[k]["min_s"] / t1["min_s"]
+            c_draft_min = td[dspec][k]["min_round_s"] / k / t1["min_s"]
+            t_propose = td[dspec][k]["propose_s"]
+            c_propose = t_propose / k / t1["per_iter_s"]
             alpha = float(np.mean(alphas))
           bound = bound_of(tau, k, c_draft, c_verify)
           speedup = tps["median"] / base["median"] if k else 1.0
@@ -626,6 +746,11 @@ def run_spec_suite(opts) -> dict:
               "iterations": last.iterations,
               "c_draft": c_draft, "c_verify": c_verify, "bound": bound,
               "efficiency": speedup / bound,
+              "c_draft_from_min": c_draft_min, "c_verify_from_min": c_verify_min,
+              "bound_from_min": bound_of(tau, k, c_draft_min, c_verify_min),
+              "c_draft_propose": c_propose,
+              "bound_propose": bound_of(tau, k, c_propose, c_verify),
+              "t_propose_ms": 1e3 * t_propose,
               "t_target_1_ms": 1e3 * t1["per_iter_s"],
               "t_verify_ms": 1e3 * (tv[k]["per_iter_s"] if k else t1["per_iter_s"]),
               "t_draft_round_ms": 1e3 * t_draft,
@@ -652,18 +777,154 @@ def make_verdicts(rows, baselines) -> list:
       best = max(per_batch[batch], key=lambda r: r["speedup"])
       nz = noise[(target, batch, temp)]
       s = best["speedup"]
+      judgement = "beats plain" if s > 1 else "LOSES to plain"
       if abs(s - 1.0) * 100 <= nz / 2:
-        judgement = "within noise of plain"
-      elif s > 1:
-        judgement = "beats plain"
-      else:
-        judgement = "LOSES to plain"
+        judgement += ", within noise"
       parts.append({"batch": batch, "best_K": best["K"], "speedup": s, "beats_plain": s > 1.0,
                     "noise_pct": nz, "judgement": judgement})
-    pays = [p["batch"] for p in parts if p["judgement"] == "beats plain"]
+    pays = [p["batch"] for p in parts if p["beats_plain"]]
     out.append({"target": target, "drafter": drafter, "temperature": temp, "per_batch": parts,
                 "beats_plain_at_batches": pays})
   return out
+
+
+# ============================================================================ breakdown suite
+
+def run_breakdown_suite(opts) -> dict:
+  """Where a speculative round's time goes, per (target, drafter, K, batch, temperature).
+
+  t_round = (seconds of generate(max_new) - seconds of generate(max_new=1), same compiled
+  executable) / loop iterations: the engine's real per-round time, prefill excluded. It is set
+  against the pieces timed alone in jitted fori_loops at the run's batch, fill and capacity:
+  propose (the whole draft of one round), verify_step (target forward over K+1 + probs),
+  accept_step (rejection sampling) and the bare target forwards over 1 and K+1 tokens. `other`
+  = t_round - propose - verify_step - accept: commit, drafter.commit, loop bookkeeping and
+  whatever the fusion of the whole loop body costs or saves.
+  """
+  import numpy as np
+  pairs = parse_pairs(opts.pairs)
+  ks = sorted(set(int(k) for k in opts.num_draft))
+  batches = sorted(set(int(b) for b in opts.batch))
+  temps = [float(t) for t in opts.temperatures]
+  by_target: dict = {}
+  for t, d in pairs:
+    by_target.setdefault(t, []).append(d)
+  rows, notes = [], []
+  reps = max(opts.repeats, 3)
+  for target_spec, drafter_specs in by_target.items():
+    target = load_model(target_spec, opts.seed)
+    drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
+    ids, _ = prompt_token_lists(target, opts.prompts, max(batches), opts.prompt_words,
+                                opts.max_prompt_tokens, opts.seed)
+    context = min([target.config.max_position_embeddings] + [
+        draft_model_of(d).config.max_position_embeddings for d in drafters.values()
+        if draft_model_of(d) is not None])
+    longest = max(len(r) for r in ids)
+    max_new = min(int(opts.max_new_tokens), context - longest - 1)
+    fill = longest + max_new // 2
+    for batch in batches:
+      prompts = ids[:batch]
+      for temp in temps:
+        def engine_round(dspec, k):
+          import jax
+          import spec_jax as sj
+          cap = _engine_capacity(max(len(r) for r in prompts), max_new, k)
+          dr = drafters.get(dspec)
+          kw = dict(drafter=dr, num_draft=k if dr is not None else 4,
+                    sampling=sj.Sampling(temperature=temp), key=jax.random.key(opts.seed),
+                    stop_tokens=[], capacity=cap)
+          sj.generate(target, prompts, max_new_tokens=max_new, **kw)      # warm-up
+          sj.generate(target, prompts, max_new_tokens=1, **kw)
+          full, pre, iters, stats = [], [], 0, None
+          for _ in range(reps):                                           # interleaved
+            o = sj.generate(target, prompts, max_new_tokens=max_new, **kw).stats
+            full.append(o.seconds)
+            pre.append(sj.generate(target, prompts, max_new_tokens=1, **kw).stats.seconds)
+            iters, stats = o.iterations, o
+          t_round = (statistics.median(full) - statistics.median(pre)) / iters
+          return t_round, statistics.median(pre), iters, stats, cap
+
+        log(f"[bench] breakdown {model_label(target_spec)} B={batch} T={temp:g}: plain")
+        plain_round, plain_pre, plain_iters, _, cap0 = engine_round("none", 0)
+        t1 = time_forward(target, batch, 1, fill, cap0, opts.cost_repeats)["per_iter_s"]
+        v1 = time_verify_step(target, batch, 1, fill, cap0, opts.cost_repeats, temp)["per_iter_s"]
+        a0 = time_accept(batch, 0, target.config.vocab_size, False, temp,
+                         opts.cost_repeats)["per_iter_s"]
+        rows.append({"target": model_label(target_spec), "drafter": "none", "K": 0,
+                     "batch": batch, "temperature": temp, "max_new_tokens": max_new,
+                     "capacity": cap0, "fill": fill, "iterations": plain_iters, "tau": 1.0,
+                     "t_round_ms": 1e3 * plain_round, "t_prefill_ms": 1e3 * plain_pre,
+                     "t_fwd_1_ms": 1e3 * t1, "t_fwd_k1_ms": 1e3 * t1,
+                     "t_propose_ms": 0.0, "t_draft_fwd_ms": 0.0, "t_verify_step_ms": 1e3 * v1,
+                     "t_accept_ms": 1e3 * a0,
+                     "t_other_ms": 1e3 * (plain_round - v1 - a0)})
+        for dspec, dr in drafters.items():
+          for k in ks:
+            log(f"[bench] breakdown {model_label(target_spec)} B={batch} T={temp:g}: "
+                f"{drafter_label(dspec)} K={k}")
+            t_round, t_pre, iters, stats, cap = engine_round(dspec, k)
+            tk = time_forward(target, batch, k + 1, fill, cap, opts.cost_repeats)["per_iter_s"]
+            t1k = time_forward(target, batch, 1, fill, cap, opts.cost_repeats)["per_iter_s"]
+            vk = time_verify_step(target, batch, k + 1, fill, cap, opts.cost_repeats,
+                                  temp)["per_iter_s"]
+            pr = time_propose(dr, target, batch, k, fill, cap, opts.cost_repeats,
+                              temp)["per_iter_s"]
+            dm = draft_model_of(dr)
+            dfwd = (time_forward(dm, batch, 1, fill, cap, opts.cost_repeats)["per_iter_s"]
+                    if dm is not None else pr / k)
+            stochastic_q = dm is not None and not getattr(dr, "greedy_drafts", False)
+            ak = time_accept(batch, k, target.config.vocab_size, stochastic_q, temp,
+                             opts.cost_repeats)["per_iter_s"]
+            tau = stats.mean_accepted_length
+            speed_loop = tau * plain_round / t_round
+            bound = tau / ((k * dfwd + tk) / t1k)
+            rows.append({
+                "target": model_label(target_spec), "drafter": drafter_label(dspec), "K": k,
+                "batch": batch, "temperature": temp, "max_new_tokens": max_new,
+                "capacity": cap, "fill": fill, "iterations": iters, "tau": tau,
+                "alpha": stats.acceptance_rate,
+                "t_round_ms": 1e3 * t_round, "t_prefill_ms": 1e3 * t_pre,
+                "t_fwd_1_ms": 1e3 * t1k, "t_fwd_k1_ms": 1e3 * tk,
+                "t_propose_ms": 1e3 * pr, "t_draft_fwd_ms": 1e3 * dfwd,
+                "t_verify_step_ms": 1e3 * vk, "t_accept_ms": 1e3 * ak,
+                "t_other_ms": 1e3 * (t_round - pr - vk - ak),
+                "plain_round_ms": 1e3 * plain_round,
+                "speedup_loop": speed_loop, "bound": bound,
+                "efficiency_loop": speed_loop / bound,
+                # efficiency = [(K t_draft + t_verify) / t_round] * [t_plain_round / t_fwd_1]
+                "eff_spec_overhead_factor": (k * dfwd + tk) / t_round,
+                "eff_plain_overhead_factor": plain_round / t1k,
+            })
+  return {"suite": "breakdown", "rows": rows, "notes": notes,
+          "definitions": {"t_round_ms": "engine time per loop iteration, prefill excluded",
+                          "speedup_loop": "tau * t_round(plain) / t_round(spec): the decode-loop "
+                                          "speedup, prefill excluded",
+                          "efficiency_loop": "speedup_loop / bound = eff_spec_overhead_factor * "
+                                             "eff_plain_overhead_factor",
+                          "t_other_ms": "t_round - t_propose - t_verify_step - t_accept"}}
+
+
+def format_breakdown(result: dict) -> str:
+  table = []
+  for r in result["rows"]:
+    table.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"], r["K"],
+                  f"{r['tau']:.2f}", f"{r['t_round_ms']:.3f}", f"{r['t_fwd_1_ms']:.3f}",
+                  f"{r['t_fwd_k1_ms']:.3f}", f"{r['t_verify_step_ms']:.3f}",
+                  f"{r['t_draft_fwd_ms']:.3f}", f"{r['t_propose_ms']:.3f}",
+                  f"{r['t_accept_ms']:.3f}", f"{r['t_other_ms']:.3f}",
+                  _fmt(r.get("speedup_loop")), _fmt(r.get("bound")),
+                  "-" if "efficiency_loop" not in r else f"{100 * r['efficiency_loop']:.0f}%"])
+  out = [_table(["target", "drafter", "T", "B", "K", "tau", "round", "fwd(1)", "fwd(K+1)",
+                 "verify", "draft fwd", "propose", "accept", "other", "speedup", "bound", "eff"],
+                table)]
+  out.append("")
+  out.append("legend (ms per round): round = engine loop time per iteration (prefill excluded); "
+             "fwd(1), fwd(K+1) = bare target forwards; verify = engine.verify_step (forward over "
+             "K+1 + probs); draft fwd = one 1-token draft-model forward (ngram: propose/K); "
+             "propose = the drafter's whole propose() of one round; accept = engine.accept_step; "
+             "other = round - propose - verify - accept. speedup = tau * round(plain) / round; "
+             "bound = tau / ((K draft fwd + fwd(K+1)) / fwd(1)); eff = speedup / bound.")
+  return "\n".join(out)
 
 
 # ============================================================================ plain suite
@@ -922,7 +1183,9 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
                  "underscores); flags given on the command line win")
-  p.add_argument("--suite", choices=("spec", "plain", "all"), default="spec")
+  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "all"), default="spec",
+                 help="spec (default) | plain | breakdown (where a round's time goes) | all "
+                 "(plain then spec)")
   p.add_argument("--pairs", nargs="+", default=["default"],
                  help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
   p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
@@ -1023,7 +1286,9 @@ def main(argv=None) -> int:
     started = time.time()
     info = machine_info()
     try:
-      result = run_spec_suite(args) if suite == "spec" else run_plain_suite(args)
+      runner = {"spec": run_spec_suite, "plain": run_plain_suite,
+                "breakdown": run_breakdown_suite}[suite]
+      result = runner(args)
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
@@ -1036,7 +1301,8 @@ def main(argv=None) -> int:
                    "wall_seconds": time.time() - started, "machine": info,
                    "options": options_dict(args), "command": ["python", "-m", "spec_jax.bench"]
                    + argv})
-    text = format_spec(result) if suite == "spec" else format_plain(result)
+    text = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown}[suite](
+        result)
     result["table"] = text
     atomic_write_json(out_path, result)
     print(text)

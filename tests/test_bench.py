@@ -129,3 +129,18 @@ def test_real_prompt_sets_read():
   need_shared("data", "tinystories", "heldout.txt")
   openings = bench.read_prompt_texts("tinystories", words=8)
   assert len(openings) > 16 and all(len(o.split()) == 8 for o in openings)
+
+
+def test_breakdown_suite_tiny(tmp_path):
+  out = tmp_path / "bd.json"
+  rc = bench.main(["--suite", "breakdown", "--pairs", "random:tiny@ngram", "-K", "1", "-B", "1",
+                   "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                   "--temperatures", "0", "--out", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["drafter"], r["K"]) for r in rows] == [("none", 0), ("ngram", 1)]
+  r = rows[1]
+  parts = r["t_propose_ms"] + r["t_verify_step_ms"] + r["t_accept_ms"] + r["t_other_ms"]
+  assert math.isclose(parts, r["t_round_ms"], rel_tol=1e-9, abs_tol=1e-9)
+  assert math.isclose(r["efficiency_loop"],
+                      r["eff_spec_overhead_factor"] * r["eff_plain_overhead_factor"])
