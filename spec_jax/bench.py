@@ -121,8 +121,11 @@ PLAIN_DEFINITIONS = {
     "ours_tokens_per_s": "sj.generate(drafter=None, greedy, stop_tokens=[]): new tokens / seconds "
                          "(stats.seconds: prefill + decode, compile excluded); median/min/max",
     "hf_tokens_per_s": "transformers `generate` (PyTorch, do_sample=False, min_new_tokens = "
-                       "max_new_tokens, EOS disabled, torch threads = CPU cores): new tokens / "
-                       "wall seconds of the call; median/min/max",
+                       "max_new_tokens, EOS disabled, torch threads = hf_threads, the CPU core "
+                       "count by default): new tokens / wall seconds of the call; median/min/max",
+    "hf_tokens_per_s_by_threads": "the same at every --hf-threads count (on a shared, "
+                                  "oversubscribed machine torch's OpenMP threads can collapse; "
+                                  "1 thread is shown beside the core count)",
     "greedy_match": "both produced exactly the same greedy tokens on the timed prompts",
     "c": "verify cost ratio: t(forward over T new tokens at fill F) / t(forward over 1 token at "
          "fill F), batch 1, capacity F + 16; t = jitted fori_loop of n forwards (cache carried "
@@ -992,7 +995,12 @@ def run_plain_suite(opts) -> dict:
   import jax
   import numpy as np
   import torch
-  torch.set_num_threads(os.cpu_count() or 1)
+  threads = []
+  for n in opts.hf_threads:
+    n = (os.cpu_count() or 1) if n == 0 else int(n)
+    if n not in threads:
+      threads.append(n)
+  torch.set_num_threads(threads[0])
   gen_rows, cost_rows, notes = [], [], []
   for spec in opts.plain_models:
     log(f"[bench] plain: loading {spec}")
@@ -1024,19 +1032,29 @@ def run_plain_suite(opts) -> dict:
         notes.append(f"{label} B={batch}: greedy tokens DIFFER from transformers (first "
                      f"difference row {first_diff[0]} position {first_diff[1]})")
         log("[bench] WARNING " + notes[-1])
-      ours_tps, hf_tps = [], []
+      ours_tps, hf_tps = [], {n: [] for n in threads}
+      for n in threads[1:]:               # warm-up at the other thread counts
+        torch.set_num_threads(n)
+        hf_generate(hf, prompts, min(max_new, 4))
       for rep in range(opts.repeats):     # interleaved
         out = run_generate(model, prompts, None, 0, max_new, 0.0, opts.seed)
         ours_tps.append(out.stats.tokens_per_second)
-        _, sec = hf_generate(hf, prompts, max_new)
-        hf_tps.append(batch * max_new / sec)
+        for n in threads:
+          torch.set_num_threads(n)
+          _, sec = hf_generate(hf, prompts, max_new)
+          hf_tps[n].append(batch * max_new / sec)
+        torch.set_num_threads(threads[0])
         log(f"[bench] plain {label} B={batch} rep {rep + 1}: ours {ours_tps[-1]:.1f} tok/s, "
-            f"transformers {hf_tps[-1]:.1f} tok/s")
-      o, h = summarize(ours_tps), summarize(hf_tps)
+            "transformers " + ", ".join(f"{hf_tps[n][-1]:.1f} tok/s ({n} threads)"
+                                        for n in threads))
+      o = summarize(ours_tps)
+      h = {n: summarize(v) for n, v in hf_tps.items()}
       gen_rows.append({"model": label, "model_spec": spec, "params": n_params,
                        "hf_params": hf_params, "batch": batch, "prompt_tokens": plen,
                        "max_new_tokens": max_new, "ours_tokens_per_s": o,
-                       "hf_tokens_per_s": h, "ratio_ours_over_hf": o["median"] / h["median"],
+                       "hf_threads": threads[0], "hf_tokens_per_s": h[threads[0]],
+                       "ratio_ours_over_hf": o["median"] / h[threads[0]]["median"],
+                       "hf_tokens_per_s_by_threads": {str(n): v for n, v in h.items()},
                        "greedy_match": match, "first_difference": first_diff})
     del hf
     # ----- verify cost ratio c(T)
@@ -1134,15 +1152,30 @@ def format_spec(result: dict) -> str:
 def format_plain(result: dict) -> str:
   out = []
   table = []
+  extra = []
+  for r in result["generate"]:
+    for n in r.get("hf_tokens_per_s_by_threads", {}):
+      if int(n) != r["hf_threads"] and n not in extra:
+        extra.append(n)
   for r in result["generate"]:
     o, h = r["ours_tokens_per_s"], r["hf_tokens_per_s"]
-    table.append([r["model"], f"{r['params']:,}", r["batch"], r["prompt_tokens"],
-                  r["max_new_tokens"], f"{o['median']:.1f}", f"{o['min']:.1f}-{o['max']:.1f}",
-                  f"{h['median']:.1f}", f"{h['min']:.1f}-{h['max']:.1f}",
-                  f"{r['ratio_ours_over_hf']:.2f}x", "yes" if r["greedy_match"] else "NO"])
+    cells = [r["model"], f"{r['params']:,}", r["batch"], r["prompt_tokens"],
+             r["max_new_tokens"], f"{o['median']:.1f}", f"{o['min']:.1f}-{o['max']:.1f}",
+             f"{h['median']:.1f}", f"{h['min']:.1f}-{h['max']:.1f}",
+             f"{r['ratio_ours_over_hf']:.2f}x"]
+    for n in extra:
+      e = r.get("hf_tokens_per_s_by_threads", {}).get(n)
+      cells += [f"{e['median']:.1f}" if e else "-", f"{e['min']:.1f}-{e['max']:.1f}" if e else "-",
+                f"{o['median'] / e['median']:.2f}x" if e else "-"]
+    cells.append("yes" if r["greedy_match"] else "NO")
+    table.append(cells)
+  thr = result["generate"][0]["hf_threads"] if result["generate"] else "?"
   out.append("plain greedy decoding: spec_jax vs transformers generate (tokens/s, all rows)")
-  out.append(_table(["model", "params", "B", "prompt", "new", "spec_jax", "min-max",
-                     "transformers", "min-max", "ours/hf", "same tokens"], table))
+  headers = ["model", "params", "B", "prompt", "new", "spec_jax", "min-max",
+             f"hf {thr}thr", "min-max", "ours/hf"]
+  for n in extra:
+    headers += [f"hf {n}thr", "min-max", "ours/hf"]
+  out.append(_table(headers + ["same tokens"], table))
   out.append("")
   out.append("verify cost ratio c(T) = t(forward over T new tokens at fill F) / t(forward over 1), "
              "batch 1, capacity F+16")
@@ -1209,6 +1242,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plain-models", nargs="+", default=list(DEFAULT_PLAIN_MODELS))
   p.add_argument("--plain-batch", type=int, nargs="+", default=[1, 8])
   p.add_argument("--plain-max-new-tokens", type=int, default=128)
+  p.add_argument("--hf-threads", type=int, nargs="+", default=[0, 1],
+                 help="torch thread counts for transformers (0 = the CPU core count); the first "
+                 "is the headline, the others are extra columns")
   p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
   p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
   return p
