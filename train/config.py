@@ -27,6 +27,7 @@ DEFAULTS = {
         "num_heads": None,     # attention heads of the head's layer (None: the target's)
         "target_layers": None,  # EAGLE-3 fused layers (None: (1, L//2, L-1))
         "init_std": 0.02,      # random init scale of the head's layer
+        "medusa_layers": 1,    # residual SiLU blocks per Medusa head
     },
     "data": {
         "sources": ["generated"],   # generated (self-distillation) and/or text (dev.txt)

@@ -49,7 +49,8 @@ def build_head(cfg: dict, target):
   h = cfg["head"]
   key = jax.random.key(cfg["seed"])
   if h["kind"] == "medusa":
-    return heads_io.build("medusa", target, {"num_heads": h["num_draft"]}, key=key)
+    return heads_io.build("medusa", target, {"num_heads": h["num_draft"],
+                                             "num_layers": h["medusa_layers"]}, key=key)
   hp = {"init_std": h["init_std"]}
   if h["intermediate_size"] is not None:
     hp["intermediate_size"] = h["intermediate_size"]

@@ -121,7 +121,8 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
   hp = dict(hyper_params)
   if kind == "medusa":
-    return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")), key=key, **options)
+    return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")),
+                            num_layers=int(hp.pop("num_layers", 1)), key=key, **options)
   hp.pop("head_dim", None)
   hp.pop("qkv_bias", None)
   hp.pop("qk_norm", None)

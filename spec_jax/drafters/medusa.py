@@ -4,6 +4,7 @@ Head i (0-based) reads the target's final hidden state h_t (after the final norm
 head reads) at the position t of the last verified token and predicts token t+2+i:
 
     r_i = h_t + silu(h_t @ w[i] + b[i])            residual SiLU block, w zero-initialised
+                                                    (num_layers such blocks in sequence)
     logits_i = r_i @ lm_head[i]                     the head's own copy of the target's LM head
 
 h_t predicts token t+1 itself (that token is the correction / bonus the verify just produced,
@@ -41,25 +42,29 @@ def _row_keys(key, batch):
 
 
 def init_medusa_params(target_config: ModelConfig, target_params, num_heads: int, key=None,
-                       init_scale: float = 0.0) -> dict:
-  """w [K, D, D] (zeros, or normal * init_scale / sqrt(D)), b [K, D] zeros, lm_head [K, D, V]
-  copies of the target's LM head."""
+                       init_scale: float = 0.0, num_layers: int = 1) -> dict:
+  """w [K, N, D, D] (zeros, or normal * init_scale / sqrt(D)), b [K, N, D] zeros, lm_head
+  [K, D, V] copies of the target's LM head (N = num_layers residual blocks per head)."""
   d, v = target_config.hidden_size, target_config.vocab_size
   head = (target_params["embed"].T if target_config.tie_embeddings else target_params["lm_head"])
   head = jnp.asarray(head, jnp.float32)
   if init_scale and key is not None:
-    w = init_scale / jnp.sqrt(d) * jax.random.normal(key, (num_heads, d, d), jnp.float32)
+    w = init_scale / jnp.sqrt(d) * jax.random.normal(key, (num_heads, num_layers, d, d),
+                                                     jnp.float32)
   else:
-    w = jnp.zeros((num_heads, d, d), jnp.float32)
-  return {"w": w, "b": jnp.zeros((num_heads, d), jnp.float32),
+    w = jnp.zeros((num_heads, num_layers, d, d), jnp.float32)
+  return {"w": w, "b": jnp.zeros((num_heads, num_layers, d), jnp.float32),
           "lm_head": jnp.broadcast_to(head[None], (num_heads, d, v)).copy()}
 
 
 def medusa_logits(params, hidden):
   """hidden [..., D] -> float32 logits [..., K, V] of every head."""
   h = hidden.astype(jnp.float32)
-  pre = jnp.einsum("...d,kde->...ke", h, params["w"]) + params["b"]   # [..., K, D]
-  r = h[..., None, :] + jax.nn.silu(pre)
+  k, n = params["w"].shape[:2]
+  r = jnp.broadcast_to(h[..., None, :], h.shape[:-1] + (k, h.shape[-1]))   # [..., K, D]
+  for layer in range(n):
+    pre = jnp.einsum("...kd,kde->...ke", r, params["w"][:, layer]) + params["b"][:, layer]
+    r = r + jax.nn.silu(pre)
   return jnp.einsum("...kd,kdv->...kv", r, params["lm_head"])
 
 
@@ -80,28 +85,32 @@ class Medusa(Drafter):
     self.params = params
     self.target_config = target_config
     self.num_heads = k
+    self.num_layers = int(params["w"].shape[1])
     self.max_draft = k
     self.greedy_drafts = bool(greedy_drafts)
 
   @classmethod
   def init(cls, target, num_heads: int = 4, key=None, init_scale: float = 0.0,
-           greedy_drafts: bool = False) -> "Medusa":
+           greedy_drafts: bool = False, num_layers: int = 1) -> "Medusa":
     """Fresh heads for `target` (a Model); init_scale > 0 gives random non-zero blocks."""
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
       raise ValueError(f"Medusa num_heads must be an integer >= 1, got {num_heads!r}")
     key = jax.random.key(0) if key is None else key
-    params = init_medusa_params(target.config, target.params, num_heads, key, init_scale)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+      raise ValueError(f"Medusa num_layers must be an integer >= 1, got {num_layers!r}")
+    params = init_medusa_params(target.config, target.params, num_heads, key, init_scale,
+                                num_layers)
     return cls(params, target.config, greedy_drafts=greedy_drafts)
 
   def hyper_params(self) -> dict:
-    return {"num_heads": self.num_heads}
+    return {"num_heads": self.num_heads, "num_layers": self.num_layers}
 
   def with_params(self, params, greedy_drafts=None) -> "Medusa":
     return Medusa(params, self.target_config,
                   greedy_drafts=self.greedy_drafts if greedy_drafts is None else greedy_drafts)
 
   def _static_key(self):
-    return ("Medusa", self.target_config, self.num_heads, self.greedy_drafts)
+    return ("Medusa", self.target_config, self.num_heads, self.num_layers, self.greedy_drafts)
 
   def check_compatible(self, target) -> None:
     c = target.config
