@@ -59,6 +59,7 @@ def test_short_training_lowers_loss_and_raises_agreement(tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow   # three trainer runs (~50 s on a shared 2-core CPU)
 def test_killed_run_resumes_to_the_same_params(tmp_path):
   """EAGLE-3 with the training-time-test unroll on self-distilled (generated, cached) data:
   8 steps straight vs 4 steps, 'killed', then the same command again."""
