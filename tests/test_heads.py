@@ -132,6 +132,17 @@ def test_training_time_test_unroll_matches_drafting():
 
 # ----------------------------------------------------------------------------- save / load
 
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_feature_heads_save_and_reload(tmp_path, kind):
+  target = greedy_target()
+  head = make_head(kind, target)
+  heads_io.save(tmp_path / "heads", head, target, num_draft=3)
+  back = sj.drafters.load(tmp_path / "heads", target)
+  assert type(back) is type(head) and back == head       # same static config (hash / eq)
+  for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_saved_heads_reload_and_refuse_another_target(tmp_path):
   target = greedy_target()
   head = make_head("medusa", target)

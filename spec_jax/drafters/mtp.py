@@ -46,10 +46,14 @@ class MTP(FeatureHead):
 
   @classmethod
   def init(cls, target, key=None, init_std: float = 0.02, greedy_drafts: bool = False,
-           intermediate_size=None, **kw) -> "MTP":
-    """A fresh (untrained) MTP module for `target`, to distill with train.distill_heads."""
+           intermediate_size=None, num_heads=None, **kw) -> "MTP":
+    """A fresh (untrained) MTP module for `target`, to distill with train.distill_heads. Its
+    block has the target's attention shape (num_heads, if given, must be the target's)."""
     if kw:
       raise ValueError(f"unknown MTP option(s): {', '.join(sorted(kw))}")
+    if num_heads is not None and num_heads != target.config.num_heads:
+      raise ValueError(f"an MTP block uses the target's {target.config.num_heads} attention "
+                       f"heads, got num_heads={num_heads}")
     key = jax.random.key(0) if key is None else key
     cfg = head_layer_config(target.config, intermediate_size, copy_attention_flags=True)
     d = cfg.hidden_size
