@@ -133,7 +133,12 @@ def run(cfg: dict) -> dict:
   start = 0
   latest = ckpts.latest_step()
   if latest is not None:
-    state = ckpts.restore(latest, state)
+    try:
+      state = ckpts.restore(latest, state)
+    except Exception as e:  # noqa: BLE001 - orbax raises many types on a structure mismatch
+      raise ValueError(f"{out_dir / 'checkpoints'} holds a step-{latest} checkpoint that does "
+                       f"not match this config's heads ({e.__class__.__name__}: {e}); resume "
+                       "with the config that wrote it, or use a fresh out_dir") from e
     start = latest
     log(f"resuming from {out_dir / 'checkpoints'} at step {start}")
 
