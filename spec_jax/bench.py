@@ -643,7 +643,10 @@ def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
   return tau / (k * c_draft + c_verify)
 
 
-def run_spec_suite(opts) -> dict:
+def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
+  """The spec suite. checkpoint(partial_result) is called after every finished cell (target,
+  batch, temperature); cells found in `previous` (a partial result of the same options, see
+  --resume) are taken from it instead of being measured again."""
   import numpy as np
   pairs = parse_pairs(opts.pairs)
   ks = sorted(set(int(k) for k in opts.num_draft))
@@ -657,7 +660,22 @@ def run_spec_suite(opts) -> dict:
     by_target.setdefault(t, []).append(d)
 
   rows, baselines, notes = [], [], []
+  done = set()
+  if previous:
+    rows = list(previous.get("rows", []))
+    baselines = list(previous.get("baselines", []))
+    notes = list(previous.get("notes", []))
+    done = {(b["target"], b["batch"], b["temperature"]) for b in baselines}
+    log(f"[bench] resuming: {len(done)} cells taken from the previous partial run")
+
+  def partial():
+    return {"suite": "spec", "rows": rows, "baselines": baselines,
+            "verdicts": make_verdicts(rows, baselines), "notes": notes,
+            "definitions": SPEC_DEFINITIONS}
+
   for target_spec, drafter_specs in by_target.items():
+    if all((model_label(target_spec), b, t) in done for b in batches for t in temps):
+      continue
     log(f"[bench] loading target {target_spec}")
     target = load_model(target_spec, opts.seed)
     drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
@@ -670,7 +688,8 @@ def run_spec_suite(opts) -> dict:
         context = min(context, dm.config.max_position_embeddings)
     longest = max(len(r) for r in ids)
     max_new = min(int(opts.max_new_tokens), context - longest - 1)
-    if max_new < int(opts.max_new_tokens):
+    if max_new < int(opts.max_new_tokens) and not any(
+        n.startswith(model_label(target_spec) + ": max_new_tokens") for n in notes):
       notes.append(f"{model_label(target_spec)}: max_new_tokens capped from "
                    f"{opts.max_new_tokens} to {max_new} by the context of {context} positions "
                    f"(longest prompt {longest} tokens)")
@@ -683,6 +702,8 @@ def run_spec_suite(opts) -> dict:
     cost_cache: dict = {}
 
     for batch in batches:
+      if all((model_label(target_spec), batch, t) in done for t in temps):
+        continue
       prompts = ids[:batch]
       lb = max(len(r) for r in prompts)
       # ----- cost ratios (independent of temperature) for this batch
@@ -712,6 +733,8 @@ def run_spec_suite(opts) -> dict:
       cost_cache[batch] = (t1, tv, td)
 
       for temp in temps:
+        if (model_label(target_spec), batch, temp) in done:
+          continue
         cell = f"{model_label(target_spec)} B={batch} T={temp:g}"
         log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
         for dspec, k in configs:
@@ -783,9 +806,16 @@ def run_spec_suite(opts) -> dict:
               "cost_fill": fill, "cost_capacity": cost_capacity,
               "noise_pct": base["spread_pct"],
           })
-  verdicts = make_verdicts(rows, baselines)
-  return {"suite": "spec", "rows": rows, "baselines": baselines, "verdicts": verdicts,
-          "notes": notes, "definitions": SPEC_DEFINITIONS}
+        if checkpoint is not None:
+          checkpoint(partial())
+    # Bound the memory of a long run: drop this target's compiled executables (generate()'s
+    # AOT cache and the cost-timing functions) before the next target.
+    from spec_jax import engine
+    import jax
+    getattr(engine, "_COMPILED", {}).clear()
+    _FN_CACHE.clear()
+    jax.clear_caches()
+  return partial()
 
 
 def make_verdicts(rows, baselines) -> list:
@@ -1261,7 +1291,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--quick", action="store_true",
                  help="smoke run: K 2 4, batch 1 4, 32 new tokens, 2 repeats, 5 cost repeats")
-  p.add_argument("--out", help="JSON output (default bench_results/bench_<suite>.json)")
+  p.add_argument("--out", help="JSON output (default bench_results/bench_<suite>.json); the "
+                 "spec suite rewrites it (marked partial) after every finished cell")
+  p.add_argument("--resume", action="store_true",
+                 help="spec suite: keep the finished cells of a partial --out file written with "
+                 "the same options and measure only the rest")
   p.add_argument("--plain-models", nargs="+", default=list(DEFAULT_PLAIN_MODELS))
   p.add_argument("--plain-batch", type=int, nargs="+", default=[1, 8])
   p.add_argument("--plain-max-new-tokens", type=int, default=128)
@@ -1344,10 +1378,25 @@ def main(argv=None) -> int:
         if args.out else ROOT / "bench_results" / f"bench_{suite}.json")
     started = time.time()
     info = machine_info()
+    def checkpoint(res, suite=suite, out_path=out_path, info=info, started=started):
+      res = dict(res, partial=True, schema_version=SCHEMA_VERSION, machine=info,
+                 options=options_dict(args), wall_seconds=time.time() - started)
+      atomic_write_json(out_path, res)
+
+    previous = None
+    if suite == "spec" and args.resume and out_path.is_file():
+      old = json.loads(out_path.read_text())
+      if old.get("partial") and old.get("options", {}) | {"resume": args.resume} == \
+          options_dict(args) | {"resume": args.resume}:
+        previous = old
+      else:
+        log(f"[bench] --resume: {out_path} is not a partial run of the same options; "
+            "starting afresh")
     try:
-      runner = {"spec": run_spec_suite, "plain": run_plain_suite,
-                "breakdown": run_breakdown_suite}[suite]
-      result = runner(args)
+      if suite == "spec":
+        result = run_spec_suite(args, checkpoint=checkpoint, previous=previous)
+      else:
+        result = {"plain": run_plain_suite, "breakdown": run_breakdown_suite}[suite](args)
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
@@ -1355,7 +1404,7 @@ def main(argv=None) -> int:
       info["loadavg_end"] = os.getloadavg()
     except OSError:
       pass
-    result.update({"schema_version": SCHEMA_VERSION,
+    result.update({"schema_version": SCHEMA_VERSION, "partial": False,
                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    "wall_seconds": time.time() - started, "machine": info,
                    "options": options_dict(args), "command": ["python", "-m", "spec_jax.bench"]

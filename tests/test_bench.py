@@ -57,6 +57,17 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "legend" in printed and printed.count("verdict ") == 2
   assert data["table"] in printed
+  assert data["partial"] is False
+
+  # --resume keeps the finished cells of a partial file written with the same options.
+  data["partial"] = True
+  out.write_text(json.dumps(data))
+  argv = ["--pairs", "random:tiny@ngram", "random:tiny@draft:random:tiny-draft", "-K", "1", "-B",
+          "1", "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+          "--temperatures", "0", "--out", str(out), "--resume"]
+  assert bench.main(argv) == 0
+  again = json.loads(out.read_text())
+  assert again["rows"] == rows and again["partial"] is False
 
 
 def test_plain_suite_tiny(tmp_path):
