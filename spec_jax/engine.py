@@ -28,7 +28,7 @@ from spec_jax import sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import KVCache, forward
+from spec_jax.models.transformer import KVCache, forward, unstack_layers
 from spec_jax.rejection import rejection_sample
 from spec_jax.sampling import Sampling
 from spec_jax.stats import SpecStats
@@ -167,6 +167,10 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
   k, s = num_draft, capacity
   layers = tuple(drafter.target_layers)
   limit = prompt_lens + max_new_tokens  # max committed length per row
+  if jax.default_backend() == "cpu":
+    # XLA:CPU copies a stacked weight's slice before each dot; slice once per call instead.
+    target_params = unstack_layers(target_params)
+  drafter_params = drafter.prepare(drafter_params)
 
   # Prefill: the right-padded prompts at offset 0 (padding sits after each row's prompt, is
   # never attended by real tokens, and its KV slots are overwritten by generated tokens).

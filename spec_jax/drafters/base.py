@@ -106,6 +106,11 @@ class Drafter:
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""
 
+  def prepare(self, params):
+    """Called once per generate() call inside the jit, before the decode loop: a place for
+    loop-invariant work on the params (DraftModel unstacks its layers here)."""
+    return params
+
   def init_state(self, params, prefill: PrefillInfo):
     return ()
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
-from spec_jax.models.transformer import KVCache, forward
+from spec_jax.models.transformer import KVCache, forward, unstack_layers
 
 
 def _row_keys(key, batch):
@@ -58,6 +58,9 @@ class DraftModel(Drafter):
 
   def check_compatible(self, target) -> None:
     check_same_vocabulary(self.model, target)
+
+  def prepare(self, params):
+    return unstack_layers(params) if jax.default_backend() == "cpu" else params
 
   def init_state(self, params, prefill: PrefillInfo):
     b, s = prefill.tokens.shape

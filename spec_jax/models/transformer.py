@@ -209,8 +209,12 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
   layer_hidden = {}
   # A static Python loop over layers: each layer scatters its new KV into the stacked buffer in
   # place (no scan carrying the whole cache as xs/ys, which would copy it every step).
+  layers = params["layers"]
   for layer in range(config.num_layers):
-    lp = jax.tree.map(lambda w: w[layer], params["layers"])
+    if isinstance(layers, (list, tuple)):   # unstacked (see unstack_layers)
+      lp = layers[layer]
+    else:
+      lp = jax.tree.map(lambda w: w[layer], layers)
     x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
                                     inv_freq, layer=layer)
     if layer in wanted:
@@ -219,6 +223,23 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
   logits = lm_head(params, config, hidden)
   return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
                        KVCache(k=k_all, v=v_all))
+
+
+def unstack_layers(params):
+  """The same params with `layers` as a list of per-layer dicts (forward accepts both).
+
+  XLA:CPU materialises a static slice of a stacked weight that feeds a dot: inside a decode
+  loop every step would copy every layer's weights before reading them again (measured: about
+  half the speed of a weight-streaming loop). Unstacking once per generate() call, outside the
+  loop, costs one copy of the weights per call instead of one per token.
+  """
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return params
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  out = dict(params)
+  out["layers"] = [jax.tree.map(lambda w: w[i], layers) for i in range(num_layers)]
+  return out
 
 
 # ----------------------------------------------------------------------------- init
