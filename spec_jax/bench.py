@@ -94,6 +94,10 @@ SPEC_DEFINITIONS = {
                "< 1 means speculation is SLOWER than plain decoding at that batch",
     "alpha": "acceptance_rate = accepted draft tokens / drafted tokens (SpecStats), averaged "
              "over repeats; null for plain decoding",
+    "alpha_token": "accepted / (accepted + rounds that ended in a rejection), averaged over "
+                   "repeats: the per-token acceptance a of tau = (1 - a^(K+1)) / (1 - a); "
+                   "SpecStats' alpha also counts the drafts after a round's first rejection, "
+                   "never judged, as not accepted. null unless every round drafted K tokens",
     "tau": "mean_accepted_length = tokens emitted per target forward, bonus included "
            "((accepted + rounds) / rounds); 1 for plain decoding",
     "t_target_1_ms": "time of one jitted target forward over 1 new token at batch B, cache fill F "
@@ -639,6 +643,20 @@ def _engine_capacity(longest: int, max_new: int, k: int) -> int:
   return engine._round_up(longest + max_new + k + 1, engine.CAPACITY_BUCKET)
 
 
+def alpha_per_verified_token(stats) -> Optional[float]:
+  """accepted / (accepted + rejections): the per-token acceptance of the i.i.d. model
+  tau = (1 - a^(K+1)) / (1 - a). SpecStats.acceptance_rate divides by every drafted token,
+  including the drafts after a round's first rejection that were never judged, so it equals
+  (tau - 1) / K and falls with K. Exact only when every round drafted all K tokens (a draft
+  model); None otherwise (an n-gram round may draft fewer)."""
+  k, rounds = stats.num_draft, stats.rounds
+  if k == 0 or rounds == 0 or stats.drafted != rounds * k:
+    return None
+  rejections = rounds * (1.0 - stats.accepted_at[k - 1])
+  judged = stats.accepted + rejections
+  return stats.accepted / judged if judged else None
+
+
 def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
   return tau / (k * c_draft + c_verify)
 
@@ -764,6 +782,9 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
           alphas = [s.acceptance_rate for s in res.stats]
           taus = [s.mean_accepted_length for s in res.stats]
           tau = float(np.mean(taus))
+          tok_alphas = [alpha_per_verified_token(s) for s in res.stats]
+          alpha_token = (None if k == 0 or any(a is None for a in tok_alphas)
+                         else float(np.mean(tok_alphas)))
           if k == 0:
             c_draft, c_verify, alpha = 0.0, 1.0, None
             t_draft = t_propose = 0.0
@@ -791,6 +812,7 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
                   s.seconds for s in res.stats),
               "speedup": speedup, "alpha": alpha, "tau": tau,
               "alpha_per_repeat": alphas if k else None,
+              "alpha_token": alpha_token,
               "accepted_at": list(last.accepted_at), "rounds": last.rounds,
               "iterations": last.iterations,
               "c_draft": c_draft, "c_verify": c_verify, "bound": bound,
@@ -819,6 +841,9 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
 
 
 def make_verdicts(rows, baselines) -> list:
+  """Per (target, drafter, temperature): the best K at every batch and how it compares with
+  plain decoding there. 'within noise' when |speedup - 1| is under half the plain baseline's
+  spread (max-min)/median in that cell."""
   noise = {(b["target"], b["batch"], b["temperature"]): b["noise_pct"] for b in baselines}
   groups: dict = {}
   for r in rows:
@@ -831,16 +856,17 @@ def make_verdicts(rows, baselines) -> list:
     parts = []
     for batch in sorted(per_batch):
       best = max(per_batch[batch], key=lambda r: r["speedup"])
-      nz = noise[(target, batch, temp)]
+      nz = noise.get((target, batch, temp), 0.0)
       s = best["speedup"]
-      judgement = "beats plain" if s > 1 else "LOSES to plain"
-      if abs(s - 1.0) * 100 <= nz / 2:
-        judgement += ", within noise"
+      within = abs(s - 1.0) * 100 <= nz / 2
+      judgement = ("beats plain" if s > 1 else "LOSES to plain") + (", within noise" if within
+                                                                    else "")
       parts.append({"batch": batch, "best_K": best["K"], "speedup": s, "beats_plain": s > 1.0,
-                    "noise_pct": nz, "judgement": judgement})
-    pays = [p["batch"] for p in parts if p["beats_plain"]]
+                    "clear": not within, "noise_pct": nz, "judgement": judgement})
     out.append({"target": target, "drafter": drafter, "temperature": temp, "per_batch": parts,
-                "beats_plain_at_batches": pays})
+                "beats_plain_at_batches": [p["batch"] for p in parts if p["beats_plain"]],
+                "clearly_beats_plain_at_batches": [p["batch"] for p in parts
+                                                   if p["beats_plain"] and p["clear"]]})
   return out
 
 
@@ -1164,18 +1190,21 @@ def format_spec(result: dict) -> str:
     flag = "" if r["K"] == 0 else ("LOSS" if r["speedup"] < 1 else "")
     table.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"], r["K"],
                   f"{t['median']:.0f}", f"{t['min']:.0f}-{t['max']:.0f}",
-                  f"{r['speedup']:.2f}x", flag, _fmt(r["alpha"]), _fmt(r["tau"]),
+                  f"{r['speedup']:.2f}x", flag, _fmt(r["alpha"]), _fmt(r.get("alpha_token")),
+                  _fmt(r["tau"]),
                   _fmt(r["c_draft"], 3), _fmt(r["c_verify"]), _fmt(r["bound"]),
                   f"{100 * r['efficiency']:.0f}%"])
   out = [_table(["target", "drafter", "T", "B", "K", "tok/s", "min-max", "speedup", "",
-                 "alpha", "tau", "c_draft", "c_verify", "bound", "eff"], table)]
+                 "alpha", "a_tok", "tau", "c_draft", "c_verify", "bound", "eff"], table)]
   out.append("")
   out.append("legend: tok/s = new tokens (all rows) / s of one compiled generate() call (prefill + "
              "decode, compile excluded), median of repeats; min-max over repeats. Every row "
              "generates exactly max_new_tokens per prompt (stop_tokens=[]), same prompts and key.")
   out.append("  speedup = tok/s / tok/s of plain decoding (K=0, drafter none) of the SAME target, "
              "batch B and temperature T in this run (LOSS = slower than plain). alpha = accepted/"
-             "drafted; tau = tokens per target forward (bonus included).")
+             "drafted (SpecStats.acceptance_rate = (tau-1)/K); a_tok = accepted/(accepted + "
+             "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) (draft models "
+             "only); tau = tokens per target forward (bonus included).")
   out.append("  c_verify = t(target fwd over K+1 tokens)/t(target fwd over 1), c_draft = draft "
              "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
              "ngram: propose()/K), both at the row's batch, fill = prompt + max_new/2; "
@@ -1194,9 +1223,19 @@ def format_spec(result: dict) -> str:
     for p in v["per_batch"]:
       parts.append(f"B={p['batch']}: best K={p['best_K']} {p['speedup']:.2f}x "
                    f"({p['judgement']}, noise {p['noise_pct']:.0f}%)")
+    clear = v.get("clearly_beats_plain_at_batches", [])
     pays = v["beats_plain_at_batches"]
-    tail = (f"speculation pays at B in {pays}" if pays else
-            "speculation does not beat plain decoding at any batch measured")
+    if clear:
+      tail = f"speculation pays (beyond noise) at B in {clear}"
+      if set(pays) - set(clear):
+        tail += f"; faster but within noise at B in {sorted(set(pays) - set(clear))}"
+    elif pays:
+      tail = f"faster only within noise (B in {pays}): no clear win at any batch measured"
+    else:
+      tail = "speculation does not beat plain decoding at any batch measured"
+    losses = [p["batch"] for p in v["per_batch"] if not p["beats_plain"]]
+    if losses:
+      tail += f"; slower than plain at B in {losses}"
     out.append(f"verdict {v['target']} + {v['drafter']} T={v['temperature']:g}: "
                + "; ".join(parts) + f" -> {tail}")
   return "\n".join(out)

@@ -155,3 +155,17 @@ def test_breakdown_suite_tiny(tmp_path):
   assert math.isclose(parts, r["t_round_ms"], rel_tol=1e-9, abs_tol=1e-9)
   assert math.isclose(r["efficiency_loop"],
                       r["eff_spec_overhead_factor"] * r["eff_plain_overhead_factor"])
+
+
+def test_alpha_per_verified_token():
+  from spec_jax.stats import SpecStats
+  s = SpecStats.from_counts(rounds=[10], drafted=[20], accepted=[12], accepted_at=[[7, 5]],
+                            seconds=1.0, new_tokens=22, iterations=10, num_draft=2)
+  assert s.acceptance_rate == 12 / 20                       # counts never-judged drafts
+  assert math.isclose(bench.alpha_per_verified_token(s), 12 / (12 + 5))  # 5 rounds rejected
+  k1 = SpecStats.from_counts(rounds=[10], drafted=[10], accepted=[6], accepted_at=[[6]],
+                             seconds=1.0, new_tokens=16, iterations=10, num_draft=1)
+  assert math.isclose(bench.alpha_per_verified_token(k1), k1.acceptance_rate)
+  short = SpecStats.from_counts(rounds=[10], drafted=[15], accepted=[5], accepted_at=[[4, 1]],
+                                seconds=1.0, new_tokens=15, iterations=10, num_draft=2)
+  assert bench.alpha_per_verified_token(short) is None      # an n-gram round drafted < K
