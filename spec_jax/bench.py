@@ -171,7 +171,12 @@ def drafter_label(spec: str) -> str:
   if spec in ("none", "", None):
     return "none"
   kind, _, arg = spec.partition(":")
-  if kind in ("draft", "heads") and arg:
+  if kind == "heads" and arg:
+    # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
+    path = pathlib.Path(arg.rstrip("/"))
+    name = path.parent.name if path.name == "heads" and path.parent.name else path.name
+    return f"heads:{name}"
+  if kind == "draft" and arg:
     return f"{kind}:{model_label(arg)}"
   return spec
 
@@ -697,6 +702,11 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
     log(f"[bench] loading target {target_spec}")
     target = load_model(target_spec, opts.seed)
     drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
+    for dspec, dr in drafters.items():
+      cap = getattr(dr, "max_draft", None)
+      if cap is not None and max(ks) > cap:
+        raise ValueError(f"drafter {dspec} proposes at most {cap} tokens per round; drop the "
+                         f"K values above {cap} from --num-draft (got {ks})")
     ids, texts = prompt_token_lists(target, opts.prompts, max(batches), opts.prompt_words,
                                     opts.max_prompt_tokens, opts.seed)
     context = target.config.max_position_embeddings
@@ -896,6 +906,11 @@ def run_breakdown_suite(opts) -> dict:
   for target_spec, drafter_specs in by_target.items():
     target = load_model(target_spec, opts.seed)
     drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
+    for dspec, dr in drafters.items():
+      cap = getattr(dr, "max_draft", None)
+      if cap is not None and max(ks) > cap:
+        raise ValueError(f"drafter {dspec} proposes at most {cap} tokens per round; drop the "
+                         f"K values above {cap} from --num-draft (got {ks})")
     ids, _ = prompt_token_lists(target, opts.prompts, max(batches), opts.prompt_words,
                                 opts.max_prompt_tokens, opts.seed)
     context = min([target.config.max_position_embeddings] + [
