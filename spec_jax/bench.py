@@ -107,7 +107,8 @@ SPEC_DEFINITIONS = {
                      "(dispatch, work hoisted out of the loop) cancel as in the engine's "
                      "while_loop; median of cost_repeats pairs",
     "c_verify": "t(target forward over K+1 new tokens) / t(target forward over 1 new token), "
-                "same batch, fill and capacity; 1 for K=0",
+                "same batch, fill and capacity; all timers of a batch run round-robin and the "
+                "ratio is the median over rounds of the per-round ratio; 1 for K=0",
     "c_draft": "drafting cost of one round / K, in units of t_target_1. DraftModel: t(draft-model "
                "forward over 1 token, same batch, fill, capacity) / t_target_1 (so K*c_draft is K "
                "draft forwards; the sampling of q and the 2-token first step are not included). "
@@ -135,9 +136,11 @@ PLAIN_DEFINITIONS = {
     "greedy_match": "both produced exactly the same greedy tokens on the timed prompts",
     "c": "verify cost ratio: t(forward over T new tokens at fill F) / t(forward over 1 token at "
          "fill F), batch 1, capacity F + 16; t = (t(2n) - t(n)) / n for a jitted fori_loop of n "
-         "forwards (cache carried in place, argmax fed back), median of cost_repeats pairs",
+         "forwards (cache carried in place, argmax fed back); T = 1..9 timed round-robin, c = "
+         "median over rounds of the per-round ratio",
     "c_call": "the same ratio from single jitted forward calls (params as arguments, cache "
-              "donated, block_until_ready): includes the per-call dispatch overhead",
+              "donated, block_until_ready), round-robin: includes the per-call dispatch overhead "
+              "and per-call work",
 }
 
 
@@ -453,53 +456,76 @@ def _initial_drafter_state(drafter, target, tokens, fill: int, sampling):
   return jax.jit(drafter.init_state)(drafter.params, prefill)
 
 
-def _time_calls(call, repeats: int, min_call_s: float = 0.02, max_inner: int = 512,
-                single_call: bool = False) -> dict:
-  """call(n) runs n inner iterations (a jitted fori_loop) and blocks.
-
-  Per-iteration time by differencing: per_iter = (t(2n) - t(n)) / n, n chosen so that a call
-  of n lasts >= min_call_s (the fastest of 3 single calls calibrates); the median over
-  `repeats` (t(n), t(2n)) pairs. Differencing cancels what a call pays once whatever n is:
-  dispatch, and work XLA hoists out of the loop or does before it (e.g. materialising the
-  per-layer weight slices), which the engine's long while_loop amortises.
-  single_call=True instead times single calls, n = 1, overheads included.
-  -> {'per_iter_s', 'min_s', 'max_s', 'spread_pct', 'n_inner', 'repeats', 'method'}.
-  """
+def _calibrate(call, min_call_s: float = 0.02, max_inner: int = 512) -> int:
+  """Compiles and warms call, then picks n so that call(n) lasts >= min_call_s (the fastest of
+  3 single calls calibrates); warms call(2n)."""
   call(1)                                   # compile + warm
-  if single_call:
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      call(1)
-      times.append(time.perf_counter() - t0)
-    s = summarize(times)
-    return {"per_iter_s": s["median"], "min_s": s["min"], "max_s": s["max"],
-            "spread_pct": s["spread_pct"], "n_inner": 1, "repeats": repeats,
-            "method": "single call"}
   one = []
   for _ in range(3):
     t0 = time.perf_counter()
     call(1)
     one.append(time.perf_counter() - t0)
   n = int(min(max_inner, max(1, math.ceil(min_call_s / max(min(one), 1e-7)))))
-  call(2 * n)                               # warm at 2n
-  per = []
+  call(2 * n)
+  return n
+
+
+def time_interleaved(calls: dict, repeats: int) -> dict:
+  """Per-iteration times of several timers measured round-robin, so that a slow phase of a
+  shared machine hits all of them alike (ratios are then taken per round, see ratio_of).
+
+  calls: name -> call(n), which runs n inner iterations (a jitted fori_loop) and blocks.
+  Per iteration by differencing: (t(2n) - t(n)) / n, which cancels what a call pays once
+  whatever n is (dispatch; work XLA hoists out of the loop or does before it, e.g.
+  materialising per-layer weight slices), as the engine's long while_loop amortises it.
+  -> name -> {'samples': [seconds per iteration, one per round], 'per_iter_s' (median),
+  'min_s', 'max_s', 'spread_pct', 'n_inner', 'repeats', 'method'}.
+  """
+  ns = {name: _calibrate(c) for name, c in calls.items()}
+  samples = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, c in calls.items():
+      n = ns[name]
+      t0 = time.perf_counter()
+      c(n)
+      t_n = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      c(2 * n)
+      t_2n = time.perf_counter() - t0
+      samples[name].append(max(t_2n - t_n, 1e-9) / n)
+  out = {}
+  for name, vals in samples.items():
+    s = summarize(vals)
+    out[name] = {"samples": vals, "per_iter_s": s["median"], "min_s": s["min"], "max_s": s["max"],
+                 "spread_pct": s["spread_pct"], "n_inner": ns[name], "repeats": repeats,
+                 "method": "(t(2n) - t(n)) / n, round-robin"}
+  return out
+
+
+def ratio_of(a: dict, b: dict, scale: float = 1.0) -> float:
+  """Median over rounds of a/b (both from one time_interleaved call), divided by scale."""
+  return statistics.median(x / y for x, y in zip(a["samples"], b["samples"])) / scale
+
+
+def _time_calls(call, repeats: int, single_call: bool = False) -> dict:
+  """One timer: time_interleaved({call}), or, with single_call, `repeats` single calls (n = 1,
+  per-call overheads included)."""
+  if not single_call:
+    return time_interleaved({"t": call}, repeats)["t"]
+  call(1)
+  times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    call(n)
-    t_n = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    call(2 * n)
-    t_2n = time.perf_counter() - t0
-    per.append(max(t_2n - t_n, 1e-9) / n)
-  s = summarize(per)
-  return {"per_iter_s": s["median"], "min_s": s["min"], "max_s": s["max"],
-          "spread_pct": s["spread_pct"], "n_inner": n, "repeats": repeats,
-          "method": "(t(2n) - t(n)) / n"}
+    call(1)
+    times.append(time.perf_counter() - t0)
+  s = summarize(times)
+  return {"samples": times, "per_iter_s": s["median"], "min_s": s["min"], "max_s": s["max"],
+          "spread_pct": s["spread_pct"], "n_inner": 1, "repeats": repeats,
+          "method": "single call"}
 
 
-def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: int,
-                 single_call: bool = False, tokens=None) -> dict:
+def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: int = 0,
+                 single_call: bool = False, tokens=None, call_only: bool = False):
   """Seconds per forward of `model` over t new tokens per row at cache fill `fill`."""
   import jax
   import jax.numpy as jnp
@@ -519,6 +545,8 @@ def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: i
     toks, cache = fn(model.params, state["tokens"], state["cache"], offsets, jnp.int32(n))
     jax.block_until_ready(toks)
     state["cache"] = cache
+  if call_only:
+    return call
   return _time_calls(call, repeats, single_call=single_call)
 
 
@@ -530,8 +558,8 @@ def _text_like_buffer(batch: int, capacity: int, vocab: int):
   return np.tile(base, (1, reps))[:, :capacity].astype(np.int32)
 
 
-def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, repeats: int,
-                 temperature: float = 0.0) -> dict:
+def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, repeats: int = 0,
+                 temperature: float = 0.0, call_only: bool = False):
   """Seconds per jitted drafter.propose() of K tokens (the whole draft of one round, sampling
   of q included) on a [B, capacity] buffer with `fill` committed tokens per row."""
   import jax
@@ -548,6 +576,8 @@ def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, 
     toks, st["state"] = fn(drafter.params, st["state"], tokens, lengths, key, sampling,
                            target.params, jnp.int32(n))
     jax.block_until_ready(toks)
+  if call_only:
+    return call
   return _time_calls(call, repeats)
 
 
@@ -737,27 +767,37 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
       # ----- cost ratios (independent of temperature) for this batch
       log(f"[bench] {model_label(target_spec)} B={batch}: timing cost ratios "
           f"(fill {fill}, capacity {cost_capacity})")
-      t1 = time_forward(target, batch, 1, fill, cost_capacity, opts.cost_repeats)
-      tv = {k: time_forward(target, batch, k + 1, fill, cost_capacity, opts.cost_repeats)
-            for k in ks}
+      calls = {"t1": time_forward(target, batch, 1, fill, cost_capacity, call_only=True)}
+      for k in ks:
+        calls[("verify", k)] = time_forward(target, batch, k + 1, fill, cost_capacity,
+                                            call_only=True)
+      for dspec, dr in drafters.items():
+        if draft_model_of(dr) is not None:
+          calls[("draft_fwd", dspec)] = time_forward(draft_model_of(dr), batch, 1, fill,
+                                                     cost_capacity, call_only=True)
+        for k in ks:
+          # The whole propose() of a round (draft model: 2-token first step, K-1 more, the
+          # sampling of q at temperature 1; n-gram: the search).
+          calls[("propose", dspec, k)] = time_propose(
+              dr, target, batch, k, fill, cost_capacity,
+              temperature=1.0 if draft_model_of(dr) is not None else 0.0, call_only=True)
+      timed = time_interleaved(calls, opts.cost_repeats)
+      t1 = timed["t1"]
+      tv = {k: timed[("verify", k)] for k in ks}
       td = {}
       for dspec, dr in drafters.items():
-        dm = draft_model_of(dr)
-        if dm is not None:
-          one = time_forward(dm, batch, 1, fill, cost_capacity, opts.cost_repeats)
-          td[dspec] = {}
-          for k in ks:
-            # The whole propose() of a round (2-token first step, K-1 more, sampling of q).
-            full = time_propose(dr, target, batch, k, fill, cost_capacity, opts.cost_repeats,
-                                1.0)
-            td[dspec][k] = dict(one, per_round_s=k * one["per_iter_s"],
-                                min_round_s=k * one["min_s"], propose_s=full["per_iter_s"])
-        else:
-          td[dspec] = {}
-          for k in ks:
-            pr = time_propose(dr, target, batch, k, fill, cost_capacity, opts.cost_repeats)
-            td[dspec][k] = dict(pr, per_round_s=pr["per_iter_s"], min_round_s=pr["min_s"],
-                                propose_s=pr["per_iter_s"])
+        td[dspec] = {}
+        for k in ks:
+          prop = timed[("propose", dspec, k)]
+          if draft_model_of(dr) is not None:
+            one = timed[("draft_fwd", dspec)]
+            td[dspec][k] = {"per_round_s": k * one["per_iter_s"], "min_round_s": k * one["min_s"],
+                            "c_draft": ratio_of(one, t1), "propose_s": prop["per_iter_s"],
+                            "c_propose": ratio_of(prop, t1, k)}
+          else:
+            td[dspec][k] = {"per_round_s": prop["per_iter_s"], "min_round_s": prop["min_s"],
+                            "c_draft": ratio_of(prop, t1, k), "propose_s": prop["per_iter_s"],
+                            "c_propose": ratio_of(prop, t1, k)}
       cost_cache[batch] = (t1, tv, td)
 
       for temp in temps:
@@ -800,13 +840,13 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
             t_draft = t_propose = 0.0
             c_draft_min, c_verify_min, c_propose = 0.0, 1.0, 0.0
           else:
-            c_verify = tv[k]["per_iter_s"] / t1["per_iter_s"]
+            c_verify = ratio_of(tv[k], t1)          # median over rounds of per-round ratios
             t_draft = td[dspec][k]["per_round_s"]
-            c_draft = t_draft / k / t1["per_iter_s"]
+            c_draft = td[dspec][k]["c_draft"]
             c_verify_min = tv[k]["min_s"] / t1["min_s"]
             c_draft_min = td[dspec][k]["min_round_s"] / k / t1["min_s"]
             t_propose = td[dspec][k]["propose_s"]
-            c_propose = t_propose / k / t1["per_iter_s"]
+            c_propose = td[dspec][k]["c_propose"]
             alpha = float(np.mean(alphas))
           bound = bound_of(tau, k, c_draft, c_verify)
           speedup = tps["median"] / base["median"] if k else 1.0
@@ -1160,20 +1200,27 @@ def run_plain_suite(opts) -> dict:
                 f"{model.config.max_position_embeddings} (RoPE positions past the trained "
                 f"context; irrelevant for timing)")
         notes.append(f"{label} F={fill}: {note}")
-      base = base_call = None
-      for t in range(1, int(opts.max_verify_tokens) + 1):
-        loop = time_forward(model, 1, t, fill, capacity, opts.cost_repeats)
-        call = time_forward(model, 1, t, fill, capacity, opts.cost_repeats, single_call=True)
-        if t == 1:
-          base, base_call = loop["per_iter_s"], call["per_iter_s"]
+      ts = list(range(1, int(opts.max_verify_tokens) + 1))
+      calls = {t: time_forward(model, 1, t, fill, capacity, call_only=True) for t in ts}
+      loop = time_interleaved(calls, opts.cost_repeats)
+      single = {t: [] for t in ts}        # single jitted calls, also round-robin
+      for _ in range(opts.cost_repeats):
+        for t in ts:
+          t0 = time.perf_counter()
+          calls[t](1)
+          single[t].append(time.perf_counter() - t0)
+      single = {t: dict(summarize(v), samples=v) for t, v in single.items()}
+      for t in ts:
+        c = ratio_of(loop[t], loop[1])
+        c_call = ratio_of(single[t], single[1])
         cost_rows.append({"model": label, "params": n_params, "batch": 1, "fill": fill,
-                          "capacity": capacity, "T": t, "t_ms": 1e3 * loop["per_iter_s"],
-                          "t_spread_pct": loop["spread_pct"], "n_inner": loop["n_inner"],
-                          "c": loop["per_iter_s"] / base, "t_call_ms": 1e3 * call["per_iter_s"],
-                          "t_call_spread_pct": call["spread_pct"],
-                          "c_call": call["per_iter_s"] / base_call, "note": note})
-        log(f"[bench] cost {label} F={fill} T={t}: {1e3 * loop['per_iter_s']:.3f} ms "
-            f"(c={cost_rows[-1]['c']:.2f}), single call {1e3 * call['per_iter_s']:.3f} ms")
+                          "capacity": capacity, "T": t, "t_ms": 1e3 * loop[t]["per_iter_s"],
+                          "t_spread_pct": loop[t]["spread_pct"], "n_inner": loop[t]["n_inner"],
+                          "c": c, "t_call_ms": 1e3 * single[t]["median"],
+                          "t_call_spread_pct": single[t]["spread_pct"], "c_call": c_call,
+                          "note": note})
+        log(f"[bench] cost {label} F={fill} T={t}: {cost_rows[-1]['t_ms']:.3f} ms (c={c:.2f}), "
+            f"single call {cost_rows[-1]['t_call_ms']:.3f} ms (c_call={c_call:.2f})")
     del model
     jax.clear_caches()
     _FN_CACHE.clear()
