@@ -112,7 +112,9 @@ SPEC_DEFINITIONS = {
     "c_draft": "drafting cost of one round / K, in units of t_target_1. DraftModel: t(draft-model "
                "forward over 1 token, same batch, fill, capacity) / t_target_1 (so K*c_draft is K "
                "draft forwards; the sampling of q and the 2-token first step are not included). "
-               "NGram: t(jitted propose() of K tokens) / K / t_target_1. 0 for K=0",
+               "NGram and heads: t(jitted propose() of K tokens + commit() of the round) / K / "
+               "t_target_1 (commit is where EAGLE/MTP heads run their layer over the K+1 verified "
+               "features; free for n-gram). 0 for K=0",
     "bound": "tau / (K * c_draft + c_verify): the analytic speedup with the measured tau and cost "
              "ratios and no other overhead (Leviathan et al. with c_verify = 1)",
     "efficiency": "speedup / bound: the fraction of the analytic speedup the engine realises",
@@ -415,20 +417,33 @@ def _forward_loop_fn(config):
 
 def _propose_loop_fn(drafter, k):
   """jit(params, state, tokens [B,S], lengths, rng, sampling, target_params, n) -> (tokens,
-  state): n propose() calls in a fori_loop, the drafter state carried as in the engine; the
-  first draft is written back into the buffer so no call is loop-invariant."""
+  state): n rounds of the drafter's own work in a fori_loop — propose() and then commit() with
+  a synthetic verify result (zero target features, nothing accepted), the drafter state carried
+  as in the engine. commit is free for draft models and n-gram; feature heads (EAGLE, MTP) run
+  their layer over the K+1 verified features there, which is drafting cost too. The first draft
+  is written back into the buffer so no call is loop-invariant."""
   key = ("propose", drafter, k)
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax.drafters.base import DraftContext
+    from spec_jax.drafters.base import DraftContext, VerifyInfo
 
     def run(params, state, tokens, lengths, rng, sampling, target_params, n):
+      b = tokens.shape[0]
+      width = target_params["embed"].shape[1]
+      hidden = jnp.zeros((b, k + 1, width), target_params["embed"].dtype)
+
       def body(i, carry):
         toks, st = carry
         ctx = DraftContext(key=jax.random.fold_in(rng, i), tokens=toks, lengths=lengths,
                            sampling=sampling, target_params=target_params, num_draft=k)
         drafts, _, st = drafter.propose(params, st, ctx)
+        drafts = jnp.maximum(drafts, 0).astype(jnp.int32)
+        emitted = jnp.concatenate([drafts[:, :1], jnp.full((b, k), -1, jnp.int32)], axis=1)
+        verify = VerifyInfo(input_tokens=jnp.concatenate([drafts[:, :1], drafts], axis=1),
+                            hidden=hidden, layer_hidden=tuple(hidden for _ in drafter.target_layers),
+                            lengths_before=lengths, lengths=lengths, target_params=target_params)
+        st = drafter.commit(params, st, emitted, jnp.zeros((b,), jnp.int32), verify)
         toks = jax.lax.dynamic_update_slice(
             toks, jnp.maximum(drafts[:, :1], 0).astype(toks.dtype), (0, 0))
         return toks, st
@@ -1269,7 +1284,7 @@ def format_spec(result: dict) -> str:
              "only); tau = tokens per target forward (bonus included).")
   out.append("  c_verify = t(target fwd over K+1 tokens)/t(target fwd over 1), c_draft = draft "
              "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
-             "ngram: propose()/K), both at the row's batch, fill = prompt + max_new/2; "
+             "ngram, heads: (propose()+commit())/K), both at the row's batch, fill = prompt + max_new/2; "
              "bound = tau/(K*c_draft + c_verify); eff = speedup/bound.")
   noise = [b["noise_pct"] for b in result["baselines"]]
   if noise:
