@@ -394,6 +394,18 @@ def prompt_token_lists(model, source: str, n: int, words: int, max_prompt_tokens
 _FN_CACHE: dict = {}
 
 
+def _as_engine_prepares(params):
+  """The target params as generate() hands them to its loop: on CPU the engine unstacks the
+  per-layer weights once per call (XLA:CPU would otherwise copy each layer's weight slices
+  before every dot, every step). Timers do the same, before their loop."""
+  import jax
+  try:
+    from spec_jax.models.transformer import unstack_layers
+  except ImportError:          # an engine without it slices inside the loop; so do we
+    return params
+  return unstack_layers(params) if jax.default_backend() == "cpu" else params
+
+
 def _forward_loop_fn(config):
   """jit(params, tokens [B,T], cache, offsets, n) -> (tokens, cache): n forwards in a fori_loop,
   the argmax of every position fed back as the next inputs (so the LM head is not dead code),
@@ -405,6 +417,8 @@ def _forward_loop_fn(config):
     from spec_jax.models.transformer import forward
 
     def run(params, tokens, cache, offsets, n):
+      params = _as_engine_prepares(params)
+
       def body(_, carry):
         toks, c = carry
         out = forward(params, config, toks, c, offsets)
@@ -430,6 +444,9 @@ def _propose_loop_fn(drafter, k):
 
     def run(params, state, tokens, lengths, rng, sampling, target_params, n):
       b = tokens.shape[0]
+      # What generate() does once per call, outside its loop.
+      params = drafter.prepare(params) if hasattr(drafter, "prepare") else params
+      target_params = _as_engine_prepares(target_params)
       width = target_params["embed"].shape[1]
       hidden = jnp.zeros((b, k + 1, width), target_params["embed"].dtype)
 
@@ -471,16 +488,24 @@ def _initial_drafter_state(drafter, target, tokens, fill: int, sampling):
   return jax.jit(drafter.init_state)(drafter.params, prefill)
 
 
-def _calibrate(call, min_call_s: float = 0.02, max_inner: int = 512) -> int:
-  """Compiles and warms call, then picks n so that call(n) lasts >= min_call_s (the fastest of
-  3 single calls calibrates); warms call(2n)."""
+def _calibrate(call, min_loop_s: float = 0.03, max_inner: int = 512) -> int:
+  """Compiles and warms call, then picks n so that the loop part of call(n) is long against
+  both timer noise (n * per_iteration >= min_loop_s) and the per-call part (>= 2x what a call
+  pays once, e.g. the engine-like unstacking of the weights): per_iteration and the per-call
+  part are estimated from the fastest of 3 calls at n=1 and 2 at n=4. Warms call(2n)."""
+  def fastest(n, reps):
+    best = float("inf")
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      call(n)
+      best = min(best, time.perf_counter() - t0)
+    return best
   call(1)                                   # compile + warm
-  one = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    call(1)
-    one.append(time.perf_counter() - t0)
-  n = int(min(max_inner, max(1, math.ceil(min_call_s / max(min(one), 1e-7)))))
+  t1 = fastest(1, 3)
+  t4 = fastest(4, 2)
+  per_iter = max((t4 - t1) / 3, t1 / 50, 1e-7)
+  fixed = max(t1 - per_iter, 0.0)
+  n = int(min(max_inner, max(1, math.ceil(max(min_loop_s, 2 * fixed) / per_iter))))
   call(2 * n)
   return n
 
@@ -606,6 +631,8 @@ def _verify_loop_fn(config):
     from spec_jax import engine
 
     def run(params, tokens, cache, offsets, sampling, n):
+      params = _as_engine_prepares(params)
+
       def body(_, carry):
         toks, c = carry
         probs, out = engine.verify_step(params, config, c, toks[:, 0], toks[:, 1:], offsets + 1,
