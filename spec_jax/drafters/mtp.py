@@ -37,6 +37,7 @@ import numpy as np
 
 from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
 from spec_jax.models.config import ModelConfig
+from spec_jax.models import hf
 
 
 class MTP(FeatureHead):
@@ -76,22 +77,7 @@ class MTP(FeatureHead):
     return cls(params, model.config, cfg, (model.config.num_layers - 1,), greedy_drafts)
 
 
-_LAYER_SUFFIX = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_LAYER_SUFFIX = hf._LAYER_NAMES  # one HF -> ours name table, shared with the loader
 
 
 def params_from_hf(raw: dict, target_config: ModelConfig, layer_config: ModelConfig) -> dict:
