@@ -20,10 +20,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 
-# Param leaf name -> which axis (of the leaf, [L] axis included for layers) is split on "model".
+# Param leaf name -> which axis is split on "model", counted from the END of the leaf's shape,
+# so that one table serves the target's stacked layers ([L, D, H*Dh]), a draft head's single
+# layer ([D, H*Dh]: EAGLE / EAGLE-3 / MTP) and Medusa's per-head LM heads ([K, D, V]).
 _MODEL_AXIS = {
-    "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
-    "w_gate": 2, "w_up": 2, "w_down": 1, "embed": 0, "lm_head": 1,
+    "wq": -1, "wk": -1, "wv": -1, "bq": -1, "bk": -1, "bv": -1, "wo": -2,
+    "w_gate": -1, "w_up": -1, "w_down": -2, "embed": -2, "lm_head": -1,
 }
 
 
@@ -54,8 +56,10 @@ def as_auto(mesh: Optional[Mesh]) -> Optional[Mesh]:
 
 
 def _spec_for(name: str, shape, model_size: int) -> P:
+  """The PartitionSpec of a param leaf named `name` with `shape`: one axis on "model" (see
+  _MODEL_AXIS) when it divides, else replicated. Leaves of unexpected rank stay replicated."""
   axis = _MODEL_AXIS.get(name)
-  if axis is None or shape[axis] % model_size:
+  if axis is None or len(shape) < -axis or shape[axis] % model_size:
     return P()
   spec = [None] * len(shape)
   spec[axis] = MODEL
