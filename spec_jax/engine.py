@@ -47,7 +47,8 @@ class DecodeState:
   cache: the target KVCache [L, B, S, Hkv, Dh].
   drafter_state: the drafter's pytree.
   key: PRNG key, split once per round.
-  rounds, drafted, accepted: int32 [B] statistics; accepted_at: int32 [B, K].
+  rounds, drafted, accepted, emitted: int32 [B] statistics of what was emitted (see
+    SpecStats); accepted_at: int32 [B, K].
   iterations: int32 scalar, loop iterations so far.
   """
   tokens: jax.Array
@@ -61,6 +62,7 @@ class DecodeState:
   accepted: jax.Array
   accepted_at: jax.Array
   iterations: jax.Array
+  emitted: jax.Array
 
 
 class GenerateOutput(NamedTuple):
@@ -193,7 +195,7 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,
                       accepted=zeros, accepted_at=jnp.zeros((b, k), jnp.int32),
-                      iterations=jnp.zeros((), jnp.int32))
+                      iterations=jnp.zeros((), jnp.int32), emitted=zeros)
 
   def round_(st: DecodeState) -> DecodeState:
     key, draft_key, accept_key = jax.random.split(st.key, 3)
@@ -212,15 +214,22 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
                         hidden=out.hidden, layer_hidden=out.layer_hidden,
                         lengths_before=st.lengths, lengths=lengths, target_params=target_params)
     dstate = drafter.commit(drafter_params, dstate, emitted, n_acc, verify)
+    # Statistics count what was emitted: a block cut by max_new_tokens or a stop token after
+    # e <= n_acc tokens emitted e accepted drafts (the rest were thrown away, like the drafts
+    # past a rejection) and judged only those e drafts. Finished rows emit 0 and count nothing.
     active = (~st.done).astype(jnp.int32)
+    n_out = lengths - st.lengths                       # tokens this round emitted (0 if done)
+    cut = n_out <= n_acc
+    acc_out = jnp.minimum(n_acc, n_out)
     return DecodeState(
         tokens=tokens, lengths=lengths, done=done, cache=out.cache, drafter_state=dstate, key=key,
         rounds=st.rounds + active,
-        drafted=st.drafted + active * draft_lengths,
-        accepted=st.accepted + active * n_acc,
+        drafted=st.drafted + active * jnp.where(cut, n_out, draft_lengths),
+        accepted=st.accepted + active * acc_out,
         accepted_at=st.accepted_at + active[:, None] * (
-            jnp.arange(k)[None, :] < n_acc[:, None]).astype(jnp.int32),
-        iterations=st.iterations + 1)
+            jnp.arange(k)[None, :] < acc_out[:, None]).astype(jnp.int32),
+        iterations=st.iterations + 1,
+        emitted=st.emitted + active * n_out)
 
   return jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
 
@@ -244,7 +253,7 @@ def _prepare_prompts(target, prompts) -> list[list[int]]:
                          "lists of token ids")
       ids = target.encode(prompt)
     else:
-      ids = [int(t) for t in np.asarray(prompt).reshape(-1).tolist()]
+      ids = _token_ids(prompt, f"prompt {i}")
     if len(ids) == 0:
       raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -254,14 +263,54 @@ def _prepare_prompts(target, prompts) -> list[list[int]]:
   return out
 
 
+def _token_ids(values, what: str) -> list[int]:
+  """A flat list of token ids from a sequence of integers (integral floats are accepted, as
+  from a float array); raises ValueError on anything else instead of truncating it."""
+  if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray, jax.Array)):
+    raise ValueError(f"{what} must be a list of integer token ids, got {type(values).__name__}")
+  try:
+    arr = np.asarray(values)
+  except ValueError as e:  # ragged nesting
+    raise ValueError(f"{what} must be a flat list of integer token ids: {e}") from None
+  if arr.size == 0:
+    return []
+  if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
+                               or np.issubdtype(arr.dtype, np.floating)):
+    raise ValueError(f"{what} must hold integer token ids, got {arr.dtype} values "
+                     f"{arr.reshape(-1)[:5].tolist()}")
+  if np.issubdtype(arr.dtype, np.floating):
+    bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
+    if bad.size:
+      raise ValueError(f"{what} must hold integer token ids; these are not integers: "
+                       f"{bad[:5].tolist()}")
+  return [int(t) for t in arr.reshape(-1).tolist()]
+
+
 def _stop_array(target, stop_tokens) -> np.ndarray:
   if stop_tokens is None:
     stop_tokens = target.config.eos_token_ids
-  stop = [int(t) for t in stop_tokens]
+  stop = _token_ids(stop_tokens, "stop_tokens (None = the model's end-of-text tokens, [] = none)")
   bad = [t for t in stop if not 0 <= t < target.config.vocab_size]
   if bad:
     raise ValueError(f"stop_tokens outside the vocabulary [0, {target.config.vocab_size}): {bad}")
   return np.asarray(stop, np.int32).reshape(-1)
+
+
+def _check_key(key) -> None:
+  """None, a typed key (jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)."""
+  if key is None:
+    return
+  if isinstance(key, (jax.Array, np.ndarray)):
+    dtype = key.dtype
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key) and key.shape == ():
+      return
+    if dtype == np.uint32 and key.shape == (2,):
+      return
+    what = f"an array of dtype {dtype} and shape {key.shape}"
+  else:
+    what = f"{type(key).__name__} {key!r}"
+  raise ValueError(f"key must be one jax PRNG key, jax.random.key(seed) (or a uint32[2] "
+                   f"jax.random.PRNGKey), or None for key(0); got {what}")
 
 
 _COMPILED: dict = {}
@@ -321,7 +370,11 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   batch = len(ids)
   sharding_lib.check_mesh(mesh, batch)
   mesh = sharding_lib.as_auto(mesh)
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a spec_jax.Sampling (e.g. sj.Sampling(temperature=0.0) "
+                     f"for greedy), got {type(sampling).__name__}")
   sampling = sampling.as_arrays(batch)
+  _check_key(key)
   stop = _stop_array(target, stop_tokens)
 
   longest = max(len(r) for r in ids)
@@ -332,6 +385,9 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   needed = longest + max_new_tokens + k + 1
   if capacity is None:
     capacity = _round_up(needed, CAPACITY_BUCKET)
+  elif isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
+    raise ValueError(f"capacity must be an integer number of KV-cache slots (or None for "
+                     f"automatic), got {capacity!r} of type {type(capacity).__name__}")
   elif capacity < needed:
     raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest}) + "
                      f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) needs {needed}")
@@ -366,5 +422,5 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       rounds=np.asarray(final.rounds), drafted=np.asarray(final.drafted),
       accepted=np.asarray(final.accepted), accepted_at=np.asarray(final.accepted_at),
       seconds=seconds, new_tokens=sum(len(t) for t in new),
-      iterations=int(final.iterations), num_draft=k)
+      iterations=int(final.iterations), num_draft=k, emitted=np.asarray(final.emitted))
   return GenerateOutput(tokens=new, text=text, stats=stats)

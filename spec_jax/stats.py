@@ -11,18 +11,32 @@ import numpy as np
 class SpecStats:
   """Counts over every row and round of one generate() call.
 
+  Every count is of what was emitted: a round whose block was cut by max_new_tokens or a stop
+  token after e tokens (e <= the drafts it accepted) counts e drafted and e accepted drafts; the
+  accepted drafts it threw away count nowhere, like the drafts after a round's first rejection.
+
   rounds: target verify passes, summed over rows (rows that finished are not counted).
-  drafted: draft tokens proposed (valid ones only; an n-gram miss proposes fewer than K).
-  accepted: draft tokens accepted by the rejection sampler.
-  acceptance_rate: accepted / drafted (alpha, the per-token acceptance).
-  mean_accepted_length: tokens emitted per target forward, bonus included: (accepted + rounds)
-    / rounds, the tau of the papers (1.0 for plain decoding).
-  accepted_at: [K] fraction of rounds in which draft position i was accepted.
+  drafted: draft tokens proposed (valid ones only; an n-gram miss proposes fewer than K; a cut
+    round counts the drafts it emitted).
+  accepted: accepted draft tokens that were emitted.
+  acceptance_rate: accepted / drafted (alpha, per drafted token); 0.0 when nothing was drafted.
+  alpha_token: the per-token acceptance alpha of the i.i.d. model, the root in [0, 1] of
+    tau = (1 - alpha^(K+1)) / (1 - alpha) for the measured tau (acceptance_rate also counts
+    the drafts after a round's first rejection, which were never judged, so it falls with K;
+    alpha_token does not). 0.0 when K = 0 or there were no rounds.
+  mean_accepted_length: tokens emitted per target forward, bonus included: emitted / rounds,
+    the tau of the papers (= (accepted + rounds) / rounds when no round was cut). 1.0 when
+    there were no rounds (max_new_tokens = 1: the prefill's forward emitted the one token) and
+    for plain decoding.
+  accepted_at: [K] fraction of rounds in which draft position i was accepted and emitted (0.0
+    each when there were no rounds).
   seconds: wall time of the compiled generation (prefill + decode loop; compile excluded).
   tokens_per_second: new tokens / seconds, over all rows.
-  new_tokens: new tokens emitted over all rows (stop tokens included).
+  new_tokens: new tokens emitted over all rows (stop tokens included; the prefill's included).
   iterations: decode-loop iterations (target forwards after the prefill).
   num_draft: K.
+  emitted: tokens emitted by the rounds (new_tokens less the one token per row the prefill
+    sampled).
   """
   rounds: int
   drafted: int
@@ -35,32 +49,63 @@ class SpecStats:
   new_tokens: int = 0
   iterations: int = 0
   num_draft: int = 0
+  emitted: int = 0
+  alpha_token: float = 0.0
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
-                  num_draft) -> "SpecStats":
+                  num_draft, emitted=None) -> "SpecStats":
+    """Sums per-row counts. emitted None means no round was cut: accepted + rounds."""
     rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
+    emitted = accepted + rounds if emitted is None else int(np.sum(emitted))
     accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
+    tau = emitted / rounds if rounds else 1.0
     return cls(
         rounds=rounds,
         drafted=drafted,
         accepted=accepted,
         acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted_length=(accepted + rounds) / rounds if rounds else 0.0,
+        mean_accepted_length=tau,
         accepted_at=tuple(float(a) / rounds if rounds else 0.0 for a in accepted_at),
         seconds=float(seconds),
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
         new_tokens=int(new_tokens),
         iterations=int(iterations),
-        num_draft=int(num_draft))
+        num_draft=int(num_draft),
+        emitted=emitted,
+        alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft else 0.0)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
     return (f"K={self.num_draft} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
+            f"alpha_token={self.alpha_token:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
             f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "
             f"tokens/s={self.tokens_per_second:.1f}")
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def tau_of_alpha(alpha: float, num_draft: int) -> float:
+  """Expected tokens per round, (1 - alpha^(K+1)) / (1 - alpha) = 1 + alpha + ... + alpha^K."""
+  return float(sum(alpha ** i for i in range(num_draft + 1)))
+
+
+def alpha_from_tau(tau: float, num_draft: int) -> float:
+  """The alpha in [0, 1] with tau_of_alpha(alpha, K) = tau (tau clipped to [1, K+1]).
+
+  tau_of_alpha is strictly increasing on [0, 1] from 1 to K+1, so the root is unique; found by
+  bisection to float64 precision (60 halvings)."""
+  if num_draft < 1:
+    raise ValueError(f"alpha_from_tau needs K >= 1, got {num_draft}")
+  tau = min(max(float(tau), 1.0), num_draft + 1.0)
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = 0.5 * (lo + hi)
+    if tau_of_alpha(mid, num_draft) < tau:
+      lo = mid
+    else:
+      hi = mid
+  return 0.5 * (lo + hi)
