@@ -16,6 +16,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax.drafters import heads_io
+from spec_jax.drafters.base import PrefillInfo
 from spec_jax.drafters.eagle import EAGLE, EAGLE3
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
@@ -128,6 +129,181 @@ def test_training_time_test_unroll_matches_drafting():
     feature = o[:, 0]
   np.testing.assert_allclose(np.asarray(outs[2][0, j]), np.asarray(feature[0]), atol=1e-4,
                              rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- heads that agree
+
+# A one-layer target whose decoder layer a head can copy. Embedding rows have unit RMS (so MTP's
+# enorm is the identity on them) and the layer's weights are large enough that attention
+# matters, so a head that copies the layer (but, by the slot convention, never sees token 0)
+# agrees with the target often but not always: rounds run through partial and full acceptance.
+CFG1 = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                      tie_embeddings=False)
+AGREE_K, AGREE_NEW = 3, 24
+
+
+@functools.lru_cache(None)
+def agreeing_target():
+  target = sj.init_model(CFG1, jax.random.key(1))
+  e = target.params["embed"]
+  target.params["embed"] = e / jnp.sqrt(jnp.mean(e ** 2, axis=-1, keepdims=True))
+  target.params["layers"] = jax.tree.map(lambda w: w * 15 if w.ndim == 3 else w,
+                                         target.params["layers"])
+  target.params["lm_head"] = target.params["lm_head"] * 40
+  return target
+
+
+@functools.lru_cache(None)
+def agreeing_plain():
+  return sj.generate(agreeing_target(), PROMPTS, max_new_tokens=AGREE_NEW, sampling=GREEDY,
+                     stop_tokens=[])
+
+
+def _copy_layer_head(kind, target):
+  """EAGLE / EAGLE-3 / MTP built to act as the target: fc selects the next token's embedding
+  (the feature is ignored), the head's layer is the target's layer, its output norm the
+  target's final norm. o at slot j then approximates the target's state after token j+1."""
+  d = CFG1.hidden_size
+  head = make_head(kind, target)
+  params = dict(head.params)
+  params["fc"] = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
+  params["layer"] = jax.tree.map(lambda w: w[0], target.params["layers"])
+  if "fc_b" in params:
+    params["fc_b"] = jnp.zeros((d,))
+  if "out_norm" in params:
+    params["out_norm"] = target.params["final_norm"]
+  return head.with_params(params)
+
+
+def _trained_medusa(target):
+  """Medusa heads fitted in a few seconds to the target's greedy continuations of PROMPTS (the
+  text the test then generates): heads 1 and 2 on every row, head 3 on row 0 only, so the third
+  draft is right on some rounds and wrong on others."""
+  import optax
+  from spec_jax.drafters.medusa import medusa_logits
+  k = AGREE_K
+  seqs = [p + t for p, t in zip(PROMPTS, agreeing_plain().tokens)]
+  width = max(map(len, seqs))
+  toks = np.zeros((len(seqs), width), np.int32)
+  mask = np.zeros((len(seqs), width), bool)
+  for i, s in enumerate(seqs):
+    toks[i, :len(s)], mask[i, :len(s)] = s, True
+  hidden = sj.forward(target.params, CFG1, jnp.asarray(toks), sj.KVCache.zeros(CFG1, 3, 64),
+                      jnp.zeros(3, jnp.int32)).hidden
+  # Head i at position j predicts token j + i + 2 (position j's own logits predict j + 1).
+  labels = np.stack([np.pad(toks[:, i + 2:], ((0, 0), (0, i + 2))) for i in range(k)], -1)
+  weight = np.stack([np.pad(mask[:, i + 2:], ((0, 0), (0, i + 2))) for i in range(k)], -1)
+  weight[1:, :, k - 1] = False
+  opt = optax.adam(3e-2)
+
+  def loss_fn(p):
+    logp = jax.nn.log_softmax(medusa_logits(p, hidden), -1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(labels)[..., None], -1)[..., 0]
+    return jnp.sum(nll * weight) / weight.sum()
+
+  @jax.jit
+  def step(p, s):
+    loss, g = jax.value_and_grad(loss_fn)(p)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  head = Medusa.init(target, num_heads=k, key=jax.random.key(0))
+  params, state = head.params, opt.init(head.params)
+  for _ in range(150):
+    params, state, loss = step(params, state)
+  assert float(loss) < 0.2, float(loss)
+  return head.with_params(params)
+
+
+_COMMITS: list = []
+
+
+def recording(drafter):
+  """The same drafter, recording (lengths before, lengths after, n_accepted, state) after every commit
+  through a host callback inside the engine's jitted loop."""
+  base = type(drafter)
+
+  class Recording(base):
+    def _static_key(self):
+      return ("Recording",) + super()._static_key()
+
+    def commit(self, params, state, tokens, n_accepted, verify):
+      state = super().commit(params, state, tokens, n_accepted, verify)
+      jax.debug.callback(lambda *a: _COMMITS.append(jax.tree.map(np.asarray, a)),
+                         verify.lengths_before, verify.lengths, n_accepted, state)
+      return state
+
+  out = Recording.__new__(Recording)
+  out.__dict__.update(drafter.__dict__)
+  return out
+
+
+def state_from_scratch(drafter, target, seqs, lengths, capacity):
+  """The drafter's state for committed rows seqs[b][:lengths[b]], computed by init_state from a
+  fresh target forward over all but the last committed token (what a prefill of that prompt
+  would give): no commit involved."""
+  b = len(seqs)
+  prompt = np.zeros((b, capacity), np.int32)
+  buf = np.zeros((b, capacity), np.int32)
+  for i, (s, n) in enumerate(zip(seqs, lengths)):
+    prompt[i, :n - 1] = s[:n - 1]
+    buf[i, :n] = s[:n]
+  return _init_from_prompt(drafter, target.config, drafter.params, target.params,
+                           jnp.asarray(prompt), jnp.asarray(buf),
+                           jnp.asarray(lengths, jnp.int32) - 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_from_prompt(drafter, config, params, target_params, prompt, buf, prompt_lens):
+  b, p = prompt.shape
+  out = sj.forward(target_params, config, prompt, sj.KVCache.zeros(config, b, p),
+                   jnp.zeros(b, jnp.int32), return_layers=drafter.target_layers)
+  info = PrefillInfo(tokens=buf, prompt_tokens=prompt, prompt_lens=prompt_lens, hidden=out.hidden,
+                     layer_hidden=out.layer_hidden, target_params=target_params,
+                     sampling=GREEDY.as_arrays(b))
+  return drafter.init_state(params, info)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+def test_agreeing_heads_through_the_engine(kind):
+  """Greedy output equals plain greedy with heads that are right most of the time (mean
+  acceptance >= 0.5, some rounds fully and some partly accepted), and after every round the
+  state commit() produced equals the state recomputed from scratch for the committed text."""
+  target = agreeing_target()
+  head = _trained_medusa(target) if kind == "medusa" else _copy_layer_head(kind, target)
+  _COMMITS.clear()
+  out = sj.generate(target, PROMPTS, drafter=recording(head), num_draft=AGREE_K,
+                    max_new_tokens=AGREE_NEW, sampling=GREEDY, stop_tokens=[])
+  assert out.tokens == agreeing_plain().tokens
+  s = out.stats
+  assert s.acceptance_rate >= 0.5, s.summary()
+  assert s.accepted_at[-1] > 0 and s.accepted < s.drafted, s.summary()  # full and partial
+  seqs = [p + t for p, t in zip(PROMPTS, out.tokens)]
+  checked = 0
+  for before, after, n_accepted, state in _COMMITS:
+    # Rows that emitted their whole block this round (finished rows emit nothing and a block
+    # cut by max_new_tokens ends its row: neither state is used again).
+    rows = np.flatnonzero(after - before == n_accepted + 1)
+    if rows.size == 0:
+      continue
+    leaves = jax.tree.leaves(state)
+    capacity = leaves[0].shape[1] if kind != "medusa" else 64
+    want = jax.tree.leaves(state_from_scratch(head, target, seqs, after, capacity))
+    for got_leaf, want_leaf in zip(leaves, want):
+      for r in rows:
+        g, w = np.asarray(got_leaf[r]), np.asarray(want_leaf[r])
+        if g.ndim == 3:                                # head KV cache: slots < lengths - 1
+          g, w = g[:after[r] - 1], w[:after[r] - 1]
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"{kind} row {r}")
+    checked += rows.size
+  assert checked >= s.rounds - len(PROMPTS), (checked, s.rounds)   # one cut round per row at most
+
+
+def test_medusa_with_more_drafts_than_heads_is_refused():
+  target = greedy_target()
+  with pytest.raises(ValueError, match="at most 3 tokens per round"):
+    sj.generate(target, PROMPTS, drafter=make_head("medusa", target), num_draft=4)
 
 
 # ----------------------------------------------------------------------------- save / load
