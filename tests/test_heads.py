@@ -407,6 +407,136 @@ def test_native_mtp_weights_load_and_draft(tmp_path, layout):
   assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
+def torch_mtp_logits(tensors, cfg, layout, tokens):
+  """An independent PyTorch forward of the checkpoint's MTP module, written from vLLM's
+  deepseek_mtp.py / qwen3_next_mtp.py (and transformers' Qwen3 decoder layer for the block).
+
+  The target's hidden states come from transformers' Qwen3ForCausalLM (the output of its last
+  decoder layer, before the final norm). MTP slot j reads (h_j, token_{j+1}) at position j:
+    x_j = fc(concat(enorm(embed(token_{j+1})), hnorm(h_j)))    (eh_proj for DeepSeek)
+    o_j = decoder_block(x)_j  (causal over slots, RoPE at position j)
+    logits_j = lm_head(norm(o_j))                               (shared_head.norm for DeepSeek)
+  Every norm is RMSNorm; Qwen3-Next's (the mtp.* layout) are zero-centred: x/rms(x) * (1 + w).
+  vLLM's DeepSeek module also zeroes the embedding at position 0; that is a serving detail of
+  theirs that the architecture does not have, and it is not reproduced here or in spec_jax.
+
+  tokens: int [T] -> logits [T-1, V] for slots 0..T-2.
+  """
+  import torch
+  t = {k: torch.tensor(np.asarray(v)) for k, v in tensors.items()}
+  eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+  hq, hkv, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+  n = cfg["num_hidden_layers"]
+  zero_centred = layout == "qwen3_next"
+  if layout == "qwen3_next":
+    pre, fc, enorm, hnorm, norm = ("mtp.layers.0.", "mtp.fc.weight", "mtp.pre_fc_norm_embedding",
+                                   "mtp.pre_fc_norm_hidden", "mtp.norm")
+  else:
+    pre = f"model.layers.{n}."
+    fc, enorm, hnorm, norm = (pre + "eh_proj.weight", pre + "enorm", pre + "hnorm",
+                              pre + "shared_head.norm")
+
+  def rms(x, name):
+    w = t[name + ".weight"] if not name.endswith(".weight") else t[name]
+    w = 1.0 + w if zero_centred else w
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+  # The target's last-layer output (pre-norm), from transformers.
+  folder_model = _torch_target(tensors, cfg)
+  captured = {}
+  hook = folder_model.model.layers[-1].register_forward_hook(
+      lambda m, i, o: captured.setdefault("h", o[0] if isinstance(o, tuple) else o))
+  ids = torch.tensor(np.asarray(tokens, np.int64))[None]
+  with torch.no_grad():
+    folder_model(ids)
+  hook.remove()
+  h = captured["h"][0]                                              # [T, D]
+
+  with torch.no_grad():
+    e = t["model.embed_tokens.weight"][ids[0, 1:]]                  # token j+1 for slot j
+    x = torch.cat([rms(e, enorm), rms(h[:-1], hnorm)], -1) @ t[fc].T
+    steps = x.shape[0]
+    a = rms(x, pre + "input_layernorm")
+    q = (a @ t[pre + "self_attn.q_proj.weight"].T).view(steps, hq, dh)
+    k = (a @ t[pre + "self_attn.k_proj.weight"].T).view(steps, hkv, dh)
+    v = (a @ t[pre + "self_attn.v_proj.weight"].T).view(steps, hkv, dh)
+    q, k = rms(q, pre + "self_attn.q_norm"), rms(k, pre + "self_attn.k_norm")
+    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh)
+    angles = torch.arange(steps, dtype=torch.float32)[:, None] * inv_freq[None]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+
+    def rope(u):
+      u1, u2 = u[..., :dh // 2], u[..., dh // 2:]
+      return u * cos + torch.cat([-u2, u1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / dh ** 0.5
+    causal = torch.ones(steps, steps, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(steps, hq * dh)
+    x = x + attn @ t[pre + "self_attn.o_proj.weight"].T
+    m = rms(x, pre + "post_attention_layernorm")
+    mlp = torch.nn.functional.silu(m @ t[pre + "mlp.gate_proj.weight"].T) * (
+        m @ t[pre + "mlp.up_proj.weight"].T)
+    x = x + mlp @ t[pre + "mlp.down_proj.weight"].T
+    return (rms(x, norm) @ t["lm_head.weight"].T).numpy()
+
+
+def _torch_target(tensors, cfg):
+  """transformers' Qwen3ForCausalLM with the checkpoint's main-model weights."""
+  import torch
+  transformers = pytest.importorskip("transformers")
+  config = transformers.Qwen3Config(**{k: v for k, v in cfg.items()
+                                       if k not in ("architectures", "torch_dtype")})
+  model = transformers.Qwen3ForCausalLM(config).eval()
+  state = {k: torch.tensor(np.asarray(v)) for k, v in tensors.items()
+           if k in model.state_dict()}
+  missing = set(model.state_dict()) - set(state)
+  assert not missing, missing
+  model.load_state_dict(state)
+  return model
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "deepseek"])
+def test_native_mtp_matches_an_independent_torch_forward(tmp_path, layout):
+  """The MTP drafter loaded from a synthetic checkpoint computes, for every slot of a sequence,
+  the logits of the torch reference above (<= 1e-5): through the training unroll (all slots at
+  once) and through the drafting path (init_state's first draft distribution)."""
+  torch = pytest.importorskip("torch")
+  folder = tmp_path / "ckpt"
+  tensors = _write_qwen3_with_mtp(folder, layout)
+  cfg = json.loads((folder / "config.json").read_text())
+  target = sj.load(folder)
+  drafter = sj.drafters.MTP.from_model(target)
+  tokens = np.asarray([1, 5, 9, 3, 17, 42, 8, 8, 30, 2, 61, 7], np.int32)
+  want = torch_mtp_logits(tensors, cfg, layout, tokens)                # [T-1, V]
+  assert want.shape == (len(tokens) - 1, cfg["vocab_size"]) and np.std(want) > 0.1
+
+  toks = jnp.asarray(tokens[None])
+  out = sj.forward(target.params, target.config, toks, sj.KVCache.zeros(target.config, 1, 16),
+                   jnp.zeros(1, jnp.int32), return_layers=drafter.target_layers)
+  feats = drafter.target_feature(drafter.params, out.hidden, out.layer_hidden)
+  o = drafter.unroll(drafter.params, target.params, toks, feats, steps=1)[0]
+  got = np.asarray(drafter.logits(drafter.params, target.params, o))[0]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  # Drafting path: a prefill of tokens[:-1] (last committed token tokens[-1]); the first draft's
+  # logits are the last slot's.
+  p = len(tokens) - 1
+  pre = sj.forward(target.params, target.config, toks[:, :p], sj.KVCache.zeros(target.config, 1, p),
+                   jnp.zeros(1, jnp.int32), return_layers=drafter.target_layers)
+  buf = jnp.zeros((1, 32), jnp.int32).at[0, :len(tokens)].set(toks[0])
+  state = drafter.init_state(drafter.params, PrefillInfo(
+      tokens=buf, prompt_tokens=toks[:, :p], prompt_lens=jnp.asarray([p], jnp.int32),
+      hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=target.params,
+      sampling=GREEDY.as_arrays(1)))
+  first = np.asarray(drafter.logits(drafter.params, target.params, state.next_feature))[0]
+  np.testing.assert_allclose(first, want[-1], rtol=1e-5, atol=1e-5)
+
+
 def test_model_without_mtp_weights_is_refused():
   with pytest.raises(ValueError, match="carries no MTP weights"):
     MTP.from_model(greedy_target())
