@@ -100,7 +100,11 @@ def alpha_from_tau(tau: float, num_draft: int) -> float:
   bisection to float64 precision (60 halvings)."""
   if num_draft < 1:
     raise ValueError(f"alpha_from_tau needs K >= 1, got {num_draft}")
-  tau = min(max(float(tau), 1.0), num_draft + 1.0)
+  tau = float(tau)
+  if tau <= 1.0:
+    return 0.0
+  if tau >= num_draft + 1.0:
+    return 1.0
   lo, hi = 0.0, 1.0
   for _ in range(60):
     mid = 0.5 * (lo + hi)
