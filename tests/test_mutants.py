@@ -22,60 +22,72 @@ import pytest
 
 from tests.conftest import ROOT, SHARED
 
-# id: (file, the exact line (must occur once), its replacement, targeted test ids)
+# id (what the bug is above it): (file, the exact line (must occur once), its replacement,
+# targeted test ids)
 MUTANTS = {
-    "commit: no cut after a stop token inside the block": (
+    # commit: no cut after a stop token inside the block
+    "commit-stop-cut": (
         "spec_jax/engine.py",
         "  n_emit = jnp.minimum(n_emit, first_stop + 1)\n",
         "  n_emit = n_emit\n",
         ["tests/test_engine.py::test_stop_token_inside_an_accepted_block_ends_the_row"]),
-    "commit: the block written one slot early": (
+    # commit: the block written one slot early
+    "commit-offset": (
         "spec_jax/engine.py",
         "      tokens, emitted, lengths)\n",
         "      tokens, emitted, lengths - 1)\n",
         ["tests/test_engine.py::test_plain_decoding_matches_full_forward_argmax"]),
-    "stats: drafts thrown away by a cut counted as accepted": (
+    # stats: drafts thrown away by a cut counted as accepted
+    "stats-cut-accepted": (
         "spec_jax/engine.py",
         "    acc_out = jnp.minimum(n_acc, n_out)\n",
         "    acc_out = n_acc\n",
         ["tests/test_engine.py::test_stats_count_only_what_a_cut_block_emitted"]),
-    "capacity: the bound one slot short": (
+    # capacity: the bound one slot short
+    "capacity-bound": (
         "spec_jax/engine.py",
         "  needed = longest + max_new_tokens + k + 1\n",
         "  needed = longest + max_new_tokens + k - 1\n",
         ["tests/test_engine.py::test_capacity_exactly_what_is_needed"]),
-    "rejection: n == draft_lengths < K taken for a rejection": (
+    # rejection: n == draft_lengths < K taken for a rejection
+    "rejection-draft-lengths": (
         "spec_jax/rejection.py",
         "    rejected = n_accepted < lengths ",
         "    rejected = n_accepted < num_draft ",
         ["tests/test_rejection.py::test_bonus_after_fewer_than_k_drafts_follows_p_there"]),
-    "rejection: correction drawn from p instead of max(p - q, 0)": (
+    # rejection: correction drawn from p instead of max(p - q, 0)
+    "rejection-residual": (
         "spec_jax/rejection.py",
         "    residual = jnp.maximum(p_final - q_final, 0.0)\n",
         "    residual = p_final\n",
         ["tests/test_rejection.py::test_lossless_against_known_p_q[1]"]),
-    "rejection: the bonus drawn from the last draft's position": (
+    # rejection: the bonus drawn from the last draft's position
+    "rejection-bonus-position": (
         "spec_jax/rejection.py",
         "  p_final = jnp.take_along_axis(p, n_accepted[:, None, None], axis=1)[:, 0]",
         "  p_final = jnp.take_along_axis(p, jnp.minimum(n_accepted, max(num_draft - 1, 0))"
         "[:, None, None], axis=1)[:, 0]",
         ["tests/test_rejection.py::test_lossless_against_known_p_q[1]"]),
-    "sampling: top-p from a float32 running sum (top_p = 1 cuts the tail)": (
+    # sampling: top-p from a float32 running sum (top_p = 1 cuts the tail)
+    "sampling-top-p-running-sum": (
         "spec_jax/sampling.py",
         "  keep_sorted = (mass_from > 1.0 - top_p) | (top_p >= 1.0)\n",
         "  keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p\n",
         ["tests/test_sampling.py::test_top_p_one_keeps_every_token_whatever_the_neighbours"]),
-    "feature heads: commit keeps the feature of slot 0, not n_accepted": (
+    # feature heads: commit keeps the feature of slot 0, not n_accepted
+    "feature-head-stale-commit": (
         "spec_jax/drafters/feature_head.py",
         "    last = jnp.take_along_axis(o, n_accepted[:, None, None], axis=1)[:, 0]\n",
         "    last = jnp.take_along_axis(o, 0 * n_accepted[:, None, None], axis=1)[:, 0]\n",
         ["tests/test_heads.py::test_agreeing_heads_through_the_engine[mtp]"]),
-    "medusa: commit keeps the hidden state of slot 0": (
+    # medusa: commit keeps the hidden state of slot 0
+    "medusa-stale-commit": (
         "spec_jax/drafters/medusa.py",
         "    idx = n_accepted[:, None, None]\n",
         "    idx = 0 * n_accepted[:, None, None]\n",
         ["tests/test_heads.py::test_agreeing_heads_through_the_engine[medusa]"]),
-    "mtp: enorm and hnorm swapped": (
+    # mtp: enorm and hnorm swapped
+    "mtp-norms-swapped": (
         "spec_jax/drafters/feature_head.py",
         '      cat = jnp.concatenate([rms_norm(e, params["enorm"], eps),\n',
         '      cat = jnp.concatenate([rms_norm(e, params["hnorm"], eps),\n',
