@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -53,6 +54,23 @@ class SpecStats:
         new_tokens=int(new_tokens),
         iterations=int(iterations),
         num_draft=int(num_draft))
+
+  @classmethod
+  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
+                  ) -> "SpecStats":
+    """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
+    rounds emitted (every row's first token comes from the prefill, not from a round)."""
+    accepted_at = np.asarray(result.accepted_at)
+    k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
+    new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
+    stats = cls.from_counts(
+        rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
+        accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
+        new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k)
+    rounds = stats.rounds
+    from_rounds = int(new.sum()) - int(np.sum(new > 0))
+    tau = from_rounds / rounds if rounds else 1.0
+    return dataclasses.replace(stats, mean_accepted_length=tau)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
