@@ -3,6 +3,9 @@
     model = sj.load("../shared/models/stories260K")        # llama2.c folder (.bin + tok*.bin)
     model = sj.load("../shared/models/tinystories656K")    # HF folder (config.json + safetensors)
     model = sj.load("path/to/model.bin", dtype="bfloat16")
+
+A Hugging Face folder's tokenizer is a llama2.c `tok*.bin` in it when there is one (what
+`spec_jax.models.hf_export.save_hf` writes for llama2.c models), else its transformers tokenizer.
 """
 
 from __future__ import annotations
@@ -54,7 +57,13 @@ def load(path, dtype: Optional[str] = None) -> Model:
 
   if path.is_dir() and (path / "config.json").is_file():
     config, params, mtp = hf.load_hf(path, dtype)
-    tokenizer = HFTokenizer.from_folder(path, eos_ids=config.eos_token_ids)
+    # A llama2.c tokenizer beside the safetensors (save_hf writes one for llama2.c models) is
+    # the model's own; a tokenizer.json next to it is only transformers' rendering of it.
+    tok_path = find_llama2c_tokenizer(path, config.vocab_size)
+    if tok_path is not None:
+      tokenizer = Llama2cTokenizer.from_file(tok_path)
+    else:
+      tokenizer = HFTokenizer.from_folder(path, eos_ids=config.eos_token_ids)
     return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
                  mtp_params=mtp, source=str(path))
 
