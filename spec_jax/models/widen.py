@@ -100,39 +100,46 @@ class WidenPlan(NamedTuple):
   scales: dict
 
 
-def _default_heads(src: ModelConfig, hidden_size, head_dim, num_heads, num_kv_heads):
-  if num_heads is None:
-    num_heads = max(int(hidden_size) // int(head_dim), 1)
-  if num_kv_heads is None:
-    group = src.num_heads // src.num_kv_heads
-    if num_heads % group:
-      raise ValueError(f"widen: num_heads={num_heads} is not a multiple of the source's GQA group "
-                       f"size {group} ({src.num_heads} q heads / {src.num_kv_heads} kv heads); "
-                       f"pass num_heads as a multiple of {group}, or num_kv_heads explicitly")
-    num_kv_heads = num_heads // group
-  return int(num_heads), int(num_kv_heads)
+def _at_least(name: str, new: int, old: int) -> None:
+  if new < old:
+    raise ValueError(f"widen: {name}={new} is smaller than the source's {old}; allowed: >= {old} "
+                     f"(widening never drops a dimension, head or layer)")
 
 
 def widened_config(src: ModelConfig, hidden_size: int, intermediate_size: int, num_layers: int,
                    head_dim: int = 64, num_heads: Optional[int] = None,
                    num_kv_heads: Optional[int] = None) -> ModelConfig:
-  """The wide ModelConfig (checked by `plan`): new sizes, rms_norm_eps * D/D'.
+  """The wide ModelConfig: new sizes, rms_norm_eps * D/D'. Checked by `plan`.
 
   num_heads defaults to hidden_size // head_dim; num_kv_heads to num_heads / the source's GQA
   group size (the group is kept)."""
-  num_heads, num_kv_heads = _default_heads(src, hidden_size, head_dim, num_heads, num_kv_heads)
   for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                       ("num_layers", num_layers), ("head_dim", head_dim),
                       ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-    if isinstance(value, bool) or int(value) != value or value <= 0:
+    if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
       raise ValueError(f"widen: {name} must be a positive integer, got {value!r}")
+  _at_least("hidden_size", hidden_size, src.hidden_size)
+  _at_least("intermediate_size", intermediate_size, src.intermediate_size)
+  _at_least("num_layers", num_layers, src.num_layers)
+  if num_heads is None:
+    num_heads = int(hidden_size) // int(head_dim)
+  _at_least("num_heads", num_heads, src.num_heads)
+  group = src.num_heads // src.num_kv_heads
+  if num_kv_heads is None:
+    if num_heads % group:
+      raise ValueError(f"widen: num_heads={num_heads} is not a multiple of the source's GQA group "
+                       f"size {group} ({src.num_heads} q heads / {src.num_kv_heads} kv heads); "
+                       f"pass num_heads as a multiple of {group}, or num_kv_heads explicitly")
+    num_kv_heads = num_heads // group
   if num_heads % num_kv_heads:
     raise ValueError(f"widen: num_heads={num_heads} must be a multiple of "
                      f"num_kv_heads={num_kv_heads}")
   eps = src.rms_norm_eps * src.hidden_size / int(hidden_size)
-  return src.replace(hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
-                     num_layers=int(num_layers), head_dim=int(head_dim), num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, rms_norm_eps=eps)
+  new = src.replace(hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
+                    num_layers=int(num_layers), head_dim=int(head_dim), num_heads=int(num_heads),
+                    num_kv_heads=int(num_kv_heads), rms_norm_eps=eps)
+  plan(src, new)
+  return new
 
 
 def plan(src: ModelConfig, new: ModelConfig) -> WidenPlan:
@@ -148,9 +155,7 @@ def plan(src: ModelConfig, new: ModelConfig) -> WidenPlan:
   for name, a, b in (("hidden_size", d, d2), ("intermediate_size", f, f2),
                      ("num_layers", l, l2), ("num_heads", hq, hq2),
                      ("num_kv_heads", hkv, hkv2)):
-    if b < a:
-      raise ValueError(f"widen: {name}={b} is smaller than the source's {a}; allowed: >= {a} "
-                       f"(widening never drops a dimension, head or layer)")
+    _at_least(name, b, a)
   if dh2 % dh:
     raise ValueError(f"widen: head_dim={dh2} is not a multiple of the source's head_dim {dh}; "
                      f"allowed: {dh}, {2 * dh}, {3 * dh}, ... (RoPE pair i moves to pair "
