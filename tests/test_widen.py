@@ -185,7 +185,10 @@ def test_widening_other_families_is_exact(name):
     (dict(num_layers=4), r"num_layers=4 is smaller .* allowed: >= 5"),
     (dict(head_dim=12), r"head_dim=12 is not a multiple of the source's head_dim 8; allowed: "
                         r"8, 16, 24"),
-    (dict(hidden_size=256, head_dim=64), r"num_heads=4 is smaller than the source's 8"),
+    (dict(hidden_size=256, head_dim=64), r"num_heads defaults to hidden_size // head_dim = "
+                                         r"256 // 64 = 4, fewer than the source's 8 heads; "
+                                         r"allowed: a head_dim <= 32"),
+    (dict(num_heads=4), r"num_heads=4 is smaller than the source's 8; allowed: >= 8"),
     (dict(num_heads=8, num_kv_heads=2), r"num_kv_heads=2 is smaller than the source's 4"),
     (dict(num_heads=8, num_kv_heads=8), r"GQA group of 1, smaller than the source's 2 .*"
                                         r"allowed: groups >= 2"),
@@ -267,7 +270,7 @@ def test_save_hf_round_trip_of_a_hugging_face_source(tmp_path):
   assert back.encode(text) == src.encode(text) and back.tokenizer.eos_ids == src.tokenizer.eos_ids
 
 
-@pytest.mark.parametrize("name", ["qwen2-bias", "qwen3-qk-norm"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_save_hf_families_read_by_transformers(tmp_path, name):
   import torch
   import transformers

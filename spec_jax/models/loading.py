@@ -29,6 +29,21 @@ def _llama2c_weights(folder: pathlib.Path) -> list:
   return sorted(p for p in folder.glob("*.bin") if p.is_file() and not p.name.startswith("tok"))
 
 
+def _hf_folder_tokenizer(folder: pathlib.Path, config):
+  """A llama2.c tokenizer beside the safetensors with the model's vocabulary size (save_hf
+  writes one for llama2.c models; a tokenizer.json next to it is only transformers' rendering
+  of it), else the folder's transformers tokenizer (or None)."""
+  tok_path = find_llama2c_tokenizer(folder, config.vocab_size)
+  if tok_path is not None:
+    try:
+      tokenizer = Llama2cTokenizer.from_file(tok_path)
+    except ValueError:
+      tokenizer = None    # a tok*.bin that is not a llama2.c tokenizer: not ours to read
+    if tokenizer is not None and tokenizer.vocab_size == config.vocab_size:
+      return tokenizer
+  return HFTokenizer.from_folder(folder, eos_ids=config.eos_token_ids)
+
+
 def _to_device(params, dtype: str):
   target = jnp.dtype(dtype)
   return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(target, copy=False)), params)
@@ -57,13 +72,7 @@ def load(path, dtype: Optional[str] = None) -> Model:
 
   if path.is_dir() and (path / "config.json").is_file():
     config, params, mtp = hf.load_hf(path, dtype)
-    # A llama2.c tokenizer beside the safetensors (save_hf writes one for llama2.c models) is
-    # the model's own; a tokenizer.json next to it is only transformers' rendering of it.
-    tok_path = find_llama2c_tokenizer(path, config.vocab_size)
-    if tok_path is not None:
-      tokenizer = Llama2cTokenizer.from_file(tok_path)
-    else:
-      tokenizer = HFTokenizer.from_folder(path, eos_ids=config.eos_token_ids)
+    tokenizer = _hf_folder_tokenizer(path, config)
     return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
                  mtp_params=mtp, source=str(path))
 

@@ -123,6 +123,11 @@ def widened_config(src: ModelConfig, hidden_size: int, intermediate_size: int, n
   _at_least("num_layers", num_layers, src.num_layers)
   if num_heads is None:
     num_heads = int(hidden_size) // int(head_dim)
+    if num_heads < src.num_heads:
+      raise ValueError(f"widen: num_heads defaults to hidden_size // head_dim = {hidden_size} // "
+                       f"{head_dim} = {num_heads}, fewer than the source's {src.num_heads} heads; "
+                       f"allowed: a head_dim <= {int(hidden_size) // src.num_heads} (and a "
+                       f"multiple of {src.head_dim}), or num_heads >= {src.num_heads}")
   _at_least("num_heads", num_heads, src.num_heads)
   group = src.num_heads // src.num_kv_heads
   if num_kv_heads is None:
