@@ -208,6 +208,12 @@ def test_widen_refuses_qk_norm_unless_head_dim_grows_like_hidden():
     widen(model, hidden_size=64, intermediate_size=64, num_layers=2, head_dim=8)
 
 
+def test_plan_refuses_an_unscaled_eps():
+  bad = widen_module.widened_config(source().config, **SMALL).replace(rms_norm_eps=1e-5)
+  with pytest.raises(ValueError, match=r"rms_norm_eps=1e-05 is not the source's 1e-05 \* 64 / 128"):
+    widen_module.plan(source().config, bad)
+
+
 def test_widen_refuses_native_mtp_weights():
   model = sj.init_model(FAMILIES["qwen3-qk-norm"])
   model.mtp_params = {"mtp.fc.weight": np.zeros((32, 64), np.float32)}

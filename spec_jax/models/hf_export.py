@@ -113,6 +113,7 @@ def hf_tensors(model: Model) -> dict:
       continue
     value = np.asarray(params[leaf])
     out[name] = np.ascontiguousarray(value.T if transpose else value)
+  dtype = np.asarray(params["embed"]).dtype
   by_leaf = {leaf: (suffix, transpose) for suffix, (leaf, transpose) in _LAYER_NAMES.items()}
   for i in range(c.num_layers):
     for leaf in leaf_names:
@@ -121,13 +122,12 @@ def hf_tensors(model: Model) -> dict:
       out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(value.T if transpose else value)
     if c.qkv_bias and c.model_type in ("llama", "qwen3"):
       # attention_bias also gives transformers' o_proj a bias; ours is zero (hf.py's _ZERO_ONLY).
-      out[f"model.layers.{i}.self_attn.o_proj.bias"] = np.zeros((c.hidden_size,),
-                                                                out["model.embed_tokens.weight"].dtype)
+      out[f"model.layers.{i}.self_attn.o_proj.bias"] = np.zeros((c.hidden_size,), dtype)
     if c.model_type == "qwen2" and not c.qkv_bias:
-      # Qwen2 always has q/k/v biases: zeros are the same function.
-      dt = out["model.embed_tokens.weight"].dtype
+      # Qwen2 always has q/k/v biases: zeros are the same function (it reloads with qkv_bias).
       for proj, width in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-        out[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = np.zeros((width * c.head_dim,), dt)
+        out[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = np.zeros((width * c.head_dim,),
+                                                                       dtype)
   return out
 
 

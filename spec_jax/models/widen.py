@@ -175,6 +175,10 @@ def plan(src: ModelConfig, new: ModelConfig) -> WidenPlan:
                      "hidden_size, intermediate_size, num_layers and the head shape")
   if (new.rope_theta, new.rope_scaling) != (src.rope_theta, src.rope_scaling):
     raise ValueError("widen: RoPE theta and scaling are kept (the pair map preserves frequencies)")
+  if not math.isclose(new.rms_norm_eps, src.rms_norm_eps * d / d2, rel_tol=1e-9):
+    raise ValueError(f"widen: rms_norm_eps={new.rms_norm_eps!r} is not the source's "
+                     f"{src.rms_norm_eps!r} * {d} / {d2}; allowed: exactly that (widened_config "
+                     f"sets it), so every RMSNorm over the wider residual stays the same")
   r = dh2 // dh
   if src.qk_norm and dh2 * d != dh * d2:
     raise ValueError(f"widen: q/k RMSNorm (qk_norm) over a head is exact only when head_dim "

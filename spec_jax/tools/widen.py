@@ -71,9 +71,10 @@ def _num_params(params) -> int:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m spec_jax.tools.widen",
-                              description="Widen a model exactly (or just convert it) into a "
-                                          "Hugging Face folder; optionally widen its trained heads.")
+  p = argparse.ArgumentParser(
+      prog="python -m spec_jax.tools.widen",
+      description="Widen a model exactly (or just convert it) into a Hugging Face folder; "
+                  "optionally widen its trained heads.")
   p.add_argument("src", help="source model: Hugging Face folder, llama2.c folder or .bin")
   p.add_argument("out", help="output folder (Hugging Face layout)")
   p.add_argument("--hidden-size", type=int, help="new hidden size D (default: the source's)")
