@@ -17,26 +17,6 @@ DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared
                     / "stories260K")
 
 
-def make_drafter(spec: str | None, target):
-  """'ngram' | 'ngram:MAX[:MIN]' | 'draft:PATH' | 'heads:PATH' | None -> a drafter or None."""
-  import spec_jax as sj
-  if spec in (None, "", "none"):
-    return None
-  kind, _, arg = spec.partition(":")
-  if kind == "ngram":
-    parts = [int(x) for x in arg.split(":") if x] if arg else []
-    return sj.drafters.NGram(*parts) if parts else sj.drafters.NGram()
-  if kind == "draft":
-    if not arg:
-      raise ValueError("--drafter draft:PATH needs the draft model's path")
-    return sj.drafters.DraftModel(sj.load(arg))
-  if kind == "heads":
-    if not arg:
-      raise ValueError("--drafter heads:PATH needs the trained heads' directory")
-    return sj.drafters.load(arg, target)
-  raise ValueError(f"unknown drafter {spec!r}; use ngram, ngram:MAX[:MIN], draft:PATH or heads:PATH")
-
-
 def _generate(args) -> int:
   import jax
   import spec_jax as sj
@@ -44,6 +24,7 @@ def _generate(args) -> int:
     print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder "
           "or a llama2.c .bin)", file=sys.stderr)
     return 2
+  from spec_jax.bench.specs import make_drafter
   try:
     model = sj.load(args.model)
     drafter = make_drafter(args.drafter, model)
