@@ -1,9 +1,10 @@
-"""python -m spec_jax generate|bench ...
+"""python -m spec_jax generate|bench|eval ...
 
     python -m spec_jax generate --prompt "Once upon a time"
     python -m spec_jax generate --drafter ngram --num-draft 4 --temperature 0.8
     python -m spec_jax generate --drafter draft:../shared/models/salty279K --num-draft 4
     python -m spec_jax bench ...          (same as python -m spec_jax.bench ...)
+    python -m spec_jax eval ...           (same as python -m spec_jax.eval ...)
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main(argv=None) -> int:
   if argv and argv[0] == "bench":
     from spec_jax import bench
     return bench.main(argv[1:])
+  if argv and argv[0] == "eval":
+    from spec_jax import eval as eval_harness
+    return eval_harness.main(argv[1:])
   parser = argparse.ArgumentParser(prog="python -m spec_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
@@ -66,6 +70,7 @@ def main(argv=None) -> int:
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
   g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
   sub.add_parser("bench", help="side-by-side benchmark (see python -m spec_jax.bench --help)")
+  sub.add_parser("eval", help="Spec-Bench-format evaluation (see python -m spec_jax.eval --help)")
   args = parser.parse_args(argv)
   return _generate(args)
 

@@ -37,8 +37,8 @@ of the plain baseline is reported as the machine's noise.
 
 The package: timing (calibrated, interleaved timers) and timers (the engine's pieces in jitted
 loops), specs (model / drafter / pair specs), prompts (prompt sets), metrics, suites/ (spec,
-plain, breakdown), report (text and Markdown tables), results (JSON written atomically, machine
-info), definitions (what every field means), cli. The evaluation
+plain, breakdown), report (text and Markdown tables), plots (PNG figures, matplotlib optional),
+results (JSON written atomically, machine info), definitions (what every field means), cli. The evaluation
 harness, python -m spec_jax.eval, times and prints with the same modules.
 """
 

@@ -31,6 +31,12 @@ def _json_default(x):
   return str(x)
 
 
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def atomic_write_text(path, text: str) -> None:
   """Writes `text` to a temporary file beside `path`, then renames it over `path`: a reader (or
   a run killed mid-write) sees the old file or the new one, never half of one."""
@@ -45,6 +51,7 @@ def atomic_write_bytes(path, data: bytes) -> None:
   try:
     with os.fdopen(fd, "wb") as f:
       f.write(data)
+    os.chmod(tmp, 0o666 & ~_umask())       # mkstemp makes 0600; results are for reading
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
