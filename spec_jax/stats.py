@@ -24,6 +24,9 @@ class SpecStats:
   new_tokens: new tokens emitted over all rows (stop tokens included).
   iterations: decode-loop iterations (target forwards after the prefill).
   num_draft: K.
+  row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
+    ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
+    row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
   """
   rounds: int
   drafted: int
@@ -36,10 +39,18 @@ class SpecStats:
   new_tokens: int = 0
   iterations: int = 0
   num_draft: int = 0
+  row_counts: Optional[dict] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
                   num_draft) -> "SpecStats":
+    """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
+    totals; the per-row counts are kept in row_counts."""
+    row_counts = {name: np.asarray(x, np.int64).reshape(-1).tolist()
+                  for name, x in (("rounds", rounds), ("drafted", drafted), ("accepted", accepted))}
+    n_rows = len(row_counts["rounds"])
+    row_counts["accepted_at"] = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist()
+                                 if num_draft else [[] for _ in range(n_rows)])
     rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
     accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
     return cls(
@@ -53,7 +64,8 @@ class SpecStats:
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
         new_tokens=int(new_tokens),
         iterations=int(iterations),
-        num_draft=int(num_draft))
+        num_draft=int(num_draft),
+        row_counts=row_counts)
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
