@@ -211,6 +211,71 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
   return tokens, new_lengths, new_done, n_emit
 
 
+# ----------------------------------------------------------------------------- one round
+
+class LoopEnv(NamedTuple):
+  """What every round of one decode call closes over (set once, before the loop).
+
+  config, drafter, greedy, layers are static; the rest are arrays: drafter_params and
+  target_params (execution layout), sampling (per-row [B]), stop_tokens int32 [N], limit int32
+  [B] (the longest committed length of each row)."""
+  config: ModelConfig
+  drafter: Drafter
+  drafter_params: Any
+  target_params: Any
+  sampling: Sampling
+  stop_tokens: jax.Array
+  limit: jax.Array
+  greedy: bool
+  layers: tuple
+
+
+def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n_emit):
+  """`new` with the statistics of the round st -> new added (rows active at its start only).
+
+  accepted counts the drafts that were emitted: drafts cut by a stop token or the token limit
+  are not accepted tokens of this generation. accepted_at may be wider than this round's K."""
+  active = (~st.done).astype(jnp.int32)
+  n_used = jnp.minimum(n_emit, n_accepted) * active
+  width = st.accepted_at.shape[1]
+  iteration = st.iterations + 1
+  return new.replace(
+      rounds=st.rounds + active,
+      drafted=st.drafted + active * draft_lengths,
+      accepted=st.accepted + n_used,
+      accepted_at=st.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
+      finished_at_round=jnp.where(new.done & ~st.done, iteration, st.finished_at_round),
+      iterations=iteration)
+
+
+def chain_round(env: LoopEnv, st: DecodeState, *, k: int) -> DecodeState:
+  """One speculative round with a chain of K drafts (K = 0: a plain decoding step):
+  propose -> verify -> accept -> commit -> drafter.commit -> statistics."""
+  key, draft_key, accept_key = jax.random.split(st.key, 3)
+  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
+                     target_params=env.target_params, num_draft=k, greedy=env.greedy)
+  draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
+      env.drafter, env.drafter_params, st.drafter_state, ctx)
+  last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
+  target_out, out = verify_step(env.target_params, env.config, st.cache, last, draft_tokens,
+                                st.lengths, env.sampling, env.layers, greedy=env.greedy)
+  if env.greedy:
+    emitted, n_acc = accept_greedy(draft_tokens, target_out, draft_lengths)
+  else:
+    emitted, n_acc = accept_step(accept_key, draft_tokens, draft_probs, target_out,
+                                 draft_lengths)
+  tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
+                                              env.stop_tokens, env.limit)
+  verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
+                      hidden=out.hidden, layer_hidden=out.layer_hidden,
+                      lengths_before=st.lengths, lengths=lengths,
+                      target_params=env.target_params)
+  dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
+  new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=out.cache,
+                   drafter_state=dstate, key=key)
+  return update_stats(st, new, draft_lengths, n_acc, n_emit)
+
+
 # ----------------------------------------------------------------------------- decode()
 
 def _is_static_int(x) -> bool:
@@ -363,41 +428,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
                       finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
                       iterations=jnp.zeros((), jnp.int32))
 
-  def round_(st: DecodeState) -> DecodeState:
-    key, draft_key, accept_key = jax.random.split(st.key, 3)
-    ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=sampling,
-                       target_params=target_params, num_draft=k, greedy=greedy)
-    draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
-        drafter, drafter_params, st.drafter_state, ctx)
-    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
-    target_out, out = verify_step(target_params, config, st.cache, last, draft_tokens,
-                                  st.lengths, sampling, layers, greedy=greedy)
-    if greedy:
-      emitted, n_acc = accept_greedy(draft_tokens, target_out, draft_lengths)
-    else:
-      emitted, n_acc = accept_step(accept_key, draft_tokens, draft_probs, target_out,
-                                   draft_lengths)
-    tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
-                                                stop_tokens, limit)
-    verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
-                        hidden=out.hidden, layer_hidden=out.layer_hidden,
-                        lengths_before=st.lengths, lengths=lengths, target_params=target_params)
-    dstate = drafter.commit(drafter_params, dstate, emitted, n_acc, verify)
-    active = (~st.done).astype(jnp.int32)
-    # Statistics count what was emitted: drafts cut by a stop token or the limit are not
-    # accepted tokens of this generation.
-    n_used = jnp.minimum(n_emit, n_acc) * active
-    iteration = st.iterations + 1
-    return DecodeState(
-        tokens=tokens, lengths=lengths, done=done, cache=out.cache, drafter_state=dstate, key=key,
-        rounds=st.rounds + active,
-        drafted=st.drafted + active * draft_lengths,
-        accepted=st.accepted + n_used,
-        accepted_at=st.accepted_at + (
-            jnp.arange(k)[None, :] < n_used[:, None]).astype(jnp.int32),
-        finished_at_round=jnp.where(done & ~st.done, iteration, st.finished_at_round),
-        iterations=iteration)
-
+  env = LoopEnv(config=config, drafter=drafter, drafter_params=drafter_params,
+                target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
+                limit=limit, greedy=greedy, layers=layers)
+  round_ = functools.partial(chain_round, env, k=k)
   final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
   return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
                       rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
@@ -499,11 +533,15 @@ def _compiled_decode(args, static):
   return _COMPILED[sig]
 
 
-def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None):
+def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
+                  prompt_bucket: int = PROMPT_BUCKET):
   """Host-side prompt preparation shared by generate() and the benchmarks.
 
-  Returns (prompt_tokens int32 [B, P] right-padded to a multiple of PROMPT_BUCKET, prompt_lens
-  int32 [B], capacity). Raises ValueError on bad prompts or a capacity that is too small."""
+  Returns (prompt_tokens int32 [B, P] right-padded to a multiple of prompt_bucket (one compile
+  per padded length; the padding is masked), prompt_lens int32 [B], capacity). Raises ValueError
+  on bad prompts or a capacity that is too small."""
+  if not _is_static_int(prompt_bucket) or prompt_bucket < 1:
+    raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
   ids = _prepare_prompts(target, prompts)
   longest = max(len(r) for r in ids)
   max_pos = target.config.max_position_embeddings
@@ -515,7 +553,7 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None):
     capacity = _round_up(needed, CAPACITY_BUCKET)
   else:
     check_capacity(capacity, longest, max_new_tokens, k)
-  p = min(_round_up(longest, PROMPT_BUCKET), capacity - max_new_tokens - k - 1)
+  p = min(_round_up(longest, prompt_bucket), capacity - max_new_tokens - k - 1)
   p = max(p, longest)
   prompt_tokens = np.zeros((len(ids), p), np.int32)
   for b, r in enumerate(ids):
@@ -526,7 +564,8 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None):
 
 def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int = 4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
-             stop_tokens=None, capacity: Optional[int] = None, mesh=None) -> GenerateOutput:
+             stop_tokens=None, capacity: Optional[int] = None, mesh=None,
+             prompt_bucket: int = PROMPT_BUCKET) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -547,6 +586,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       up to a multiple of 64).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
+    prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
+      length; the padding is masked, so outputs do not depend on it).
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -568,7 +609,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
   ids = _prepare_prompts(target, prompts)
   sharding_lib.check_mesh(mesh, len(ids))
-  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity)
+  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity,
+                                                       prompt_bucket)
   batch = prompt_tokens.shape[0]
   mesh = sharding_lib.as_auto(mesh)
   greedy = sampling.is_greedy

@@ -155,7 +155,9 @@ def test_breakdown_suite_tiny(tmp_path):
   assert [(r["drafter"], r["K"]) for r in rows] == [("none", 0), ("ngram", 1)]
   assert rows[0]["tau"] == 1.0 and "speedup_loop" not in rows[0]
   r = rows[1]
-  assert 1.0 <= r["tau"] <= 2.0 and r["iterations"] >= 1 and r["t_round_ms"] > 0
+  # Times come from differencing (t(2n) - t(n)) / n, which load on a shared machine can push
+  # below zero: only that a time was measured is checked here, never its value.
+  assert 1.0 <= r["tau"] <= 2.0 and r["iterations"] >= 1 and math.isfinite(r["t_round_ms"])
   assert {"speedup_loop", "bound", "efficiency_loop", "t_other_ms"} <= set(r)
 
 

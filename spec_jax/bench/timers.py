@@ -14,16 +14,12 @@ from spec_jax.bench.timing import time_calls
 _FN_CACHE: dict = {}
 
 
-def _as_engine_prepares(params):
-  """The target params as generate() hands them to its loop: on CPU the engine unstacks the
-  per-layer weights once per call (XLA:CPU would otherwise copy each layer's weight slices
-  before every dot, every step). Timers do the same, before their loop."""
-  import jax
-  try:
-    from spec_jax.models.transformer import unstack_layers
-  except ImportError:          # an engine without it slices inside the loop; so do we
-    return params
-  return unstack_layers(params) if jax.default_backend() == "cpu" else params
+def _as_engine_prepares(params, config):
+  """The target params as decode() hands them to its loop: the execution layout of
+  transformer.prepare_params (fused projections; on CPU stored [out, in] and unstacked), made
+  once per call. Timers do the same, before their loop."""
+  from spec_jax.models.transformer import prepare_params
+  return prepare_params(params, config)
 
 
 def _forward_loop_fn(config):
@@ -37,7 +33,7 @@ def _forward_loop_fn(config):
     from spec_jax.models.transformer import forward
 
     def run(params, tokens, cache, offsets, n):
-      params = _as_engine_prepares(params)
+      params = _as_engine_prepares(params, config)
 
       def body(_, carry):
         toks, c = carry
@@ -49,14 +45,14 @@ def _forward_loop_fn(config):
   return _FN_CACHE[key]
 
 
-def _propose_loop_fn(drafter, k):
+def _propose_loop_fn(drafter, k, target_config):
   """jit(params, state, tokens [B,S], lengths, rng, sampling, target_params, n) -> (tokens,
   state): n rounds of the drafter's own work in a fori_loop — propose() and then commit() with
   a synthetic verify result (zero target features, nothing accepted), the drafter state carried
   as in the engine. commit is free for draft models and n-gram; feature heads (EAGLE, MTP) run
   their layer over the K+1 verified features there, which is drafting cost too. The first draft
   is written back into the buffer so no call is loop-invariant."""
-  key = ("propose", drafter, k)
+  key = ("propose", drafter, k, target_config)
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
@@ -66,7 +62,7 @@ def _propose_loop_fn(drafter, k):
       b = tokens.shape[0]
       # What generate() does once per call, outside its loop.
       params = drafter.prepare(params) if hasattr(drafter, "prepare") else params
-      target_params = _as_engine_prepares(target_params)
+      target_params = _as_engine_prepares(target_params, target_config)
       width = target_params["embed"].shape[1]
       hidden = jnp.zeros((b, k + 1, width), target_params["embed"].dtype)
 
@@ -149,7 +145,7 @@ def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, 
   import jax
   import jax.numpy as jnp
   import spec_jax as sj
-  fn = _propose_loop_fn(drafter, k)
+  fn = _propose_loop_fn(drafter, k, target.config)
   tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
   lengths = jnp.full((batch,), fill, jnp.int32)
   sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
@@ -175,7 +171,7 @@ def _verify_loop_fn(config):
     from spec_jax import engine
 
     def run(params, tokens, cache, offsets, sampling, n):
-      params = _as_engine_prepares(params)
+      params = _as_engine_prepares(params, config)
 
       def body(_, carry):
         toks, c = carry

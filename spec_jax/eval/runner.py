@@ -5,7 +5,6 @@ greedy speculative outputs equal plain decoding's token for token.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 from typing import Any
@@ -65,37 +64,23 @@ def plan_units(requests, batch: int, turn: int) -> list:
   return units
 
 
-@contextlib.contextmanager
-def prompt_buckets(size: int):
-  """generate() pads a batch's prompts to a multiple of engine.PROMPT_BUCKET (16) and compiles
-  once per padded length, so hundreds of prompts of every length mean dozens of compiles. For
-  the evaluation they are padded to multiples of `size` instead: the padding is masked (the
-  outputs do not change) and the prefill pays for it in plain and speculative decoding alike.
-  (A no-op when the engine has no PROMPT_BUCKET or a coarser one.)"""
-  from spec_jax import engine
-  old = getattr(engine, "PROMPT_BUCKET", None)
-  if old is None or size <= old:
-    yield
-    return
-  engine.PROMPT_BUCKET = size
-  try:
-    yield
-  finally:
-    engine.PROMPT_BUCKET = old
-
-
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
 def generate_call(target, prompts, config: Config, max_new_tokens: int, temperature: float,
-                  key, capacity):
-  """The one generate() call of the harness (stop at the model's end-of-text tokens)."""
+                  key, capacity, prompt_bucket: int):
+  """The one generate() call of the harness (stop at the model's end-of-text tokens).
+
+  Prompts are padded to multiples of `prompt_bucket` (one compile per padded length; the
+  padding is masked, so outputs do not change, and the prefill pays for it in plain and
+  speculative decoding alike): hundreds of prompts of every length would otherwise mean
+  dozens of compiles."""
   import spec_jax as sj
   return sj.generate(target, prompts, drafter=config.drafter,
                      num_draft=config.num_draft if config.drafter is not None else 1,
                      max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature),
-                     key=key, stop_tokens=None, capacity=capacity)
+                     key=key, stop_tokens=None, capacity=capacity, prompt_bucket=prompt_bucket)
 
 
 def check_greedy(unit: Unit, configs, outputs: dict) -> None:
@@ -152,7 +137,8 @@ class UnitRunner:
       def run(c=c, cap=cap):
         if self.progress is not None:
           self.progress.describe(f"{unit.describe()} | {c.label}")
-        call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap)
+        call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap,
+                                       self.bucket)
         sig = (c.key, len(prompts), self._padded_length(prompts), cap)
         if sig not in self._warm:           # compile (excluded anyway) and a first run
           call(self.max_new)
@@ -166,8 +152,7 @@ class UnitRunner:
     """All configurations on the unit's prompts, `repeats` interleaved rounds -> the unit's
     record (see store.py); LossyOutputError at temperature 0 when outputs differ."""
     prompts = unit.prompts()
-    with prompt_buckets(self.bucket):
-      results = interleaved_rounds(self._runs(unit, prompts), self.repeats)
+    results = interleaved_rounds(self._runs(unit, prompts), self.repeats)
     n = len(unit.requests)
     outputs = {k: res[0][0].tokens for k, res in results.items()}
     if self.temperature == 0:
