@@ -29,9 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
                  "underscores); flags given on the command line win")
-  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "all"), default="spec",
-                 help="spec (default) | plain | breakdown (where a round's time goes) | all "
-                 "(plain then spec)")
+  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "peer", "all"),
+                 default="spec",
+                 help="spec (default) | plain | breakdown (where a round's time goes) | peer "
+                 "(against transformers' plain, assisted and prompt-lookup generation, each "
+                 "library in its own process) | all (plain then spec)")
   p.add_argument("--pairs", nargs="+", default=["default"],
                  help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
   p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
@@ -62,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hf-threads", type=int, nargs="+", default=[0, 1],
                  help="torch thread counts for transformers (0 = the CPU core count); the first "
                  "is the headline, the others are extra columns")
+  p.add_argument("--peer-batch", type=int, nargs="+", default=[1, 8],
+                 help="peer suite: batch sizes (transformers' assisted generation and prompt "
+                 "lookup run at batch 1 only)")
+  p.add_argument("--peer-prompts", type=int, default=4,
+                 help="peer suite: prompts per timed call (decoded B at a time)")
+  p.add_argument("--peer-rounds", type=int, default=2,
+                 help="peer suite: how many times the library processes alternate")
+  p.add_argument("--peer-lookup-tokens", type=int, default=10,
+                 help="peer suite: transformers' prompt_lookup_num_tokens")
   p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
   p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
   return p
@@ -116,10 +127,11 @@ def parse_args(argv) -> argparse.Namespace:
   if args.quick:
     for k, v in QUICK.items():
       setattr(args, k, v)
-  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens"):
+  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
+               "peer_prompts", "peer_rounds", "peer_lookup_tokens"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-  if any(b < 1 for b in args.batch) or any(b < 1 for b in args.plain_batch):
+  if any(b < 1 for b in args.batch + args.plain_batch + args.peer_batch):
     raise ValueError("batch sizes must be >= 1")
   if any(t < 0 for t in args.temperatures):
     raise ValueError("temperatures must be >= 0")
@@ -156,11 +168,13 @@ def previous_partial(args, out_path: pathlib.Path):
 def run_suite(suite: str, args, checkpoint, previous) -> dict:
   """Runs one suite -> its result dict (ValueError for bad options)."""
   from spec_jax.bench.suites.breakdown import run_breakdown_suite
+  from spec_jax.bench.suites.peer import run_peer_suite
   from spec_jax.bench.suites.plain import run_plain_suite
   from spec_jax.bench.suites.spec import run_spec_suite
   if suite == "spec":
     return run_spec_suite(args, checkpoint=checkpoint, previous=previous)
-  return {"plain": run_plain_suite, "breakdown": run_breakdown_suite}[suite](args)
+  return {"plain": run_plain_suite, "breakdown": run_breakdown_suite,
+          "peer": run_peer_suite}[suite](args)
 
 
 def main(argv=None) -> int:

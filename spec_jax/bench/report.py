@@ -172,4 +172,10 @@ def format_breakdown(result: dict) -> str:
   return "\n".join(out)
 
 
-FORMATTERS = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown}
+def format_peer(result: dict) -> str:
+  from spec_jax.bench.suites.peer import format_peer as fmt_peer
+  return fmt_peer(result)
+
+
+FORMATTERS = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown,
+              "peer": format_peer}
