@@ -241,3 +241,55 @@ def test_tables():
   assert report.table(["x", "y"], rows) == "   x   y\n----  --\n   a   1\nbb|c  22"
   assert report.table(["x", "y"], rows, markdown=True) == (
       "| x | y |\n| --- | --- |\n| a | 1 |\n| bb\\|c | 22 |")
+
+
+def test_widened_model_spec_has_the_source_logits():
+  import jax.numpy as jnp
+  import spec_jax as sj
+  from spec_jax.bench import specs
+  src = specs.load_model("../shared/models/stories260K")
+  spec = "widened:../shared/models/stories260K:128,256,6,16"
+  assert specs.parse_widened(spec) == ("../shared/models/stories260K", (128, 256, 6, 16))
+  assert specs.model_label(spec) == "stories260K-wide-128x256x6x16"
+  wide = specs.load_model(spec)
+  assert wide.config.hidden_size == 128 and wide.config.num_layers == 6
+  toks = jnp.asarray([[1, 403, 407, 261, 378, 10]])
+  a = sj.forward(src.params, src.config, toks, sj.KVCache.zeros(src.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  b = sj.forward(wide.params, wide.config, toks, sj.KVCache.zeros(wide.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  assert float(jnp.max(jnp.abs(a - b))) < 1e-4
+  with pytest.raises(ValueError, match="H,F,L"):
+    specs.parse_widened("widened:../shared/models/stories260K:128,256")
+
+
+def test_decode_roofline_counts_weights_once_and_kv_per_row():
+  import spec_jax as sj
+  cfg = sj.ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                       num_heads=2, num_kv_heads=1)
+  weight_bytes = cfg.num_params * 4
+  kv_bytes_per_row = 2 * 2 * 10 * 1 * 4 * 4            # k and v, L=2, fill 10, Hkv=1, Dh=4
+  bw = 1e9
+  assert math.isclose(timing.decode_roofline(cfg, 1, 10, bw), bw / (weight_bytes + kv_bytes_per_row))
+  assert math.isclose(timing.decode_roofline(cfg, 4, 10, bw),
+                      4 * bw / (weight_bytes + 4 * kv_bytes_per_row))
+
+
+@pytest.mark.slow
+def test_peer_suite_compares_with_transformers(tmp_path):
+  out = tmp_path / "peer.json"
+  rc = cli.main(["--suite", "peer", "--pairs",
+                 "../shared/models/stories260K@draft:../shared/models/salty279K",
+                 "../shared/models/stories260K@ngram", "-K", "2", "--peer-batch", "1",
+                 "--peer-prompts", "1", "--max-new-tokens", "8", "--repeats", "1",
+                 "--peer-rounds", "1", "--hf-threads", "1", "--out", str(out)])
+  assert rc == 0
+  res = json.loads(out.read_text())
+  configs = {(r["library"], r["config"]) for r in res["rows"]}
+  assert configs == {("spec_jax", "plain"), ("spec_jax", "draft:salty279K K=2"),
+                     ("spec_jax", "ngram K=2"), ("transformers", "plain"),
+                     ("transformers", "assisted"), ("transformers", "prompt lookup 10")}
+  # Greedy: every configuration of both libraries emits spec_jax plain decoding's tokens.
+  assert all(r["greedy_match"] for r in res["rows"]), res["notes"]
+  s = res["summary"][0]
+  assert s["ours_over_hf_draft"] > 0 and 0 < s["ours_plain_vs_roofline"]

@@ -28,7 +28,7 @@ from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
 from spec_jax.bench.specs import (drafter_label, load_model, model_label, parse_pairs,
                                   resolve_path)
-from spec_jax.bench.timing import summarize
+from spec_jax.bench.timing import decode_roofline, memory_bandwidth, summarize
 
 PEER_DEFINITIONS = {
     "tokens_per_s": "new tokens / wall seconds of the library's generate calls (median, min, max "
@@ -37,6 +37,9 @@ PEER_DEFINITIONS = {
     "vs_hf_plain": "tokens/s / transformers plain decoding's tokens/s at its best thread count",
     "greedy_match": "the configuration's greedy tokens equal spec_jax plain decoding's",
     "noise": "(max - min) / median of a side's plain decoding over the timed rounds",
+    "roofline": "tokens/s if a plain step only read its bytes (weights once + each row's KV up "
+                "to the mean fill) at the measured read bandwidth (a jitted sum over 512 MB); "
+                "vs_roofline = ours plain / roofline",
 }
 
 
@@ -68,8 +71,12 @@ def run_peer_suite(opts) -> dict:
   threads = sorted({(os.cpu_count() or 1) if n == 0 else int(n) for n in opts.hf_threads})
   rows, summary, notes = [], [], []
   cache_dir = tempfile.mkdtemp(prefix="spec_jax_peer_jit_")
+  bandwidth = memory_bandwidth()
+  log(f"[bench] peer: read bandwidth {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s, copy "
+      f"{bandwidth['copy_bytes_per_s'] / 1e9:.1f} GB/s")
   for target_spec, drafter_specs in by_target.items():
     model = load_model(target_spec, opts.seed)
+    config = model.config
     label = model_label(target_spec)
     n_max = max(max(opts.peer_batch), opts.peer_prompts)
     ids, _ = prompt_token_lists(model, opts.prompts, n_max, opts.prompt_words,
@@ -91,8 +98,8 @@ def run_peer_suite(opts) -> dict:
           c = _drafter_config(d, int(opts.peer_lookup_tokens))
           hf.append(dict(c, name="assisted" if c["mode"] == "draft" else
                          f"prompt lookup {opts.peer_lookup_tokens}"))
-      base = {"target": str(resolve_path(target_spec)) if not target_spec.startswith("random:")
-              else target_spec, "prompts": prompts, "batch": batch, "max_new": max_new,
+      base = {"target": target_spec if target_spec.startswith(("random:", "widened:"))
+              else str(resolve_path(target_spec)), "prompts": prompts, "batch": batch, "max_new": max_new,
               "repeats": opts.repeats, "seed": opts.seed}
       workers = [("spec_jax", None, dict(base, side="ours", configs=ours))]
       workers += [("transformers", t, dict(base, side="hf", threads=t, configs=hf))
@@ -122,10 +129,14 @@ def run_peer_suite(opts) -> dict:
                            "prompts": n, "prompt_tokens": plen, "max_new_tokens": max_new,
                            "tokens_per_s": summarize(m["tokens_per_s"]), "tau": m["tau"],
                            "greedy_match": diff is None})
-      summary.append(_summarize_batch(label, batch, batch_rows))
+      s = _summarize_batch(label, batch, batch_rows)
+      s["roofline_tokens_per_s"] = decode_roofline(config, batch, plen + max_new // 2,
+                                                   bandwidth["read_bytes_per_s"])
+      s["ours_plain_vs_roofline"] = s["ours_plain"] / s["roofline_tokens_per_s"]
+      summary.append(s)
       rows += batch_rows
   return {"suite": "peer", "rows": rows, "summary": summary, "notes": notes,
-          "definitions": PEER_DEFINITIONS}
+          "bandwidth": bandwidth, "definitions": PEER_DEFINITIONS}
 
 
 def _summarize_batch(label: str, batch: int, rows: list) -> dict:
@@ -177,6 +188,9 @@ def format_peer(result: dict) -> str:
             f"{s['ours_over_hf_plain']:.2f}x; noise ours {100 * s['noise_ours_plain']:.0f} %, "
             f"transformers {100 * s['noise_hf_plain']:.0f} %")
     lines.append(line)
+    lines.append(f"  plain vs memory roofline: {s['ours_plain']:.1f} / "
+                 f"{s['roofline_tokens_per_s']:.1f} tok/s = "
+                 f"{100 * s['ours_plain_vs_roofline']:.0f} %")
     for mode, name in (("draft", "assisted generation"), ("ngram", "prompt lookup")):
       if f"ours_over_hf_{mode}" in s:
         o, h = s[f"ours_{mode}_best"], s[f"hf_{mode}_best"]
