@@ -15,7 +15,8 @@ __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_
            "Sampling", "sampling", "rejection_sample"]
 
 from spec_jax import drafters
-from spec_jax.engine import GenerateOutput, generate
+from spec_jax.engine import DecodeResult, GenerateOutput, decode, generate, new_tokens
 from spec_jax.stats import SpecStats
 
-__all__ += ["drafters", "generate", "GenerateOutput", "SpecStats"]
+__all__ += ["drafters", "decode", "DecodeResult", "new_tokens", "generate", "GenerateOutput",
+            "SpecStats"]

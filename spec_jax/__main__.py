@@ -1,9 +1,10 @@
-"""python -m spec_jax generate|bench ...
+"""python -m spec_jax generate|bench|eval ...
 
     python -m spec_jax generate --prompt "Once upon a time"
     python -m spec_jax generate --drafter ngram --num-draft 4 --temperature 0.8
     python -m spec_jax generate --drafter draft:../shared/models/salty279K --num-draft 4
     python -m spec_jax bench ...          (same as python -m spec_jax.bench ...)
+    python -m spec_jax eval ...           (same as python -m spec_jax.eval ...)
 """
 
 from __future__ import annotations
@@ -17,26 +18,6 @@ DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared
                     / "stories260K")
 
 
-def make_drafter(spec: str | None, target):
-  """'ngram' | 'ngram:MAX[:MIN]' | 'draft:PATH' | 'heads:PATH' | None -> a drafter or None."""
-  import spec_jax as sj
-  if spec in (None, "", "none"):
-    return None
-  kind, _, arg = spec.partition(":")
-  if kind == "ngram":
-    parts = [int(x) for x in arg.split(":") if x] if arg else []
-    return sj.drafters.NGram(*parts) if parts else sj.drafters.NGram()
-  if kind == "draft":
-    if not arg:
-      raise ValueError("--drafter draft:PATH needs the draft model's path")
-    return sj.drafters.DraftModel(sj.load(arg))
-  if kind == "heads":
-    if not arg:
-      raise ValueError("--drafter heads:PATH needs the trained heads' directory")
-    return sj.drafters.load(arg, target)
-  raise ValueError(f"unknown drafter {spec!r}; use ngram, ngram:MAX[:MIN], draft:PATH or heads:PATH")
-
-
 def _generate(args) -> int:
   import jax
   import spec_jax as sj
@@ -44,6 +25,7 @@ def _generate(args) -> int:
     print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder "
           "or a llama2.c .bin)", file=sys.stderr)
     return 2
+  from spec_jax.bench.specs import make_drafter
   try:
     model = sj.load(args.model)
     drafter = make_drafter(args.drafter, model)
@@ -71,6 +53,9 @@ def main(argv=None) -> int:
   if argv and argv[0] == "bench":
     from spec_jax import bench
     return bench.main(argv[1:])
+  if argv and argv[0] == "eval":
+    from spec_jax import eval as eval_harness
+    return eval_harness.main(argv[1:])
   parser = argparse.ArgumentParser(prog="python -m spec_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
@@ -85,6 +70,7 @@ def main(argv=None) -> int:
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
   g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
   sub.add_parser("bench", help="side-by-side benchmark (see python -m spec_jax.bench --help)")
+  sub.add_parser("eval", help="Spec-Bench-format evaluation (see python -m spec_jax.eval --help)")
   args = parser.parse_args(argv)
   return _generate(args)
 

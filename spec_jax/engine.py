@@ -1,4 +1,4 @@
-"""Prefill, draft/verify rounds, commit, and generate(): one jit around one while_loop.
+"""Prefill, draft/verify rounds, commit: `decode` (pure, jittable) and `generate` (host wrapper).
 
 One round (fixed shapes; ../shared/DESIGN.md):
 
@@ -11,11 +11,16 @@ One round (fixed shapes; ../shared/DESIGN.md):
 Invariant: row b holds `lengths[b]` committed tokens in `tokens[b]`; the target's KV cache holds
 entries for positions < lengths[b] - 1 (the last committed token is fed in the next round).
 K = 0 (no drafter) is plain autoregressive decoding through the same loop: the baseline.
+
+`decode` is the whole generation as one pure function of arrays (prefill + `lax.while_loop`),
+for research code to call inside its own `jax.jit`; `generate` prepares prompts, compiles
+`decode` ahead of time, times the compiled call and decodes text.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -28,7 +33,7 @@ from spec_jax import sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import KVCache, forward, unstack_layers
+from spec_jax.models.transformer import KVCache, forward, prepare_params
 from spec_jax.rejection import rejection_sample
 from spec_jax.sampling import Sampling
 from spec_jax.stats import SpecStats
@@ -47,8 +52,9 @@ class DecodeState:
   cache: the target KVCache [L, B, S, Hkv, Dh].
   drafter_state: the drafter's pytree.
   key: PRNG key, split once per round.
-  rounds, drafted, accepted, emitted: int32 [B] statistics of what was emitted (see
-    SpecStats); accepted_at: int32 [B, K].
+  rounds, drafted, accepted: int32 [B] statistics; accepted_at: int32 [B, K].
+  finished_at_round: int32 [B], the round in which the row finished (0 = at the prefill), or -1
+    while it runs.
   iterations: int32 scalar, loop iterations so far.
   """
   tokens: jax.Array
@@ -61,16 +67,46 @@ class DecodeState:
   drafted: jax.Array
   accepted: jax.Array
   accepted_at: jax.Array
+  finished_at_round: jax.Array
   iterations: jax.Array
-  emitted: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeResult:
+  """What `decode` returns: arrays only (B rows, capacity S, K drafts).
+
+  tokens: int32 [B, S]; row b holds its prompt in [0, prompt_lens[b]) and its new tokens in
+    [prompt_lens[b], lengths[b]) (a stop token that ended the row included); the rest is junk.
+  lengths: int32 [B] prompt + new tokens.
+  prompt_lens: int32 [B].
+  rounds: int32 [B] target verify passes while the row was running.
+  drafted: int32 [B] valid draft tokens proposed to the row.
+  accepted: int32 [B] drafts accepted AND emitted (drafts cut by a stop token or the token limit
+    are not counted).
+  accepted_at: int32 [B, K], rounds in which draft position i was accepted and emitted.
+  finished_at_round: int32 [B], the loop iteration in which the row finished (0 = its first
+    token, sampled at the prefill, already ended it): a request's latency in rounds.
+  iterations: int32 scalar, loop iterations (target forwards after the prefill).
+  """
+  tokens: jax.Array
+  lengths: jax.Array
+  prompt_lens: jax.Array
+  rounds: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  accepted_at: jax.Array
+  finished_at_round: jax.Array
+  iterations: jax.Array
 
 
 class GenerateOutput(NamedTuple):
   """tokens: list[list[int]] new tokens per row (a stop token that ended a row is included);
-  text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats."""
+  text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats;
+  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round)."""
   tokens: list
   text: Optional[list]
   stats: SpecStats
+  result: Optional[Any] = None
 
 
 class NoDrafter(Drafter):
@@ -98,17 +134,20 @@ def draft_step(drafter: Drafter, drafter_params, drafter_state, ctx: DraftContex
 
 
 def verify_step(params, config: ModelConfig, cache: KVCache, last_tokens, draft_tokens, lengths,
-                sampling: Sampling, return_layers: Sequence[int] = ()):
+                sampling: Sampling, return_layers: Sequence[int] = (), greedy: bool = False):
   """One target forward over [last committed token, drafts] at offsets lengths-1.
 
   Args:
     last_tokens: int32 [B]; draft_tokens: int32 [B, K] (-1 padding allowed); lengths: int32 [B].
+    greedy: every row is greedy (static): skip the probabilities, return the argmax.
   Returns:
-    (target_probs [B, K+1, V], ForwardOutput) — the output carries the updated cache and the
-    hidden states drafters follow.
+    (target_probs [B, K+1, V] — or, when greedy, the target's argmax int32 [B, K+1] —,
+    ForwardOutput) — the output carries the updated cache and the hidden states drafters follow.
   """
   inputs = jnp.concatenate([last_tokens[:, None], jnp.maximum(draft_tokens, 0)], axis=1)
   out = forward(params, config, inputs, cache, lengths - 1, return_layers=return_layers)
+  if greedy:
+    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out
   return sampling_lib.probs(out.logits, sampling), out
 
 
@@ -130,6 +169,21 @@ def accept_step(key, draft_tokens, draft_probs, target_probs, draft_lengths):
   return jax.vmap(one_row)(keys, draft_tokens, draft_probs, target_probs, draft_lengths)
 
 
+def accept_greedy(draft_tokens, target_argmax, draft_lengths):
+  """Greedy verification: the longest draft prefix equal to the target's argmax, then the
+  target's argmax at the first mismatch (or the bonus position).
+
+  What `accept_step` returns when every p is one-hot (temperature 0), without any random draws.
+  Args: draft_tokens int32 [B, K]; target_argmax int32 [B, K+1]; draft_lengths int32 [B].
+  Returns: (tokens [B, K+1] with -1 after n_accepted, n_accepted [B]).
+  """
+  k = draft_tokens.shape[1]
+  pos = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  match = (draft_tokens == target_argmax[:, :k]) & (pos[:, :k] < draft_lengths[:, None])
+  n_acc = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+  return jnp.where(pos <= n_acc[:, None], target_argmax, -1), n_acc
+
+
 def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
   """Appends the emitted block to each active row, cut after a stop token or at the limit.
 
@@ -138,7 +192,7 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
     emitted: int32 [B, K+1] from the rejection sampler (-1 after n_accepted).
     stop_tokens: int32 [N] (may be empty); limit: int32 [B] max committed length per row.
   Returns:
-    (tokens, new lengths, new done).
+    (tokens, new lengths, new done, n_emit int32 [B] tokens appended to each row).
   """
   k1 = emitted.shape[1]
   pos = jnp.arange(k1, dtype=jnp.int32)[None, :]
@@ -154,35 +208,214 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
   new_lengths = lengths + n_emit
   stopped = first_stop < n_emit
   new_done = done | stopped | (new_lengths >= limit)
-  return tokens, new_lengths, new_done
+  return tokens, new_lengths, new_done, n_emit
 
 
-# ----------------------------------------------------------------------------- the jitted loop
+# ----------------------------------------------------------------------------- one round
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "drafter", "num_draft", "capacity", "mesh"))
-def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, max_new_tokens,
-                   stop_tokens, sampling: Sampling, key, *, config: ModelConfig, drafter: Drafter,
-                   num_draft: int, capacity: int, mesh=None):
-  """Prefill + rounds until every row is done. Returns the final DecodeState."""
+class LoopEnv(NamedTuple):
+  """What every round of one decode call closes over (set once, before the loop).
+
+  config, drafter, greedy, layers are static; the rest are arrays: drafter_params and
+  target_params (execution layout), sampling (per-row [B]), stop_tokens int32 [N], limit int32
+  [B] (the longest committed length of each row)."""
+  config: ModelConfig
+  drafter: Drafter
+  drafter_params: Any
+  target_params: Any
+  sampling: Sampling
+  stop_tokens: jax.Array
+  limit: jax.Array
+  greedy: bool
+  layers: tuple
+
+
+def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n_emit):
+  """`new` with the statistics of the round st -> new added (rows active at its start only).
+
+  accepted counts the drafts that were emitted: drafts cut by a stop token or the token limit
+  are not accepted tokens of this generation, and a round cut inside its accepted drafts
+  (n_emit <= n_accepted) counts as drafted only the n_emit drafts it emitted (the rest were
+  thrown away unjudged, like the drafts after a rejection), so alpha is not understated.
+  accepted_at may be wider than this round's K."""
+  active = (~st.done).astype(jnp.int32)
+  n_used = jnp.minimum(n_emit, n_accepted) * active
+  width = st.accepted_at.shape[1]
+  iteration = st.iterations + 1
+  return new.replace(
+      rounds=st.rounds + active,
+      drafted=st.drafted + active * jnp.where(n_emit <= n_accepted, n_emit, draft_lengths),
+      accepted=st.accepted + n_used,
+      accepted_at=st.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
+      finished_at_round=jnp.where(new.done & ~st.done, iteration, st.finished_at_round),
+      iterations=iteration)
+
+
+def chain_round(env: LoopEnv, st: DecodeState, *, k: int) -> DecodeState:
+  """One speculative round with a chain of K drafts (K = 0: a plain decoding step):
+  propose -> verify -> accept -> commit -> drafter.commit -> statistics."""
+  key, draft_key, accept_key = jax.random.split(st.key, 3)
+  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
+                     target_params=env.target_params, num_draft=k, greedy=env.greedy)
+  draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
+      env.drafter, env.drafter_params, st.drafter_state, ctx)
+  last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
+  target_out, out = verify_step(env.target_params, env.config, st.cache, last, draft_tokens,
+                                st.lengths, env.sampling, env.layers, greedy=env.greedy)
+  if env.greedy:
+    emitted, n_acc = accept_greedy(draft_tokens, target_out, draft_lengths)
+  else:
+    emitted, n_acc = accept_step(accept_key, draft_tokens, draft_probs, target_out,
+                                 draft_lengths)
+  tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
+                                              env.stop_tokens, env.limit)
+  verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
+                      hidden=out.hidden, layer_hidden=out.layer_hidden,
+                      lengths_before=st.lengths, lengths=lengths,
+                      target_params=env.target_params)
+  dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
+  new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=out.cache,
+                   drafter_state=dstate, key=key)
+  return update_stats(st, new, draft_lengths, n_acc, n_emit)
+
+
+# ----------------------------------------------------------------------------- decode()
+
+def _is_static_int(x) -> bool:
+  return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def check_num_draft(drafter: Optional[Drafter], num_draft) -> int:
+  """The K a (drafter, num_draft) pair runs with; ValueError naming what is allowed."""
+  if drafter is None:
+    return 0
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
+                     f"{type(drafter).__name__}")
+  if not _is_static_int(num_draft) or num_draft < 1:
+    raise ValueError(f"num_draft (K) must be an integer >= 1 when a drafter is given, got "
+                     f"{num_draft!r}")
+  if drafter.max_draft is not None and num_draft > drafter.max_draft:
+    raise ValueError(f"this drafter proposes at most {drafter.max_draft} tokens per round; "
+                     f"num_draft={num_draft} is too large")
+  return int(num_draft)
+
+
+def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -> None:
+  """Raises ValueError unless the KV cache holds prompt + max_new_tokens + a K+1 verify block."""
+  if not _is_static_int(capacity) or capacity < 1:
+    raise ValueError(f"capacity must be a positive integer (the KV-cache length S), got "
+                     f"{capacity!r}")
+  needed = longest_prompt + max_new_tokens + k + 1
+  if capacity < needed:
+    raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "
+                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) needs {needed}")
+
+
+def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
+           drafter: Optional[Drafter] = None, drafter_params=None, num_draft: int = 4,
+           max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
+           tree=None, mesh=None, greedy: Optional[bool] = None, cache: Optional[KVCache] = None
+           ) -> DecodeResult:
+  """The whole speculative generation as one pure function of arrays: prefill + rounds in one
+  `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
+
+  Args (arrays, traced):
+    target_params: the target's param pytree (`model.params`).
+    prompt_tokens: int32 [B, P] right-padded prompts (any valid id as padding).
+    prompt_lens: int32 [B] real prompt lengths, >= 1.
+    key: a jax PRNG key (the only source of randomness; same key -> same tokens).
+    drafter_params: the drafter's params (`drafter.params`); None uses `drafter.params`, which
+      then become compile-time constants of your jit — pass them as an argument instead.
+    sampling: Sampling with scalars or per-row [B] arrays.
+    stop_tokens: a tuple of ints or an int32 [N] array; () never stops early.
+    max_new_tokens: int, or a traced int32 scalar (then capacity is not checked against it).
+    cache: optional KVCache [L, B, S, Hkv, Dh] buffer to decode into (donate it with
+      `donate_argnums` to reuse its memory); default a fresh zero cache.
+  Static (hashable; mark them static in your jit, e.g. with functools.partial):
+    config: the target's ModelConfig. drafter: a Drafter or None (plain decoding, K = 0).
+    num_draft: K. capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1.
+    tree: reserved for tree drafting (not available yet: must be None).
+    mesh: optional Mesh ("data", "model") for the sharding annotations (spec_jax.sharding).
+    greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
+      infers it from concrete sampling values (traced values: False; both paths give the same
+      tokens, the greedy one is cheaper).
+
+  Returns:
+    DecodeResult (arrays). Host helpers: `new_tokens(result)`, `SpecStats.from_result`.
+
+  Example — sample with speculation, then score the samples, in one jitted function:
+
+      @functools.partial(jax.jit, static_argnames=("n",))
+      def sample_and_score(params, dparams, prompts, lens, key, n):
+        res = sj.decode(params, prompts, lens, key, config=cfg, drafter=drafter,
+                        drafter_params=dparams, num_draft=4, max_new_tokens=n,
+                        capacity=256, sampling=sj.Sampling(temperature=1.0))
+        logits = sj.forward(params, cfg, res.tokens, sj.KVCache.zeros(cfg, B, 256),
+                            jnp.zeros((B,), jnp.int32)).logits
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        tok_logp = jnp.take_along_axis(logp, res.tokens[:, 1:, None], -1)[..., 0]
+        pos = jnp.arange(255)[None]
+        new = (pos >= res.prompt_lens[:, None] - 1) & (pos < res.lengths[:, None] - 1)
+        return res, jnp.sum(jnp.where(new, tok_logp, 0.0), axis=1)
+  """
+  if tree is not None:
+    raise ValueError("tree drafting is not available yet: pass tree=None")
+  if drafter is not None and not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
+                     f"{type(drafter).__name__}")
+  k = check_num_draft(drafter, num_draft)
+  if drafter is None:
+    drafter = NoDrafter()
+  if drafter_params is None:
+    drafter_params = drafter.params
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+  if prompt_tokens.ndim != 2 or prompt_lens.shape != prompt_tokens.shape[:1]:
+    raise ValueError(f"prompt_tokens must be int32 [B, P] and prompt_lens [B]; got shapes "
+                     f"{prompt_tokens.shape} and {prompt_lens.shape}")
   b, p = prompt_tokens.shape
-  k, s = num_draft, capacity
+  if _is_static_int(max_new_tokens):
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_capacity(capacity, p, int(max_new_tokens), k)
+  elif not _is_static_int(capacity) or capacity < p + k + 2:
+    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + k + 2}, got {capacity!r}")
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  if greedy is None:
+    greedy = _concretely_greedy(sampling)
+  sampling = Sampling(
+      temperature=jnp.broadcast_to(jnp.asarray(sampling.temperature, jnp.float32), (b,)),
+      top_k=jnp.broadcast_to(jnp.asarray(sampling.top_k, jnp.int32), (b,)),
+      top_p=jnp.broadcast_to(jnp.asarray(sampling.top_p, jnp.float32), (b,)))
+  stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
+  s = int(capacity)
   layers = tuple(drafter.target_layers)
-  limit = prompt_lens + max_new_tokens  # max committed length per row
-  if jax.default_backend() == "cpu":
-    # XLA:CPU copies a stacked weight's slice before each dot; slice once per call instead.
-    target_params = unstack_layers(target_params)
+  limit = prompt_lens + jnp.asarray(max_new_tokens, jnp.int32)  # max committed length per row
+  # Loop-invariant work on the weights, once per call, outside the loop (the execution layout:
+  # see transformer.prepare_params).
+  target_params = prepare_params(target_params, config, mesh)
   drafter_params = drafter.prepare(drafter_params)
 
   # Prefill: the right-padded prompts at offset 0 (padding sits after each row's prompt, is
   # never attended by real tokens, and its KV slots are overwritten by generated tokens).
-  cache = sharding_lib.constrain_cache(mesh, KVCache.zeros(config, b, s))
+  if cache is None:
+    cache = KVCache.zeros(config, b, s)
+  elif cache.k.shape != (config.num_layers, b, s, config.num_kv_heads, config.head_dim):
+    raise ValueError(f"cache must be [L, B, S, Hkv, Dh] = "
+                     f"{(config.num_layers, b, s, config.num_kv_heads, config.head_dim)}, "
+                     f"got {cache.k.shape}")
+  cache = sharding_lib.constrain_cache(mesh, cache)
   pre = forward(target_params, config, prompt_tokens, cache, jnp.zeros((b,), jnp.int32),
                 return_layers=layers)
   last_logits = jnp.take_along_axis(pre.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   key, first_key = jax.random.split(key)
-  first = jax.vmap(sampling_lib.sample)(row_keys(first_key, b),
-                                        sampling_lib.probs(last_logits, sampling))
+  if greedy:
+    first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+  else:
+    first = jax.vmap(sampling_lib.sample)(row_keys(first_key, b),
+                                          sampling_lib.probs(last_logits, sampling))
   tokens = jnp.zeros((b, s), jnp.int32).at[:, :p].set(
       jnp.where(jnp.arange(p)[None] < prompt_lens[:, None], prompt_tokens, 0))
   tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
@@ -195,49 +428,62 @@ def _generate_loop(target_params, drafter_params, prompt_tokens, prompt_lens, ma
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,
                       accepted=zeros, accepted_at=jnp.zeros((b, k), jnp.int32),
-                      iterations=jnp.zeros((), jnp.int32), emitted=zeros)
+                      finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
+                      iterations=jnp.zeros((), jnp.int32))
 
-  def round_(st: DecodeState) -> DecodeState:
-    key, draft_key, accept_key = jax.random.split(st.key, 3)
-    ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=sampling,
-                       target_params=target_params, num_draft=k)
-    draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
-        drafter, drafter_params, st.drafter_state, ctx)
-    last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
-    target_probs, out = verify_step(target_params, config, st.cache, last, draft_tokens,
-                                    st.lengths, sampling, layers)
-    emitted, n_acc = accept_step(accept_key, draft_tokens, draft_probs, target_probs,
-                                 draft_lengths)
-    tokens, lengths, done = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
-                                        stop_tokens, limit)
-    verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
-                        hidden=out.hidden, layer_hidden=out.layer_hidden,
-                        lengths_before=st.lengths, lengths=lengths, target_params=target_params)
-    dstate = drafter.commit(drafter_params, dstate, emitted, n_acc, verify)
-    # Statistics count what was emitted: a block cut by max_new_tokens or a stop token after
-    # e <= n_acc tokens emitted e accepted drafts (the rest were thrown away, like the drafts
-    # past a rejection) and judged only those e drafts. Finished rows emit 0 and count nothing.
-    active = (~st.done).astype(jnp.int32)
-    n_out = lengths - st.lengths                       # tokens this round emitted (0 if done)
-    cut = n_out <= n_acc
-    acc_out = jnp.minimum(n_acc, n_out)
-    return DecodeState(
-        tokens=tokens, lengths=lengths, done=done, cache=out.cache, drafter_state=dstate, key=key,
-        rounds=st.rounds + active,
-        drafted=st.drafted + active * jnp.where(cut, n_out, draft_lengths),
-        accepted=st.accepted + active * acc_out,
-        accepted_at=st.accepted_at + active[:, None] * (
-            jnp.arange(k)[None, :] < acc_out[:, None]).astype(jnp.int32),
-        iterations=st.iterations + 1,
-        emitted=st.emitted + active * n_out)
+  env = LoopEnv(config=config, drafter=drafter, drafter_params=drafter_params,
+                target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
+                limit=limit, greedy=greedy, layers=layers)
+  round_ = functools.partial(chain_round, env, k=k)
+  final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
+  return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
+                      rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
+                      accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
+                      iterations=final.iterations)
 
-  return jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
+
+def _concretely_greedy(sampling: Sampling) -> bool:
+  """True when every temperature is a concrete 0 (known at trace time)."""
+  t = sampling.temperature
+  if isinstance(t, jax.core.Tracer):
+    return False
+  try:
+    return bool(np.all(np.asarray(t) == 0))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return False
+
+
+def new_tokens(result) -> list:
+  """Host side: list[list[int]] of each row's new tokens (a stop token that ended a row
+  included) from a DecodeResult."""
+  tokens = np.asarray(result.tokens)
+  lengths, prompt_lens = np.asarray(result.lengths), np.asarray(result.prompt_lens)
+  return [tokens[b, prompt_lens[b]:lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+
+_DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy")
+_decode_jit = jax.jit(decode, static_argnames=_DECODE_STATIC)
+_generate_loop = _decode_jit  # the name earlier code and tests use to clear the jit cache
 
 
 # ----------------------------------------------------------------------------- generate()
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def _as_token_ids(values, what: str) -> list:
+  """A 1-D sequence of integral values -> list[int]; ValueError on anything else."""
+  arr = np.asarray(values)
+  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or
+                                 np.issubdtype(arr.dtype, np.floating) or arr.dtype == bool):
+    raise ValueError(f"{what} must hold integer token ids, got {values!r}")
+  if arr.dtype == bool:
+    raise ValueError(f"{what} must hold integer token ids, got booleans")
+  if np.issubdtype(arr.dtype, np.floating) and not np.all(np.equal(np.mod(arr, 1), 0)):
+    raise ValueError(f"{what} must hold integer token ids, got non-integral values "
+                     f"{arr.reshape(-1)[np.mod(arr.reshape(-1), 1) != 0][:5].tolist()}")
+  return [int(t) for t in arr.reshape(-1).tolist()]
 
 
 def _prepare_prompts(target, prompts) -> list[list[int]]:
@@ -253,7 +499,7 @@ def _prepare_prompts(target, prompts) -> list[list[int]]:
                          "lists of token ids")
       ids = target.encode(prompt)
     else:
-      ids = _token_ids(prompt, f"prompt {i}")
+      ids = _as_token_ids(prompt, f"prompt {i}")
     if len(ids) == 0:
       raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -263,73 +509,71 @@ def _prepare_prompts(target, prompts) -> list[list[int]]:
   return out
 
 
-def _token_ids(values, what: str) -> list[int]:
-  """A flat list of token ids from a sequence of integers (integral floats are accepted, as
-  from a float array); raises ValueError on anything else instead of truncating it."""
-  if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray, jax.Array)):
-    raise ValueError(f"{what} must be a list of integer token ids, got {type(values).__name__}")
-  try:
-    arr = np.asarray(values)
-  except ValueError as e:  # ragged nesting
-    raise ValueError(f"{what} must be a flat list of integer token ids: {e}") from None
-  if arr.size == 0:
-    return []
-  if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer)
-                               or np.issubdtype(arr.dtype, np.floating)):
-    raise ValueError(f"{what} must hold integer token ids, got {arr.dtype} values "
-                     f"{arr.reshape(-1)[:5].tolist()}")
-  if np.issubdtype(arr.dtype, np.floating):
-    bad = arr[~np.isfinite(arr) | (arr != np.round(arr))]
-    if bad.size:
-      raise ValueError(f"{what} must hold integer token ids; these are not integers: "
-                       f"{bad[:5].tolist()}")
-  return [int(t) for t in arr.reshape(-1).tolist()]
-
-
 def _stop_array(target, stop_tokens) -> np.ndarray:
   if stop_tokens is None:
     stop_tokens = target.config.eos_token_ids
-  stop = _token_ids(stop_tokens, "stop_tokens (None = the model's end-of-text tokens, [] = none)")
+  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray)):
+    raise ValueError(f"stop_tokens must be None (the model's end-of-text tokens) or a list of "
+                     f"token ids ([] = never stop early), got {stop_tokens!r}")
+  stop = _as_token_ids(stop_tokens, "stop_tokens") if len(stop_tokens) else []
   bad = [t for t in stop if not 0 <= t < target.config.vocab_size]
   if bad:
     raise ValueError(f"stop_tokens outside the vocabulary [0, {target.config.vocab_size}): {bad}")
   return np.asarray(stop, np.int32).reshape(-1)
 
 
-def _check_key(key) -> None:
-  """None, a typed key (jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)."""
-  if key is None:
-    return
-  if isinstance(key, (jax.Array, np.ndarray)):
-    dtype = key.dtype
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key) and key.shape == ():
-      return
-    if dtype == np.uint32 and key.shape == (2,):
-      return
-    what = f"an array of dtype {dtype} and shape {key.shape}"
-  else:
-    what = f"{type(key).__name__} {key!r}"
-  raise ValueError(f"key must be one jax PRNG key, jax.random.key(seed) (or a uint32[2] "
-                   f"jax.random.PRNGKey), or None for key(0); got {what}")
-
-
 _COMPILED: dict = {}
 
 
-def _compiled_loop(args, static):
+def _compiled_decode(args, static):
   """AOT-compiles once per (shapes, static config) so that timings exclude compilation."""
   leaves, treedef = jax.tree.flatten(args)
   sig = (tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef,
          tuple((np.shape(a), str(getattr(a, "dtype", type(a)))) for a in leaves))
   if sig not in _COMPILED:
-    _COMPILED[sig] = _generate_loop.lower(*args, **static).compile()
+    positional, keywords = args
+    _COMPILED[sig] = _decode_jit.lower(*positional, **keywords, **static).compile()
   return _COMPILED[sig]
+
+
+def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
+                  prompt_bucket: int = PROMPT_BUCKET):
+  """Host-side prompt preparation shared by generate() and the benchmarks.
+
+  Returns (prompt_tokens int32 [B, P] right-padded to a multiple of prompt_bucket (one compile
+  per padded length; the padding is masked), prompt_lens int32 [B], capacity). Raises ValueError
+  on bad prompts or a capacity that is too small."""
+  if not _is_static_int(prompt_bucket) or prompt_bucket < 1:
+    raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
+  ids = _prepare_prompts(target, prompts)
+  longest = max(len(r) for r in ids)
+  max_pos = target.config.max_position_embeddings
+  if longest + max_new_tokens > max_pos:
+    raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+                     f"exceeds the model's context of {max_pos} positions")
+  needed = longest + max_new_tokens + k + 1
+  if capacity is None:
+    capacity = _round_up(needed, CAPACITY_BUCKET)
+  else:
+    check_capacity(capacity, longest, max_new_tokens, k)
+  p = min(_round_up(longest, prompt_bucket), capacity - max_new_tokens - k - 1)
+  p = max(p, longest)
+  prompt_tokens = np.zeros((len(ids), p), np.int32)
+  for b, r in enumerate(ids):
+    prompt_tokens[b, :len(r)] = r
+  prompt_lens = np.asarray([len(r) for r in ids], np.int32)
+  return prompt_tokens, prompt_lens, int(capacity)
 
 
 def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int = 4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
-             stop_tokens=None, capacity: Optional[int] = None, mesh=None) -> GenerateOutput:
+             stop_tokens=None, capacity: Optional[int] = None, mesh=None,
+             prompt_bucket: int = PROMPT_BUCKET) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
+
+  A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
+  time (one compile per (B, prompt bucket, S, K, greedy); compilation is not timed), times the
+  compiled call, and decodes the text.
 
   Args:
     target: a Model (sj.load / sj.init_model).
@@ -342,85 +586,61 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     key: jax PRNG key (default key(0)).
     stop_tokens: None = the model's end-of-text tokens; [] = never stop early.
     capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
-      up to a multiple of 64); one compile per (B, prompt bucket, S, K).
+      up to a multiple of 64).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
+    prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
+      length; the padding is masked, so outputs do not depend on it).
 
   Returns:
-    GenerateOutput(tokens, text, stats).
+    GenerateOutput(tokens, text, stats, result).
   """
-  ids = _prepare_prompts(target, prompts)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-  if drafter is None:
-    drafter, k = NoDrafter(), 0
-  else:
-    if not isinstance(drafter, Drafter):
-      raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
-                       f"{type(drafter).__name__}")
-    if isinstance(num_draft, bool) or not isinstance(num_draft, (int, np.integer)) or num_draft < 1:
-      raise ValueError(f"num_draft (K) must be an integer >= 1 when a drafter is given, got "
-                       f"{num_draft!r}")
-    if drafter.max_draft is not None and num_draft > drafter.max_draft:
-      raise ValueError(f"this drafter proposes at most {drafter.max_draft} tokens per round; "
-                       f"num_draft={num_draft} is too large")
+  max_new_tokens = int(max_new_tokens)
+  k = check_num_draft(drafter, num_draft)
+  if drafter is not None:
     drafter.check_compatible(target)
-    k = int(num_draft)
-  batch = len(ids)
-  sharding_lib.check_mesh(mesh, batch)
-  mesh = sharding_lib.as_auto(mesh)
   if not isinstance(sampling, Sampling):
-    raise ValueError(f"sampling must be a spec_jax.Sampling (e.g. sj.Sampling(temperature=0.0) "
-                     f"for greedy), got {type(sampling).__name__}")
-  sampling = sampling.as_arrays(batch)
-  _check_key(key)
-  stop = _stop_array(target, stop_tokens)
-
-  longest = max(len(r) for r in ids)
-  max_pos = target.config.max_position_embeddings
-  if longest + max_new_tokens > max_pos:
-    raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
-                     f"exceeds the model's context of {max_pos} positions")
-  needed = longest + max_new_tokens + k + 1
-  if capacity is None:
-    capacity = _round_up(needed, CAPACITY_BUCKET)
-  elif isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)):
-    raise ValueError(f"capacity must be an integer number of KV-cache slots (or None for "
-                     f"automatic), got {capacity!r} of type {type(capacity).__name__}")
-  elif capacity < needed:
-    raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest}) + "
-                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) needs {needed}")
-  p = min(_round_up(longest, PROMPT_BUCKET), capacity)
-  prompt_tokens = np.zeros((batch, p), np.int32)
-  for b, r in enumerate(ids):
-    prompt_tokens[b, :len(r)] = r
-  prompt_lens = np.asarray([len(r) for r in ids], np.int32)
+    raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   if key is None:
     key = jax.random.key(0)
+  elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and key.shape == ()):
+    raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}")
+  if capacity is not None and (not _is_static_int(capacity) or capacity < 1):
+    raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
+  ids = _prepare_prompts(target, prompts)
+  sharding_lib.check_mesh(mesh, len(ids))
+  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity,
+                                                       prompt_bucket)
+  batch = prompt_tokens.shape[0]
+  mesh = sharding_lib.as_auto(mesh)
+  greedy = sampling.is_greedy
+  sampling = sampling.as_arrays(batch)
+  stop = _stop_array(target, stop_tokens)
 
+  drafter_params = None if drafter is None else drafter.params
   args = (sharding_lib.shard_params(mesh, target.params),
-          sharding_lib.shard_params(mesh, drafter.params),
           *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
-          *sharding_lib.replicate(mesh, (jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(stop))),
-          sharding_lib.shard_rows(mesh, sampling), sharding_lib.replicate(mesh, key))
-  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=int(capacity),
-                mesh=mesh)
-  compiled = _compiled_loop(args, static)
+          sharding_lib.replicate(mesh, key))
+  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
+                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
+                sampling=sharding_lib.shard_rows(mesh, sampling),
+                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop)))
+  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=capacity,
+                mesh=mesh, greedy=greedy)
+  compiled = _compiled_decode((args, kwargs), static)
   start = time.perf_counter()
-  final = compiled(*args)
-  jax.block_until_ready(final.lengths)
+  result = compiled(*args, **kwargs)
+  jax.block_until_ready(result.lengths)
   seconds = time.perf_counter() - start
 
-  tokens_np = np.asarray(final.tokens)
-  lengths_np = np.asarray(final.lengths)
-  new = [tokens_np[b, prompt_lens[b]:lengths_np[b]].tolist() for b in range(batch)]
+  result = jax.tree.map(np.asarray, result)
+  new = new_tokens(result)
   text = None
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
-  stats = SpecStats.from_counts(
-      rounds=np.asarray(final.rounds), drafted=np.asarray(final.drafted),
-      accepted=np.asarray(final.accepted), accepted_at=np.asarray(final.accepted_at),
-      seconds=seconds, new_tokens=sum(len(t) for t in new),
-      iterations=int(final.iterations), num_draft=k, emitted=np.asarray(final.emitted))
-  return GenerateOutput(tokens=new, text=text, stats=stats)
+  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k)
+  return GenerateOutput(tokens=new, text=text, stats=stats, result=result)

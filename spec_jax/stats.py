@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -37,6 +38,9 @@ class SpecStats:
   num_draft: K.
   emitted: tokens emitted by the rounds (new_tokens less the one token per row the prefill
     sampled).
+  row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
+    ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
+    row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
   """
   rounds: int
   drafted: int
@@ -49,17 +53,25 @@ class SpecStats:
   new_tokens: int = 0
   iterations: int = 0
   num_draft: int = 0
+  row_counts: Optional[dict] = None
   emitted: int = 0
   alpha_token: float = 0.0
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
                   num_draft, emitted=None) -> "SpecStats":
-    """Sums per-row counts. emitted None means no round was cut: accepted + rounds."""
+    """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
+    totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
+    ([B] or a total); None means no round was cut (accepted + rounds)."""
+    row_counts = {name: np.asarray(x, np.int64).reshape(-1).tolist()
+                  for name, x in (("rounds", rounds), ("drafted", drafted), ("accepted", accepted))}
+    n_rows = len(row_counts["rounds"])
+    row_counts["accepted_at"] = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist()
+                                 if num_draft else [[] for _ in range(n_rows)])
     rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
     emitted = accepted + rounds if emitted is None else int(np.sum(emitted))
-    accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
     tau = emitted / rounds if rounds else 1.0
+    accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
     return cls(
         rounds=rounds,
         drafted=drafted,
@@ -72,8 +84,23 @@ class SpecStats:
         new_tokens=int(new_tokens),
         iterations=int(iterations),
         num_draft=int(num_draft),
+        row_counts=row_counts,
         emitted=emitted,
         alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft else 0.0)
+
+  @classmethod
+  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
+                  ) -> "SpecStats":
+    """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
+    rounds emitted (every row's first token comes from the prefill, not from a round)."""
+    accepted_at = np.asarray(result.accepted_at)
+    k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
+    new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
+    return cls.from_counts(
+        rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
+        accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
+        new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k,
+        emitted=np.maximum(new - 1, 0))
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)

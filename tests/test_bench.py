@@ -1,18 +1,24 @@
 """python -m spec_jax.bench: runs the entry point on tiny random models and checks the JSON.
 
-No assertion here looks at a timing: only the schema, the bookkeeping (K=0 speedup 1, the bound
-and efficiency formulas, one row per configuration) and the option handling.
+No assertion here looks at a measured timing: only the schema, the bookkeeping (K=0 speedup 1,
+one row per configuration), the option handling, and the derived fields (speedup, bound,
+efficiency, breakdown) computed from hand-picked inputs with their values worked out by hand.
 """
 
 import gzip
 import json
 import math
 
-import jax
 import pytest
 
-import spec_jax as sj
-from spec_jax import bench
+from spec_jax.bench import cli, metrics, report, timing
+from spec_jax.bench.definitions import SPEC_DEFINITIONS
+from spec_jax.bench.prompts import read_prompt_texts
+from spec_jax.bench.results import ROOT, SCHEMA_VERSION
+from spec_jax.bench.specs import parse_pairs
+from spec_jax.bench.suites.breakdown import breakdown_row
+from spec_jax.bench.suites.spec import spec_row
+from spec_jax.stats import SpecStats
 
 from .conftest import need_shared
 
@@ -23,13 +29,13 @@ ROW_FIELDS = {"target", "drafter", "K", "batch", "temperature", "max_new_tokens"
 
 def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   out = tmp_path / "spec.json"
-  rc = bench.main(["--pairs", "random:tiny@ngram", "random:tiny@draft:random:tiny-draft",
+  rc = cli.main(["--pairs", "random:tiny@ngram", "random:tiny@draft:random:tiny-draft",
                    "-K", "1", "-B", "1", "--max-new-tokens", "8", "--repeats", "1",
                    "--cost-repeats", "1", "--temperatures", "0", "--out", str(out)])
   assert rc == 0
   data = json.loads(out.read_text())
-  assert data["suite"] == "spec" and data["schema_version"] == bench.SCHEMA_VERSION
-  assert set(bench.SPEC_DEFINITIONS) <= set(data["definitions"])
+  assert data["suite"] == "spec" and data["schema_version"] == SCHEMA_VERSION
+  assert set(SPEC_DEFINITIONS) <= set(data["definitions"])
   rows = data["rows"]
   assert sorted((r["drafter"], r["K"]) for r in rows) == [
       ("draft:random:tiny-draft", 1), ("ngram", 1), ("none", 0)]
@@ -38,23 +44,13 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
     assert r["batch"] == 1 and r["temperature"] == 0.0 and r["max_new_tokens"] == 8
     assert set(r["tokens_per_s"]) >= {"median", "min", "max", "n"}
     assert r["tokens_per_s"]["min"] <= r["tokens_per_s"]["median"] <= r["tokens_per_s"]["max"]
-    assert r["bound"] > 0 and r["efficiency"] > 0 and r["speedup"] > 0
     if r["K"] == 0:
       assert r["speedup"] == 1.0 and r["alpha"] is None and r["tau"] == 1.0
       assert r["c_draft"] == 0.0 and r["c_verify"] == 1.0 and r["bound"] == 1.0
       assert r["tokens_per_s"]["n"] == 2  # plain runs at the start and the end of the round
     else:
       assert 0.0 <= r["alpha"] <= 1.0 and 1.0 <= r["tau"] <= r["K"] + 1
-      assert r["c_draft"] > 0 and r["c_verify"] > 0
-      # alpha and tau are those of an independent sj.generate run of the same pair: the bench's
-      # random target and drafter, its seeded prompt, greedy, K = 1, 8 new tokens.
-      target = bench.load_model("random:tiny", 0)
-      drafter = bench.make_drafter(r["drafter_spec"], target, 0)
-      ids, _ = bench.prompt_token_lists(target, "tinystories", 1, 8, 128, 0)
-      ref = sj.generate(target, ids, drafter=drafter, num_draft=1, max_new_tokens=8,
-                        sampling=sj.Sampling(0.0), key=jax.random.key(0), stop_tokens=[]).stats
-      assert r["tau"] == pytest.approx(ref.mean_accepted_length)
-      assert r["alpha"] == pytest.approx(ref.acceptance_rate)
+      assert r["c_draft"] > 0 and r["c_verify"] > 0 and r["speedup"] > 0
   assert len(data["baselines"]) == 1 and "noise_pct" in data["baselines"][0]
   verdicts = {v["drafter"]: v for v in data["verdicts"]}
   assert set(verdicts) == {"ngram", "draft:random:tiny-draft"}
@@ -72,7 +68,7 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   argv = ["--pairs", "random:tiny@ngram", "random:tiny@draft:random:tiny-draft", "-K", "1", "-B",
           "1", "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
           "--temperatures", "0", "--out", str(out), "--resume"]
-  assert bench.main(argv) == 0
+  assert cli.main(argv) == 0
   again = json.loads(out.read_text())
   assert again["rows"] == rows and again["partial"] is False
 
@@ -81,7 +77,7 @@ def test_plain_suite_tiny(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   out = tmp_path / "plain.json"
-  rc = bench.main(["--suite", "plain", "--plain-models", "random:tiny", "--plain-batch", "1", "2",
+  rc = cli.main(["--suite", "plain", "--plain-models", "random:tiny", "--plain-batch", "1", "2",
                    "--plain-max-new-tokens", "6", "--repeats", "1", "--cost-repeats", "1",
                    "--fills", "16", "--max-verify-tokens", "2", "--out", str(out)])
   assert rc == 0
@@ -102,26 +98,26 @@ def test_config_file_and_quick(tmp_path):
   cfg = tmp_path / "b.yaml"
   cfg.write_text("num-draft: [3, 5]\nbatch: 2\ntemperatures: [0, 0.5]\nmax_new_tokens: 40\n"
                  "pairs:\n  - random:tiny@ngram\n  - {target: random:tiny, drafter: ngram:2}\n")
-  args = bench.parse_args(["--config", str(cfg), "--repeats", "4"])
+  args = cli.parse_args(["--config", str(cfg), "--repeats", "4"])
   assert args.num_draft == [3, 5] and args.batch == [2] and args.temperatures == [0.0, 0.5]
   assert args.max_new_tokens == 40 and args.repeats == 4
-  assert bench.parse_pairs(args.pairs) == [("random:tiny", "ngram"), ("random:tiny", "ngram:2")]
-  args = bench.parse_args(["--config", str(cfg), "--max-new-tokens", "9"])  # flags win
+  assert parse_pairs(args.pairs) == [("random:tiny", "ngram"), ("random:tiny", "ngram:2")]
+  args = cli.parse_args(["--config", str(cfg), "--max-new-tokens", "9"])  # flags win
   assert args.max_new_tokens == 9
-  quick = bench.parse_args(["--quick"])
+  quick = cli.parse_args(["--quick"])
   assert quick.num_draft == [2, 4] and quick.batch == [1, 4] and quick.max_new_tokens == 32
   assert quick.repeats == 2
-  assert len(bench.parse_pairs(["default"])) == 3
+  assert len(parse_pairs(["default"])) == 3
   bad = tmp_path / "bad.yaml"
   bad.write_text("no_such_flag: 1\n")
-  assert bench.main(["--config", str(bad)]) == 2
+  assert cli.main(["--config", str(bad)]) == 2
   with pytest.raises(ValueError, match="TARGET@DRAFTER"):
-    bench.parse_pairs(["stories260K"])
+    parse_pairs(["stories260K"])
 
 
 def test_default_config_file_parses():
-  args = bench.parse_args(["--config", str(bench.ROOT / "configs" / "bench_default.yaml")])
-  assert args.suite == "spec" and bench.parse_pairs(args.pairs)
+  args = cli.parse_args(["--config", str(ROOT / "configs" / "bench_default.yaml")])
+  assert args.suite == "spec" and parse_pairs(args.pairs)
 
 
 def test_prompt_readers(tmp_path):
@@ -129,48 +125,174 @@ def test_prompt_readers(tmp_path):
                                      json.dumps({"question": "a question"}) + "\n")
   with gzip.open(tmp_path / "he.jsonl.gz", "wt") as f:
     f.write(json.dumps({"prompt": "def f():"}) + "\n")
-  assert bench.read_prompt_texts(str(tmp_path / "mt.jsonl")) == ["first turn", "a question"]
-  assert bench.read_prompt_texts(str(tmp_path / "he.jsonl.gz")) == ["def f():"]
+  assert read_prompt_texts(str(tmp_path / "mt.jsonl")) == ["first turn", "a question"]
+  assert read_prompt_texts(str(tmp_path / "he.jsonl.gz")) == ["def f():"]
   (tmp_path / "s.txt").write_text("one two three four five\n\nsix seven\n\nnine ten eleven twelve")
-  assert bench.read_prompt_texts(str(tmp_path / "s.txt"), words=3) == [
+  assert read_prompt_texts(str(tmp_path / "s.txt"), words=3) == [
       "one two three", "nine ten eleven"]
   (tmp_path / "bad.jsonl").write_text(json.dumps({"other": 1}) + "\n")
   with pytest.raises(ValueError, match="no 'turns'"):
-    bench.read_prompt_texts(str(tmp_path / "bad.jsonl"))
+    read_prompt_texts(str(tmp_path / "bad.jsonl"))
 
 
 def test_real_prompt_sets_read():
   for name in ("spec_bench", "mt_bench", "humaneval", "gsm8k"):
     need_shared("data", "prompts")
-    texts = bench.read_prompt_texts(name)
+    texts = read_prompt_texts(name)
     assert len(texts) > 50 and all(isinstance(t, str) and t for t in texts)
   need_shared("data", "tinystories", "heldout.txt")
-  openings = bench.read_prompt_texts("tinystories", words=8)
+  openings = read_prompt_texts("tinystories", words=8)
   assert len(openings) > 16 and all(len(o.split()) == 8 for o in openings)
 
 
 def test_breakdown_suite_tiny(tmp_path):
   out = tmp_path / "bd.json"
-  rc = bench.main(["--suite", "breakdown", "--pairs", "random:tiny@ngram", "-K", "1", "-B", "1",
+  rc = cli.main(["--suite", "breakdown", "--pairs", "random:tiny@ngram", "-K", "1", "-B", "1",
                    "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
                    "--temperatures", "0", "--out", str(out)])
   assert rc == 0
   rows = json.loads(out.read_text())["rows"]
   assert [(r["drafter"], r["K"]) for r in rows] == [("none", 0), ("ngram", 1)]
+  assert rows[0]["tau"] == 1.0 and "speedup_loop" not in rows[0]
   r = rows[1]
-  assert min(r["t_propose_ms"], r["t_verify_step_ms"], r["t_accept_ms"]) > 0
-  assert r["t_round_ms"] > r["t_verify_step_ms"]
-  assert math.isclose(r["efficiency_loop"],
-                      r["eff_spec_overhead_factor"] * r["eff_plain_overhead_factor"])
+  # Times come from differencing (t(2n) - t(n)) / n, which load on a shared machine can push
+  # below zero: only that a time was measured is checked here, never its value.
+  assert 1.0 <= r["tau"] <= 2.0 and r["iterations"] >= 1 and math.isfinite(r["t_round_ms"])
+  assert {"speedup_loop", "bound", "efficiency_loop", "t_other_ms"} <= set(r)
 
 
-def test_bound_on_hand_values():
-  """bound = tau / (K c_draft + c_verify); with c_verify = 1 it is Leviathan et al.'s
-  (1 - a^(K+1)) / ((1 - a)(K c + 1)). Values worked out by hand."""
-  assert bench.bound_of(3.0, 2, 0.25, 1.5) == pytest.approx(1.5)
-  assert bench.bound_of(1.0, 0, 0.0, 1.0) == 1.0
-  # a = 0.5, K = 2, c = 0.1: tau = 1 + 0.5 + 0.25 = 1.75, bound = 1.75 / 1.2.
-  assert bench.bound_of(1.75, 2, 0.1, 1.0) == pytest.approx(1.4583333333)
+def test_alpha_per_verified_token():
+  from spec_jax.stats import SpecStats
+  s = SpecStats.from_counts(rounds=[10], drafted=[20], accepted=[12], accepted_at=[[7, 5]],
+                            seconds=1.0, new_tokens=22, iterations=10, num_draft=2)
+  assert s.acceptance_rate == 12 / 20                       # counts never-judged drafts
+  assert math.isclose(metrics.alpha_per_verified_token(s), 12 / (12 + 5))  # 5 rounds rejected
+  k1 = SpecStats.from_counts(rounds=[10], drafted=[10], accepted=[6], accepted_at=[[6]],
+                             seconds=1.0, new_tokens=16, iterations=10, num_draft=1)
+  assert math.isclose(metrics.alpha_per_verified_token(k1), k1.acceptance_rate)
+  short = SpecStats.from_counts(rounds=[10], drafted=[15], accepted=[5], accepted_at=[[4, 1]],
+                                seconds=1.0, new_tokens=15, iterations=10, num_draft=2)
+  assert metrics.alpha_per_verified_token(short) is None      # an n-gram round drafted < K
+
+
+def _timer(samples):
+  return {"samples": samples, "per_iter_s": sorted(samples)[len(samples) // 2],
+          "spread_pct": 0.0}
+
+
+def test_spec_row_from_known_inputs():
+  meta = {"target": "t", "target_spec": "random:tiny", "target_params": 100, "batch": 2,
+          "temperature": 0.0, "max_new_tokens": 8, "prompt_tokens_longest": 10, "cost_fill": 14,
+          "cost_capacity": 64}
+  # 10 rounds of K=4: 30 accepted, position 4 accepted in 4 rounds -> 6 rounds had a rejection.
+  spec = SpecStats.from_counts(rounds=[10], drafted=[40], accepted=[30],
+                               accepted_at=[[10, 9, 7, 4]], seconds=0.5, new_tokens=40,
+                               iterations=10, num_draft=4)
+  plain = SpecStats.from_counts(rounds=[8], drafted=[0], accepted=[0], accepted_at=[],
+                                seconds=1.0, new_tokens=16, iterations=8, num_draft=0)
+  base = timing.summarize([50.0, 50.0])
+  t1 = _timer([1e-3, 2e-3, 1e-3])
+  tv = _timer([1.5e-3, 3e-3, 1.5e-3])                       # 1.5x t1 in every round
+  td = {"per_round_s": 0.5e-3, "c_draft": 0.125, "propose_s": 0.6e-3, "c_propose": 0.25}
+  r = spec_row(meta, "ngram", 4, [spec, spec, spec], [90.0, 110.0, 100.0], base, t1, tv, td)
+  assert r["tau"] == 4.0 and r["alpha"] == 0.75
+  assert math.isclose(r["alpha_token"], 30 / 36)
+  assert r["speedup"] == 2.0                               # median 100 tok/s over 50
+  assert math.isclose(r["c_verify"], 1.5) and r["c_verify_rounds_min_max"] == [1.5, 1.5]
+  assert math.isclose(r["bound"], 2.0)                     # 4 / (4 * 0.125 + 1.5)
+  assert math.isclose(r["efficiency"], 1.0)
+  assert math.isclose(r["bound_propose"], 1.6)             # 4 / (4 * 0.25 + 1.5)
+  assert r["capacity"] == 64 and r["new_tokens_per_run"] == 16 and r["drafter"] == "ngram"
+  assert math.isclose(r["t_target_1_ms"], 1.0) and math.isclose(r["t_verify_ms"], 1.5)
+  p = spec_row(meta, "none", 0, [plain], [50.0], base, t1)
+  assert (p["speedup"], p["tau"], p["bound"], p["c_verify"], p["alpha"]) == (1.0, 1.0, 1.0, 1.0,
+                                                                              None)
+
+
+def test_breakdown_row_from_known_inputs():
+  ms = 1e-3
+  t = {"round": 2 * ms, "prefill": 5 * ms, "fwd_1": 0.5 * ms, "fwd_k1": 1 * ms,
+       "propose": 0.5 * ms, "draft_fwd": 0.25 * ms, "verify_step": 1 * ms, "accept": 0.25 * ms}
+  r = breakdown_row({"drafter": "ngram"}, 2, 3.0, t, plain_round=1 * ms)
+  assert math.isclose(r["t_other_ms"], 0.25)               # 2 - 0.5 - 1 - 0.25
+  assert math.isclose(r["speedup_loop"], 1.5)              # 3 tokens per 2 ms vs 1 per 1 ms
+  assert math.isclose(r["bound"], 1.0)                     # 3 / ((2 * 0.25 + 1) / 0.5)
+  assert math.isclose(r["efficiency_loop"], 1.5)
+  assert math.isclose(r["eff_spec_overhead_factor"], 0.75)
+  assert math.isclose(r["eff_plain_overhead_factor"], 2.0)
+  assert math.isclose(r["t_round_ms"], 2.0) and math.isclose(r["t_prefill_ms"], 5.0)
+
+
+def test_timing_helpers():
+  assert timing.percentiles([4, 1, 3, 2]) == pytest.approx({"p50": 2.5, "p90": 3.7, "p99": 3.97})
+  assert timing.percentiles([7]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0}
+  calls = []
+  runs = {name: (lambda name=name: calls.append(name) or len(calls)) for name in "pab"}
+  res = timing.interleaved_rounds(runs, 2, baseline="p")
+  assert calls == ["p", "a", "b", "p"] * 2
+  assert res == {"p": [1, 4, 5, 8], "a": [2, 6], "b": [3, 7]}
+  assert metrics.first_difference([[1, 2, 3], [1, 2]], [[1, 2, 3], [1, 2]]) is None
+  assert metrics.first_difference([[1, 2, 3], [1, 5]], [[1, 9, 3], [1, 2]]) == (0, 1)
+  assert metrics.first_difference([[1, 2, 3]], [[1, 2]]) == (0, 2)
+
+
+def test_tables():
+  rows = [["a", 1], ["bb|c", 22]]
+  assert report.table(["x", "y"], rows) == "   x   y\n----  --\n   a   1\nbb|c  22"
+  assert report.table(["x", "y"], rows, markdown=True) == (
+      "| x | y |\n| --- | --- |\n| a | 1 |\n| bb\\|c | 22 |")
+
+
+def test_widened_model_spec_has_the_source_logits():
+  import jax.numpy as jnp
+  import spec_jax as sj
+  from spec_jax.bench import specs
+  src = specs.load_model("../shared/models/stories260K")
+  spec = "widened:../shared/models/stories260K:128,256,6,16"
+  assert specs.parse_widened(spec) == ("../shared/models/stories260K", (128, 256, 6, 16))
+  assert specs.model_label(spec) == "stories260K-wide-128x256x6x16"
+  wide = specs.load_model(spec)
+  assert wide.config.hidden_size == 128 and wide.config.num_layers == 6
+  toks = jnp.asarray([[1, 403, 407, 261, 378, 10]])
+  a = sj.forward(src.params, src.config, toks, sj.KVCache.zeros(src.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  b = sj.forward(wide.params, wide.config, toks, sj.KVCache.zeros(wide.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  assert float(jnp.max(jnp.abs(a - b))) < 1e-4
+  with pytest.raises(ValueError, match="H,F,L"):
+    specs.parse_widened("widened:../shared/models/stories260K:128,256")
+
+
+def test_decode_roofline_counts_weights_once_and_kv_per_row():
+  import spec_jax as sj
+  cfg = sj.ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                       num_heads=2, num_kv_heads=1)
+  weight_bytes = cfg.num_params * 4
+  kv_bytes_per_row = 2 * 2 * 10 * 1 * 4 * 4            # k and v, L=2, fill 10, Hkv=1, Dh=4
+  bw = 1e9
+  assert math.isclose(timing.decode_roofline(cfg, 1, 10, bw), bw / (weight_bytes + kv_bytes_per_row))
+  assert math.isclose(timing.decode_roofline(cfg, 4, 10, bw),
+                      4 * bw / (weight_bytes + 4 * kv_bytes_per_row))
+
+
+@pytest.mark.slow
+def test_peer_suite_compares_with_transformers(tmp_path):
+  out = tmp_path / "peer.json"
+  rc = cli.main(["--suite", "peer", "--pairs",
+                 "../shared/models/stories260K@draft:../shared/models/salty279K",
+                 "../shared/models/stories260K@ngram", "-K", "2", "--peer-batch", "1",
+                 "--peer-prompts", "1", "--max-new-tokens", "8", "--repeats", "1",
+                 "--peer-rounds", "1", "--hf-threads", "1", "--out", str(out)])
+  assert rc == 0
+  res = json.loads(out.read_text())
+  configs = {(r["library"], r["config"]) for r in res["rows"]}
+  assert configs == {("spec_jax", "plain"), ("spec_jax", "draft:salty279K K=2"),
+                     ("spec_jax", "ngram K=2"), ("transformers", "plain"),
+                     ("transformers", "assisted"), ("transformers", "prompt lookup 10")}
+  # Greedy: every configuration of both libraries emits spec_jax plain decoding's tokens.
+  assert all(r["greedy_match"] for r in res["rows"]), res["notes"]
+  s = res["summary"][0]
+  assert s["ours_over_hf_draft"] > 0 and 0 < s["ours_plain_vs_roofline"]
 
 
 def test_spec_stats_alpha_token_inverts_tau():
@@ -185,20 +307,7 @@ def test_spec_stats_alpha_token_inverts_tau():
                             emitted=[17])
   assert s.mean_accepted_length == pytest.approx(1.7)
   assert s.alpha_token == pytest.approx((-1 + math.sqrt(1 + 4 * 0.7)) / 2)
+  assert "alpha_token=0." in s.summary()
   none = SpecStats.from_counts(rounds=[0], drafted=[0], accepted=[0], accepted_at=[[0, 0]],
                                seconds=1.0, new_tokens=1, iterations=0, num_draft=2, emitted=[0])
   assert (none.mean_accepted_length, none.acceptance_rate, none.alpha_token) == (1.0, 0.0, 0.0)
-
-
-def test_alpha_per_verified_token():
-  from spec_jax.stats import SpecStats
-  s = SpecStats.from_counts(rounds=[10], drafted=[20], accepted=[12], accepted_at=[[7, 5]],
-                            seconds=1.0, new_tokens=22, iterations=10, num_draft=2)
-  assert s.acceptance_rate == 12 / 20                       # counts never-judged drafts
-  assert math.isclose(bench.alpha_per_verified_token(s), 12 / (12 + 5))  # 5 rounds rejected
-  k1 = SpecStats.from_counts(rounds=[10], drafted=[10], accepted=[6], accepted_at=[[6]],
-                             seconds=1.0, new_tokens=16, iterations=10, num_draft=1)
-  assert math.isclose(bench.alpha_per_verified_token(k1), k1.acceptance_rate)
-  short = SpecStats.from_counts(rounds=[10], drafted=[15], accepted=[5], accepted_at=[[4, 1]],
-                                seconds=1.0, new_tokens=15, iterations=10, num_draft=2)
-  assert bench.alpha_per_verified_token(short) is None      # an n-gram round drafted < K

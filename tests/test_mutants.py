@@ -40,14 +40,14 @@ MUTANTS = {
     # stats: drafts thrown away by a cut counted as accepted
     "stats-cut-accepted": (
         "spec_jax/engine.py",
-        "    acc_out = jnp.minimum(n_acc, n_out)\n",
-        "    acc_out = n_acc\n",
+        "  n_used = jnp.minimum(n_emit, n_accepted) * active\n",
+        "  n_used = n_accepted * active\n",
         ["tests/test_engine.py::test_stats_count_only_what_a_cut_block_emitted"]),
     # capacity: the bound one slot short
     "capacity-bound": (
         "spec_jax/engine.py",
-        "  needed = longest + max_new_tokens + k + 1\n",
-        "  needed = longest + max_new_tokens + k - 1\n",
+        "  needed = longest_prompt + max_new_tokens + k + 1\n",
+        "  needed = longest_prompt + max_new_tokens + k - 1\n",
         ["tests/test_engine.py::test_capacity_exactly_what_is_needed"]),
     # rejection: n == draft_lengths < K taken for a rejection
     "rejection-draft-lengths": (

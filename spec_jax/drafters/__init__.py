@@ -7,6 +7,7 @@ from spec_jax.drafters.heads_io import HEAD_KINDS, load
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from spec_jax.drafters.ngram import NGram
+from spec_jax.drafters.widening import widen_heads
 
 __all__ = ["Drafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel", "NGram",
-           "Medusa", "EAGLE", "EAGLE3", "MTP", "HEAD_KINDS", "load"]
+           "Medusa", "EAGLE", "EAGLE3", "MTP", "HEAD_KINDS", "load", "widen_heads"]

@@ -61,6 +61,8 @@ class DraftContext:
   sampling: per-row Sampling arrays [B].
   target_params: the target's params.
   num_draft: K (static).
+  greedy: every row is greedy (static): propose argmax drafts deterministically (draft_probs
+    None); the engine verifies by exact matching without random draws.
   """
   key: jax.Array
   tokens: jax.Array
@@ -68,6 +70,7 @@ class DraftContext:
   sampling: Sampling
   target_params: Any
   num_draft: int = flax.struct.field(pytree_node=False)
+  greedy: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass

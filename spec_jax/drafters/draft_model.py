@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
-from spec_jax.models.transformer import KVCache, forward, unstack_layers
+from spec_jax.models.transformer import KVCache, forward, prepare_params
 
 
 def _row_keys(key, batch):
@@ -60,7 +60,7 @@ class DraftModel(Drafter):
     check_same_vocabulary(self.model, target)
 
   def prepare(self, params):
-    return unstack_layers(params) if jax.default_backend() == "cpu" else params
+    return prepare_params(params, self.config)
 
   def init_state(self, params, prefill: PrefillInfo):
     b, s = prefill.tokens.shape
@@ -75,9 +75,10 @@ class DraftModel(Drafter):
     inputs = jnp.take_along_axis(ctx.tokens, idx, axis=1)
     out = forward(params, self.config, inputs, cache, ctx.lengths - 2)
     cache, logits = out.cache, out.logits[:, -1]
+    greedy = self.greedy_drafts or ctx.greedy
     drafts, qs = [], []
     for i in range(k):
-      if self.greedy_drafts:
+      if greedy:
         tok, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
       else:
         q = sampling_lib.probs(logits, ctx.sampling)
@@ -87,5 +88,5 @@ class DraftModel(Drafter):
       if i + 1 < k:
         out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
         cache, logits = out.cache, out.logits[:, 0]
-    draft_probs = None if self.greedy_drafts else jnp.stack(qs, 1)
+    draft_probs = None if greedy else jnp.stack(qs, 1)
     return jnp.stack(drafts, 1), draft_probs, cache

@@ -211,8 +211,8 @@ class FeatureHead(Drafter):
     last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     return FeatureHeadState(k=k, v=v, next_feature=last)
 
-  def _draw(self, logits, key, sampling):
-    if self.greedy_drafts:
+  def _draw(self, logits, key, sampling, greedy=False):
+    if self.greedy_drafts or greedy:
       return jnp.argmax(logits, -1).astype(jnp.int32), None
     q = sampling_lib.probs(logits, sampling)
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(logits.shape[0]))
@@ -224,14 +224,15 @@ class FeatureHead(Drafter):
     feature, kc, vc = state.next_feature, state.k, state.v
     drafts, qs = [], []
     for i in range(k_draft):
-      tok, q = self._draw(self.logits(params, ctx.target_params, feature), keys[i], ctx.sampling)
+      tok, q = self._draw(self.logits(params, ctx.target_params, feature), keys[i], ctx.sampling,
+                          ctx.greedy)
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k_draft:
         x = self.combine(params, ctx.target_params, tok[:, None], feature[:, None])
         o, kc, vc = self._layer(params, x, kc, vc, ctx.lengths - 2 + i + 1)
         feature = o[:, 0]
-    probs = None if self.greedy_drafts else jnp.stack(qs, 1)
+    probs = None if (self.greedy_drafts or ctx.greedy) else jnp.stack(qs, 1)
     # The speculative slots are rewritten by commit; keep the cache buffers, not the feature.
     return jnp.stack(drafts, 1), probs, state.replace(k=kc, v=vc)
 

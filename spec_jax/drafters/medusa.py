@@ -129,7 +129,7 @@ class Medusa(Drafter):
     b, k = hidden.shape[0], ctx.num_draft
     sub = jax.tree.map(lambda x: x[:k], params)
     logits = medusa_logits(sub, hidden)                               # [B, K, V]
-    if self.greedy_drafts:
+    if self.greedy_drafts or ctx.greedy:
       return jnp.argmax(logits, -1).astype(jnp.int32), None, hidden
     q = sampling_lib.probs(logits, ctx.sampling)                      # per-row settings on axis 0
     keys = jax.random.split(ctx.key, k)

@@ -3,6 +3,9 @@
     model = sj.load("../shared/models/stories260K")        # llama2.c folder (.bin + tok*.bin)
     model = sj.load("../shared/models/tinystories656K")    # HF folder (config.json + safetensors)
     model = sj.load("path/to/model.bin", dtype="bfloat16")
+
+A Hugging Face folder's tokenizer is a llama2.c `tok*.bin` in it when there is one (what
+`spec_jax.models.hf_export.save_hf` writes for llama2.c models), else its transformers tokenizer.
 """
 
 from __future__ import annotations
@@ -24,6 +27,21 @@ DTYPES = ("float32", "bfloat16")
 
 def _llama2c_weights(folder: pathlib.Path) -> list:
   return sorted(p for p in folder.glob("*.bin") if p.is_file() and not p.name.startswith("tok"))
+
+
+def _hf_folder_tokenizer(folder: pathlib.Path, config):
+  """A llama2.c tokenizer beside the safetensors with the model's vocabulary size (save_hf
+  writes one for llama2.c models; a tokenizer.json next to it is only transformers' rendering
+  of it), else the folder's transformers tokenizer (or None)."""
+  tok_path = find_llama2c_tokenizer(folder, config.vocab_size)
+  if tok_path is not None:
+    try:
+      tokenizer = Llama2cTokenizer.from_file(tok_path)
+    except ValueError:
+      tokenizer = None    # a tok*.bin that is not a llama2.c tokenizer: not ours to read
+    if tokenizer is not None and tokenizer.vocab_size == config.vocab_size:
+      return tokenizer
+  return HFTokenizer.from_folder(folder, eos_ids=config.eos_token_ids)
 
 
 def _to_device(params, dtype: str):
@@ -54,7 +72,7 @@ def load(path, dtype: Optional[str] = None) -> Model:
 
   if path.is_dir() and (path / "config.json").is_file():
     config, params, mtp = hf.load_hf(path, dtype)
-    tokenizer = HFTokenizer.from_folder(path, eos_ids=config.eos_token_ids)
+    tokenizer = _hf_folder_tokenizer(path, config)
     return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
                  mtp_params=mtp, source=str(path))
 

@@ -95,12 +95,25 @@ class Llama2cTokenizer:
       offset += length
     return cls(vocab, scores, max_len, source=str(path))
 
+  def save(self, path) -> pathlib.Path:
+    """Writes the vocabulary in llama2.c's tokenizer format (what `from_file` reads)."""
+    path = pathlib.Path(path)
+    chunks = [struct.pack("<i", self.max_token_length)]
+    for piece, score in zip(self._vocab, self._scores):
+      chunks.append(struct.pack("<fi", score, len(piece)) + piece)
+    path.write_bytes(b"".join(chunks))
+    return path
+
   @property
   def vocab_size(self) -> int:
     return len(self._vocab)
 
   def pieces(self) -> list[str]:
     return [p.decode("utf-8", errors="backslashreplace") for p in self._vocab]
+
+  def scores(self) -> list[float]:
+    """The merge score of every piece, in id order (higher merges first)."""
+    return list(self._scores)
 
   def _initial_ids(self, text: str) -> list[int]:
     ids = []

@@ -1,0 +1,219 @@
+"""The command line of python -m spec_jax.bench: flags, the --config YAML file, the suites'
+JSON files (rewritten atomically, marked partial while the spec suite runs) and --resume."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+
+from spec_jax.bench.prompts import PROMPT_SETS
+from spec_jax.bench.report import FORMATTERS
+from spec_jax.bench.results import ROOT, SCHEMA_VERSION, atomic_write_json, log, machine_info
+from spec_jax.bench.specs import DEFAULT_PAIRS, resolve_path
+
+DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinystories656K",
+                        "random:100m")
+QUICK = dict(num_draft=[2, 4], batch=[1, 4], max_new_tokens=32, repeats=2, cost_repeats=5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The flags of python -m spec_jax.bench (the --config file's keys are the same names)."""
+  import spec_jax.bench
+  p = argparse.ArgumentParser(prog="python -m spec_jax.bench",
+                              description=spec_jax.bench.__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
+                 "underscores); flags given on the command line win")
+  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "peer", "all"),
+                 default="spec",
+                 help="spec (default) | plain | breakdown (where a round's time goes) | peer "
+                 "(against transformers' plain, assisted and prompt-lookup generation, each "
+                 "library in its own process) | all (plain then spec)")
+  p.add_argument("--pairs", nargs="+", default=["default"],
+                 help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
+  p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
+                 help="K values (plain K=0 is always measured)")
+  p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
+  p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
+                 default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
+  p.add_argument("--max-new-tokens", type=int, default=128,
+                 help="new tokens per row (capped by the context of target and draft model)")
+  p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
+  p.add_argument("--cost-repeats", type=int, default=20, help="timed calls per cost ratio")
+  p.add_argument("--prompts", default="tinystories",
+                 help=f"{' | '.join(PROMPT_SETS)} | a .txt / .jsonl / .jsonl.gz path")
+  p.add_argument("--prompt-words", type=int, default=8,
+                 help="words of each paragraph used as a prompt (.txt sources)")
+  p.add_argument("--max-prompt-tokens", type=int, default=128)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--quick", action="store_true",
+                 help="smoke run: K 2 4, batch 1 4, 32 new tokens, 2 repeats, 5 cost repeats")
+  p.add_argument("--out", help="JSON output (default bench_results/bench_<suite>.json); the "
+                 "spec suite rewrites it (marked partial) after every finished cell")
+  p.add_argument("--resume", action="store_true",
+                 help="spec suite: keep the finished cells of a partial --out file written with "
+                 "the same options and measure only the rest")
+  p.add_argument("--plain-models", nargs="+", default=list(DEFAULT_PLAIN_MODELS))
+  p.add_argument("--plain-batch", type=int, nargs="+", default=[1, 8])
+  p.add_argument("--plain-max-new-tokens", type=int, default=128)
+  p.add_argument("--hf-threads", type=int, nargs="+", default=[0, 1],
+                 help="torch thread counts for transformers (0 = the CPU core count); the first "
+                 "is the headline, the others are extra columns")
+  p.add_argument("--peer-batch", type=int, nargs="+", default=[1, 8],
+                 help="peer suite: batch sizes (transformers' assisted generation and prompt "
+                 "lookup run at batch 1 only)")
+  p.add_argument("--peer-prompts", type=int, default=4,
+                 help="peer suite: prompts per timed call (decoded B at a time)")
+  p.add_argument("--peer-rounds", type=int, default=2,
+                 help="peer suite: how many times the library processes alternate")
+  p.add_argument("--peer-lookup-tokens", type=int, default=10,
+                 help="peer suite: transformers' prompt_lookup_num_tokens")
+  p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
+  p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
+  return p
+
+
+def _list_field(v):
+  """A YAML value for a list flag: a list, a comma-separated string or one scalar."""
+  if isinstance(v, str) and "," in v:
+    return [x.strip() for x in v.split(",") if x.strip()]
+  return v if isinstance(v, list) else [v]
+
+
+def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
+  """The --config YAML file as parser defaults (ValueError: missing file, unknown key)."""
+  import yaml
+  path = resolve_path(config)
+  if not path.is_file():
+    raise ValueError(f"config file {config!r} not found")
+  data = yaml.safe_load(path.read_text()) or {}
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: expected a mapping of flag names to values")
+  dests = {a.dest: a for a in parser._actions}
+  allowed = sorted(d for d in dests if d not in ("help", "config"))
+  defaults = {}
+  for key, value in data.items():
+    dest = str(key).replace("-", "_")
+    if dest not in allowed:
+      raise ValueError(f"{path}: unknown key {key!r}; allowed: {', '.join(allowed)}")
+    action = dests[dest]
+    if dest == "temperatures":
+      value = [float(x) for x in _list_field(value)]
+    elif action.nargs == "+":
+      value = _list_field(value) if dest != "pairs" else (
+          value if isinstance(value, list) else [value])
+      if action.type is int:
+        value = [int(x) for x in value]
+    elif action.type is int:
+      value = int(value)
+    defaults[dest] = value
+  return defaults
+
+
+def parse_args(argv) -> argparse.Namespace:
+  """Flags over --config over the defaults, then --quick; ValueError for bad values."""
+  parser = build_parser()
+  first = argparse.ArgumentParser(add_help=False)
+  first.add_argument("--config")
+  known, _ = first.parse_known_args(argv)
+  if known.config:
+    parser.set_defaults(**config_defaults(parser, known.config))
+  args = parser.parse_args(argv)
+  if args.quick:
+    for k, v in QUICK.items():
+      setattr(args, k, v)
+  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
+               "peer_prompts", "peer_rounds", "peer_lookup_tokens"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+  if any(b < 1 for b in args.batch + args.plain_batch + args.peer_batch):
+    raise ValueError("batch sizes must be >= 1")
+  if any(t < 0 for t in args.temperatures):
+    raise ValueError("temperatures must be >= 0")
+  return args
+
+
+def options_dict(args) -> dict:
+  """The parsed options as stored in the JSON (and compared by --resume)."""
+  return dict(vars(args))
+
+
+def output_path(args, suite: str, n_suites: int) -> pathlib.Path:
+  """--out, or --out with a _<suite> suffix when several suites run, or the default
+  bench_results/bench_<suite>.json."""
+  if not args.out:
+    return ROOT / "bench_results" / f"bench_{suite}.json"
+  out = pathlib.Path(args.out)
+  return out if n_suites == 1 else out.with_name(f"{out.stem}_{suite}.json")
+
+
+def previous_partial(args, out_path: pathlib.Path):
+  """With --resume: the partial spec-suite result at out_path if it was written with the same
+  options (else None, and a log line says the run starts afresh)."""
+  if not (args.resume and out_path.is_file()):
+    return None
+  old = json.loads(out_path.read_text())
+  same = old.get("options", {}) | {"resume": True} == options_dict(args) | {"resume": True}
+  if old.get("partial") and same:
+    return old
+  log(f"[bench] --resume: {out_path} is not a partial run of the same options; starting afresh")
+  return None
+
+
+def run_suite(suite: str, args, checkpoint, previous) -> dict:
+  """Runs one suite -> its result dict (ValueError for bad options)."""
+  from spec_jax.bench.suites.breakdown import run_breakdown_suite
+  from spec_jax.bench.suites.peer import run_peer_suite
+  from spec_jax.bench.suites.plain import run_plain_suite
+  from spec_jax.bench.suites.spec import run_spec_suite
+  if suite == "spec":
+    return run_spec_suite(args, checkpoint=checkpoint, previous=previous)
+  return {"plain": run_plain_suite, "breakdown": run_breakdown_suite,
+          "peer": run_peer_suite}[suite](args)
+
+
+def main(argv=None) -> int:
+  """python -m spec_jax.bench: returns 0, or 2 with an `error:` line for bad options."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    args = parse_args(argv)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  suites = ["plain", "spec"] if args.suite == "all" else [args.suite]
+  for suite in suites:
+    out_path = output_path(args, suite, len(suites))
+    started = time.time()
+    info = machine_info()
+
+    def checkpoint(res, out_path=out_path, info=info, started=started):
+      atomic_write_json(out_path, dict(res, partial=True, schema_version=SCHEMA_VERSION,
+                                       machine=info, options=options_dict(args),
+                                       wall_seconds=time.time() - started))
+
+    previous = previous_partial(args, out_path) if suite == "spec" else None
+    try:
+      result = run_suite(suite, args, checkpoint, previous)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    try:
+      info["loadavg_end"] = os.getloadavg()
+    except OSError:
+      pass
+    result.update({"schema_version": SCHEMA_VERSION, "partial": False,
+                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   "wall_seconds": time.time() - started, "machine": info,
+                   "options": options_dict(args), "command": ["python", "-m", "spec_jax.bench"]
+                   + argv})
+    text = FORMATTERS[suite](result)
+    result["table"] = text
+    atomic_write_json(out_path, result)
+    print(text)
+    print(f"\n[{suite} suite: {result['wall_seconds']:.0f} s; JSON written to {out_path}]")
+  return 0

@@ -1,0 +1,50 @@
+"""Derived measures of speculative decoding: per-token alpha, the analytic speedup bound, the
+cache capacity generate() picks. Pure arithmetic on SpecStats and cost ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def alpha_per_verified_token(stats) -> Optional[float]:
+  """accepted / (accepted + rejections): the per-token acceptance of the i.i.d. model
+  tau = (1 - a^(K+1)) / (1 - a). SpecStats.acceptance_rate divides by every drafted token,
+  including the drafts after a round's first rejection that were never judged, so it equals
+  (tau - 1) / K and falls with K. Exact only when every round drafted all K tokens (a draft
+  model); None otherwise (an n-gram round may draft fewer)."""
+  k, rounds = stats.num_draft, stats.rounds
+  if not isinstance(k, int) or k == 0 or rounds == 0 or stats.drafted != rounds * k:
+    return None
+  rejections = rounds * (1.0 - stats.accepted_at[k - 1])
+  judged = stats.accepted + rejections
+  return stats.accepted / judged if judged else None
+
+
+def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
+  """tau / (K c_draft + c_verify): the speedup with the measured tau and cost ratios and no
+  other overhead (Leviathan et al. with c_verify = 1)."""
+  return tau / (k * c_draft + c_verify)
+
+
+def engine_capacity(longest: int, max_new: int, k: int) -> int:
+  """The KV-cache capacity generate() picks by default for these prompts and K."""
+  from spec_jax import engine
+  return engine._round_up(longest + max_new + k + 1, engine.CAPACITY_BUCKET)
+
+
+def first_difference(a_rows, b_rows):
+  """The first place two batches of token lists differ -> (row, position) with the smallest
+  position over rows (ties: the first row), or None when they are equal. A row that is a
+  strict prefix of the other differs at the shorter one's length."""
+  if len(a_rows) != len(b_rows):
+    raise ValueError(f"cannot compare {len(a_rows)} rows with {len(b_rows)}")
+  best = None
+  for b, (x, y) in enumerate(zip(a_rows, b_rows)):
+    x, y = list(x), list(y)
+    pos = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+    if pos is None and len(x) != len(y):
+      pos = min(len(x), len(y))
+    if pos is not None and (best is None or pos < best[1]):
+      best = (b, pos)
+  return best

@@ -1,0 +1,204 @@
+"""Model, drafter and pair specs as the command lines write them, and the objects they name.
+
+Models: a Hugging Face folder, a llama2.c folder or .bin (anything `sj.load` reads),
+`random:100m` / `random:tiny` / `random:tiny-draft` (random weights, see RANDOM_MODELS; no
+tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.models.widen` to
+hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
+exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
+heads of MODEL (`heads:PATH`) are widened with it. Drafters: `none`, `ngram`, `ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel),
+`heads:PATH` (trained heads). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+from spec_jax.bench.results import ROOT
+
+SHARED = pathlib.Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))
+
+DEFAULT_PAIRS = (
+    "../shared/models/stories260K@draft:../shared/models/salty279K",
+    "../shared/models/stories260K@ngram",
+    "../shared/models/tinystories656K@ngram",
+)
+
+# Random llama shapes. "100m": 100,092,672 params (tied embeddings; kv 4 heads).
+RANDOM_MODELS = {
+    "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                 num_heads=12, num_kv_heads=4, tie_embeddings=True,
+                 max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tiny": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, tie_embeddings=False, max_position_embeddings=512,
+                 rms_norm_eps=1e-5),
+    "tiny-draft": dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=4, num_kv_heads=2, tie_embeddings=False,
+                       max_position_embeddings=512, rms_norm_eps=1e-5),
+}
+
+DRAFTER_SPECS = "none, ngram, ngram:MAX[:MIN], draft:MODEL or heads:PATH"
+WIDENED_DEFAULT = (768, 2048, 12)
+_WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
+
+
+def resolve_path(p: str) -> pathlib.Path:
+  """'../shared/...' resolves against the repository root when not found from the cwd."""
+  path = pathlib.Path(p).expanduser()
+  if path.exists() or path.is_absolute():
+    return path
+  parts = path.parts
+  if parts and parts[0] == ".." and len(parts) > 1 and parts[1] == "shared":
+    alt = SHARED.joinpath(*parts[2:])
+    if alt.exists():
+      return alt
+  alt = ROOT / path
+  return alt if alt.exists() else path
+
+
+def model_label(spec: str) -> str:
+  """A short name for tables: the folder or file name, or the random:NAME spec itself;
+  widened:MODEL[:H,F,L] -> 'MODEL-wide' (plus the sizes when not the default)."""
+  if spec.startswith("random:"):
+    return spec
+  if spec.startswith("widened:"):
+    source, sizes = parse_widened(spec)
+    suffix = "" if sizes == WIDENED_DEFAULT else "-" + "x".join(map(str, sizes))
+    return f"{model_label(source)}-wide{suffix}"
+  return pathlib.Path(spec).name or spec
+
+
+def drafter_label(spec: str) -> str:
+  """A short name for tables: heads by their run folder, draft models by their model label."""
+  if spec in ("none", "", None):
+    return "none"
+  kind, _, arg = spec.partition(":")
+  if kind == "heads" and arg:
+    # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
+    path = pathlib.Path(arg.rstrip("/"))
+    name = path.parent.name if path.name == "heads" and path.parent.name else path.name
+    return f"heads:{name}"
+  if kind == "draft" and arg:
+    return f"{kind}:{model_label(arg)}"
+  return spec
+
+
+def load_model(spec: str, seed: int = 0):
+  """A model spec -> sj.Model (see the module docstring)."""
+  import jax
+  import spec_jax as sj
+  if spec.startswith("random:"):
+    name = spec.partition(":")[2]
+    if name not in RANDOM_MODELS:
+      raise ValueError(f"unknown random model {spec!r}; known: "
+                       f"{', '.join('random:' + k for k in RANDOM_MODELS)}")
+    config = sj.ModelConfig(**RANDOM_MODELS[name])
+    # Distinct seeds per shape so a random draft is not a copy of the target.
+    return sj.init_model(config, jax.random.key(seed + sorted(RANDOM_MODELS).index(name)))
+  if spec.startswith("widened:"):
+    return _load_widened(spec, seed)
+  path = resolve_path(spec)
+  if not path.exists():
+    raise ValueError(f"model {spec!r} not found (tried {path}); give a HF folder, a llama2.c "
+                     f"folder or .bin, random:NAME or widened:MODEL[:H,F,L]")
+  return sj.load(path)
+
+
+def parse_widened(spec: str) -> tuple:
+  """'widened:MODEL[:H,F,L[,Dh]]' -> (MODEL, sizes); ValueError for a malformed spec."""
+  rest = spec[len("widened:"):]
+  source, sizes = rest, WIDENED_DEFAULT
+  head, _, tail = rest.rpartition(":")
+  if head and tail and all(x.strip().isdigit() for x in tail.split(",")):
+    source = head
+    sizes = tuple(int(x) for x in tail.split(","))
+    if len(sizes) not in (3, 4):
+      raise ValueError(f"{spec!r}: the sizes are H,F,L[,Dh] (hidden, MLP, layers, head_dim "
+                       f"64 by default), e.g. widened:MODEL:768,2048,12")
+  if not source:
+    raise ValueError(f"{spec!r}: widened:MODEL[:H,F,L] needs a MODEL")
+  return source, sizes
+
+
+def _load_widened(spec: str, seed: int):
+  from spec_jax.models import widen
+  source_spec, sizes = parse_widened(spec)
+  source = load_model(source_spec, seed)
+  wide = widen(source, *sizes[:3], **({"head_dim": sizes[3]} if len(sizes) == 4 else {}))
+  _WIDENED_SOURCES[id(wide)] = (source, wide)
+  return wide
+
+
+def check_drafter_spec(spec: str) -> None:
+  """Raises ValueError for a spec make_drafter would refuse, without loading anything."""
+  if spec in (None, "", "none"):
+    return
+  kind, _, arg = spec.partition(":")
+  if kind == "ngram":
+    try:
+      [int(x) for x in arg.split(":") if x]
+    except ValueError:
+      raise ValueError(f"bad drafter {spec!r}: ngram takes integers, ngram:MAX[:MIN]") from None
+    return
+  if kind in ("draft", "heads"):
+    if not arg:
+      what = "draft model (path or random:NAME)" if kind == "draft" else "trained heads' directory"
+      raise ValueError(f"drafter {kind}:{'MODEL' if kind == 'draft' else 'PATH'} needs the {what}")
+    return
+  raise ValueError(f"unknown drafter {spec!r}; use {DRAFTER_SPECS}")
+
+
+def make_drafter(spec: str, target, seed: int = 0):
+  """A drafter spec (see the module docstring) -> a drafter, or None for plain decoding."""
+  import spec_jax as sj
+  check_drafter_spec(spec)
+  if spec in (None, "", "none"):
+    return None
+  kind, _, arg = spec.partition(":")
+  if kind == "ngram":
+    return sj.drafters.NGram(*[int(x) for x in arg.split(":") if x])
+  if kind == "draft":
+    return sj.drafters.DraftModel(load_model(arg, seed))
+  if not hasattr(sj.drafters, "load"):
+    raise ValueError("this spec_jax has no sj.drafters.load for trained heads")
+  widened = _WIDENED_SOURCES.get(id(target))
+  if widened is not None and widened[1] is target:
+    # Heads trained on the source of a widened:... target: load them for the source, then
+    # widen them with it (the same drafts, exactly).
+    source = widened[0]
+    heads = sj.drafters.load(str(resolve_path(arg)), source)
+    return sj.drafters.widen_heads(heads, source, target)
+  return sj.drafters.load(str(resolve_path(arg)), target)
+
+
+def draft_model_of(drafter):
+  """The separate draft model of a DraftModel drafter; None for every other drafter."""
+  return getattr(drafter, "model", None)
+
+
+def parse_pairs(pairs) -> list:
+  """['default'] | ['TARGET@DRAFTER', {'target':..., 'drafter':...}, ...] -> [(target, drafter)]."""
+  if pairs is None or pairs == "default":
+    pairs = ["default"]
+  if isinstance(pairs, str):
+    pairs = [pairs]
+  out = []
+  for p in pairs:
+    if p == "default":
+      out.extend(tuple(x.split("@", 1)) for x in DEFAULT_PAIRS)
+    elif isinstance(p, dict):
+      if "target" not in p or "drafter" not in p:
+        raise ValueError(f"a pair given as a mapping needs 'target' and 'drafter' keys: {p}")
+      out.append((str(p["target"]), str(p["drafter"])))
+    elif isinstance(p, str) and "@" in p:
+      t, d = p.split("@", 1)
+      out.append((t, d))
+    else:
+      raise ValueError(f"bad pair {p!r}: write TARGET@DRAFTER (e.g. "
+                       f"../shared/models/stories260K@ngram) or 'default'")
+  seen, uniq = set(), []
+  for p in out:
+    if p not in seen:
+      seen.add(p)
+      uniq.append(p)
+  return uniq

@@ -1,0 +1,119 @@
+"""The breakdown suite: where a speculative round's time goes, per (target, drafter, K, batch,
+temperature).
+
+t_round = (seconds of generate(max_new) - seconds of generate(max_new=1), same compiled
+executable) / loop iterations: the engine's real per-round time, prefill excluded. It is set
+against the pieces timed alone in jitted fori_loops at the run's batch, fill and capacity:
+propose (the whole draft of one round), verify_step (target forward over K+1 + probs),
+accept_step (rejection sampling) and the bare target forwards over 1 and K+1 tokens. `other`
+= t_round - propose - verify_step - accept: commit, drafter.commit, loop bookkeeping and
+whatever the fusion of the whole loop body costs or saves.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from spec_jax.bench.definitions import BREAKDOWN_DEFINITIONS
+from spec_jax.bench.metrics import engine_capacity
+from spec_jax.bench.results import log
+from spec_jax.bench.specs import draft_model_of, drafter_label
+from spec_jax.bench.suites.targets import grid_of, prepare_target
+from spec_jax.bench.timers import time_accept, time_forward, time_propose, time_verify_step
+from spec_jax.bench.timing import interleaved_rounds
+
+
+def engine_round(setup, prompts, dspec: str, k: int, temp: float, seed: int, reps: int) -> tuple:
+  """The engine's time per loop iteration -> (t_round, t_prefill, iterations, stats, capacity):
+  generate(max_new) and generate(max_new=1) interleaved, medians differenced."""
+  import jax
+  import spec_jax as sj
+  cap = engine_capacity(max(len(r) for r in prompts), setup.max_new, k)
+  dr = setup.drafters.get(dspec)
+  kw = dict(drafter=dr, num_draft=k if dr is not None else 4,
+            sampling=sj.Sampling(temperature=temp), key=jax.random.key(seed),
+            stop_tokens=[], capacity=cap)
+  full = lambda: sj.generate(setup.model, prompts, max_new_tokens=setup.max_new, **kw).stats
+  pre = lambda: sj.generate(setup.model, prompts, max_new_tokens=1, **kw).stats
+  full()                                                          # warm-up
+  pre()
+  res = interleaved_rounds({"full": full, "pre": pre}, reps)
+  last = res["full"][-1]
+  t_pre = statistics.median(s.seconds for s in res["pre"])
+  t_round = (statistics.median(s.seconds for s in res["full"]) - t_pre) / last.iterations
+  return t_round, t_pre, last.iterations, last, cap
+
+
+def breakdown_row(meta: dict, k: int, tau: float, t: dict, plain_round: float) -> dict:
+  """One row from the measured times in seconds: t = {'round', 'prefill', 'fwd_1', 'fwd_k1',
+  'propose', 'draft_fwd', 'verify_step', 'accept'}; plain_round = plain decoding's t_round in
+  the same cell. speedup_loop = tau * plain_round / round; bound = tau / ((K draft_fwd +
+  fwd_k1) / fwd_1); other = round - propose - verify_step - accept."""
+  ms = {f"t_{name}_ms": 1e3 * v for name, v in t.items()}
+  row = dict(meta, K=k, tau=tau, **ms)
+  row["t_other_ms"] = 1e3 * (t["round"] - t["propose"] - t["verify_step"] - t["accept"])
+  if k == 0:
+    return row
+  speed_loop = tau * plain_round / t["round"]
+  bound = tau / ((k * t["draft_fwd"] + t["fwd_k1"]) / t["fwd_1"])
+  row.update({
+      "plain_round_ms": 1e3 * plain_round, "speedup_loop": speed_loop, "bound": bound,
+      "efficiency_loop": speed_loop / bound,
+      # efficiency = [(K t_draft + t_verify) / t_round] * [t_plain_round / t_fwd_1]
+      "eff_spec_overhead_factor": (k * t["draft_fwd"] + t["fwd_k1"]) / t["round"],
+      "eff_plain_overhead_factor": plain_round / t["fwd_1"]})
+  return row
+
+
+def run_breakdown_suite(opts) -> dict:
+  """The breakdown suite (see the module docstring)."""
+  grid = grid_of(opts)
+  rows = []
+  reps, cost_reps = max(opts.repeats, 3), opts.cost_repeats
+  for target_spec, drafter_specs in grid.by_target.items():
+    setup = prepare_target(target_spec, drafter_specs, opts, grid.ks, max(grid.batches))
+    target, fill, vocab = setup.model, setup.fill, setup.model.config.vocab_size
+    for batch in grid.batches:
+      prompts = setup.ids[:batch]
+      for temp in grid.temps:
+        cell = f"{setup.label} B={batch} T={temp:g}"
+        meta = lambda dspec, cap, iters: {
+            "target": setup.label, "drafter": drafter_label(dspec), "batch": batch,
+            "temperature": temp, "max_new_tokens": setup.max_new, "capacity": cap, "fill": fill,
+            "iterations": iters}
+        log(f"[bench] breakdown {cell}: plain")
+        plain_round, plain_pre, plain_iters, _, cap0 = engine_round(
+            setup, prompts, "none", 0, temp, opts.seed, reps)
+        t1 = time_forward(target, batch, 1, fill, cap0, cost_reps)["per_iter_s"]
+        rows.append(breakdown_row(meta("none", cap0, plain_iters), 0, 1.0, {
+            "round": plain_round, "prefill": plain_pre, "fwd_1": t1, "fwd_k1": t1,
+            "propose": 0.0, "draft_fwd": 0.0,
+            "verify_step": time_verify_step(target, batch, 1, fill, cap0, cost_reps,
+                                            temp)["per_iter_s"],
+            "accept": time_accept(batch, 0, vocab, False, temp, cost_reps)["per_iter_s"]},
+            plain_round))
+        for dspec, dr in setup.drafters.items():
+          for k in grid.ks:
+            log(f"[bench] breakdown {cell}: {drafter_label(dspec)} K={k}")
+            t_round, t_pre, iters, stats, cap = engine_round(setup, prompts, dspec, k, temp,
+                                                             opts.seed, reps)
+            pr = time_propose(dr, target, batch, k, fill, cap, cost_reps, temp)["per_iter_s"]
+            dm = draft_model_of(dr)
+            stochastic_q = dm is not None and not getattr(dr, "greedy_drafts", False)
+            t = {"round": t_round, "prefill": t_pre,
+                 "fwd_1": time_forward(target, batch, 1, fill, cap, cost_reps)["per_iter_s"],
+                 "fwd_k1": time_forward(target, batch, k + 1, fill, cap,
+                                        cost_reps)["per_iter_s"],
+                 "propose": pr,
+                 "draft_fwd": (time_forward(dm, batch, 1, fill, cap, cost_reps)["per_iter_s"]
+                               if dm is not None else pr / k),
+                 "verify_step": time_verify_step(target, batch, k + 1, fill, cap, cost_reps,
+                                                 temp)["per_iter_s"],
+                 "accept": time_accept(batch, k, vocab, stochastic_q, temp,
+                                       cost_reps)["per_iter_s"]}
+            row = breakdown_row(meta(dspec, cap, iters), k, stats.mean_accepted_length, t,
+                                plain_round)
+            row["alpha"] = stats.acceptance_rate
+            rows.append(row)
+  return {"suite": "breakdown", "rows": rows, "notes": [],
+          "definitions": BREAKDOWN_DEFINITIONS}

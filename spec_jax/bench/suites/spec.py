@@ -1,0 +1,228 @@
+"""The spec suite: plain decoding (K=0) and every drafter of every (target, drafter) pair, at
+several K, batch sizes and temperatures, on the same prompts, in one run: tokens/s, speedup
+over plain decoding in that run, alpha, tau, the cost ratios c_draft and c_verify, the
+analytic bound and the efficiency (see spec_jax.bench.definitions.SPEC_DEFINITIONS).
+
+A cell is (target, batch, temperature): its configurations run round-robin, plain decoding at
+the start and the end of every round; the cost ratios of a batch are timed once, round-robin.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from spec_jax.bench.definitions import SPEC_DEFINITIONS
+from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_capacity
+from spec_jax.bench.results import log
+from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
+from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_generate
+from spec_jax.bench.timers import time_forward, time_propose
+from spec_jax.bench.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
+
+
+def time_costs(setup, batch: int, ks, capacity: int, repeats: int) -> tuple:
+  """The cost timers of one batch, all round-robin -> (t1, tv, td): t1 the target forward over
+  1 token, tv[k] over K+1 tokens (timer dicts of timing.time_interleaved), td[drafter][k] =
+  {'per_round_s', 'c_draft', 'propose_s', 'c_propose'}."""
+  target, fill = setup.model, setup.fill
+  calls = {"t1": time_forward(target, batch, 1, fill, capacity, call_only=True)}
+  for k in ks:
+    calls[("verify", k)] = time_forward(target, batch, k + 1, fill, capacity, call_only=True)
+  for dspec, dr in setup.drafters.items():
+    if draft_model_of(dr) is not None:
+      calls[("draft_fwd", dspec)] = time_forward(draft_model_of(dr), batch, 1, fill, capacity,
+                                                 call_only=True)
+    for k in ks:
+      # The whole propose() of a round (draft model: 2-token first step, K-1 more, the
+      # sampling of q at temperature 1; n-gram: the search).
+      calls[("propose", dspec, k)] = time_propose(
+          dr, target, batch, k, fill, capacity,
+          temperature=1.0 if draft_model_of(dr) is not None else 0.0, call_only=True)
+  timed = time_interleaved(calls, repeats)
+  t1 = timed["t1"]
+  tv = {k: timed[("verify", k)] for k in ks}
+  td = {}
+  for dspec, dr in setup.drafters.items():
+    td[dspec] = {}
+    for k in ks:
+      prop = timed[("propose", dspec, k)]
+      per_draft = timed[("draft_fwd", dspec)] if draft_model_of(dr) is not None else None
+      td[dspec][k] = {
+          "per_round_s": k * per_draft["per_iter_s"] if per_draft else prop["per_iter_s"],
+          "c_draft": ratio_of(per_draft, t1) if per_draft else ratio_of(prop, t1, k),
+          "propose_s": prop["per_iter_s"], "c_propose": ratio_of(prop, t1, k)}
+  return t1, tv, td
+
+
+def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, base: dict,
+             t1: dict, tv: dict = None, td: dict = None) -> dict:
+  """One row of the table from one configuration's repeats.
+
+  meta: the row's target/batch/temperature/length fields; stats: its SpecStats per repeat;
+  base: summarize() of plain decoding's tokens/s in the same cell; t1: the 1-token target
+  timer; tv: the (K+1)-token timer and td: the drafter's costs at this K (both None for K=0).
+  """
+  import numpy as np
+  tps = summarize(tokens_per_s)
+  tau = float(np.mean([s.mean_accepted_length for s in stats]))
+  alphas = [s.acceptance_rate for s in stats]
+  tok_alphas = [alpha_per_verified_token(s) for s in stats]
+  alpha_token = (None if k == 0 or any(a is None for a in tok_alphas)
+                 else float(np.mean(tok_alphas)))
+  if k == 0:
+    c_draft, c_verify, alpha, cv_rounds = 0.0, 1.0, None, None
+    t_draft = t_propose = c_propose = 0.0
+  else:
+    c_verify = ratio_of(tv, t1)          # median over rounds of per-round ratios
+    cv_rounds = [a / b for a, b in zip(tv["samples"], t1["samples"])]
+    t_draft, c_draft = td["per_round_s"], td["c_draft"]
+    t_propose, c_propose = td["propose_s"], td["c_propose"]
+    alpha = float(np.mean(alphas))
+  bound = bound_of(tau, k, c_draft, c_verify)
+  speedup = tps["median"] / base["median"] if k else 1.0
+  last = stats[-1]
+  lb, max_new = meta["prompt_tokens_longest"], meta["max_new_tokens"]
+  return {
+      "target": meta["target"], "target_spec": meta["target_spec"],
+      "target_params": meta["target_params"],
+      "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
+      "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
+      "new_tokens_per_run": meta["batch"] * max_new, "prompt_tokens_longest": lb,
+      "capacity": engine_capacity(lb, max_new, k),
+      "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
+      "speedup": speedup, "alpha": alpha, "tau": tau,
+      "alpha_per_repeat": alphas if k else None,
+      "alpha_token": alpha_token,
+      "accepted_at": list(last.accepted_at), "rounds": last.rounds,
+      "iterations": last.iterations,
+      "c_draft": c_draft, "c_verify": c_verify, "bound": bound,
+      "efficiency": speedup / bound,
+      "c_verify_rounds_min_max": [min(cv_rounds), max(cv_rounds)] if k else None,
+      "t_target_1_spread_pct": t1["spread_pct"],
+      "c_draft_propose": c_propose,
+      "bound_propose": bound_of(tau, k, c_propose, c_verify),
+      "t_propose_ms": 1e3 * t_propose,
+      "t_target_1_ms": 1e3 * t1["per_iter_s"],
+      "t_verify_ms": 1e3 * (tv["per_iter_s"] if k else t1["per_iter_s"]),
+      "t_draft_round_ms": 1e3 * t_draft,
+      "cost_fill": meta["cost_fill"], "cost_capacity": meta["cost_capacity"],
+      "noise_pct": base["spread_pct"],
+  }
+
+
+def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, cost_capacity: int,
+                 opts) -> tuple:
+  """Warm-up, then `repeats` interleaved rounds of every configuration of one cell ->
+  (baseline dict, rows)."""
+  prompts = setup.ids[:batch]
+  cell = f"{setup.label} B={batch} T={temp:g}"
+  log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
+  runs = {}
+  for dspec, k in configs:
+    t0 = time.perf_counter()
+    run_generate(setup.model, prompts, setup.drafters.get(dspec), k, setup.max_new, temp,
+                 opts.seed)
+    log(f"[bench]   warm {drafter_label(dspec)} K={k}: {time.perf_counter() - t0:.1f} s")
+    runs[(dspec, k)] = (lambda d=dspec, k=k: run_generate(
+        setup.model, prompts, setup.drafters.get(d), k, setup.max_new, temp, opts.seed).stats)
+
+  def on_round(rep, res):
+    plain = [s.tokens_per_second for s in res[configs[0]]]
+    log(f"[bench] {cell}: round {rep + 1}/{opts.repeats}: plain "
+        f"{plain[-2]:.0f}/{plain[-1]:.0f} tok/s; " + ", ".join(
+            f"{drafter_label(c[0])} K={c[1]} {res[c][-1].tokens_per_second:.0f}"
+            for c in configs[1:]))
+  results = interleaved_rounds(runs, opts.repeats, baseline=configs[0], on_round=on_round)
+  base = summarize([s.tokens_per_second for s in results[configs[0]]])
+  baseline = {"target": setup.label, "batch": batch, "temperature": temp,
+              "tokens_per_s": base, "noise_pct": base["spread_pct"]}
+  t1, tv, td = costs
+  meta = {"target": setup.label, "target_spec": setup.spec,
+          "target_params": setup.model.config.num_params, "batch": batch, "temperature": temp,
+          "max_new_tokens": setup.max_new,
+          "prompt_tokens_longest": max(len(r) for r in prompts),
+          "cost_fill": setup.fill, "cost_capacity": cost_capacity}
+  rows = [spec_row(meta, dspec, k, results[(dspec, k)],
+                   [s.tokens_per_second for s in results[(dspec, k)]], base, t1,
+                   tv.get(k) if k else None, td[dspec][k] if k else None)
+          for dspec, k in configs]
+  return baseline, rows
+
+
+def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
+  """The spec suite. checkpoint(partial_result) is called after every finished cell (target,
+  batch, temperature); cells found in `previous` (a partial result of the same options, see
+  --resume) are taken from it instead of being measured again."""
+  grid = grid_of(opts)
+  rows, baselines, notes, done = [], [], [], set()
+  if previous:
+    rows = list(previous.get("rows", []))
+    baselines = list(previous.get("baselines", []))
+    notes = list(previous.get("notes", []))
+    done = {(b["target"], b["batch"], b["temperature"]) for b in baselines}
+    log(f"[bench] resuming: {len(done)} cells taken from the previous partial run")
+
+  def partial():
+    return {"suite": "spec", "rows": rows, "baselines": baselines,
+            "verdicts": make_verdicts(rows, baselines), "notes": notes,
+            "definitions": SPEC_DEFINITIONS}
+
+  for target_spec, drafter_specs in grid.by_target.items():
+    label = model_label(target_spec)
+    if all((label, b, t) in done for b in grid.batches for t in grid.temps):
+      continue
+    log(f"[bench] loading target {target_spec}")
+    setup = prepare_target(target_spec, drafter_specs, opts, grid.ks, max(grid.batches))
+    if setup.note and not any(n.startswith(label + ": max_new_tokens") for n in notes):
+      notes.append(setup.note)
+      log("[bench] note: " + setup.note)
+    cost_capacity = engine_capacity(setup.longest, setup.max_new, max(grid.ks))
+    configs = [("none", 0)] + [(d, k) for d in drafter_specs for k in grid.ks]
+    for batch in grid.batches:
+      if all((label, batch, t) in done for t in grid.temps):
+        continue
+      log(f"[bench] {label} B={batch}: timing cost ratios "
+          f"(fill {setup.fill}, capacity {cost_capacity})")
+      costs = time_costs(setup, batch, grid.ks, cost_capacity, opts.cost_repeats)
+      for temp in grid.temps:
+        if (label, batch, temp) in done:
+          continue
+        baseline, cell_rows = measure_cell(setup, batch, temp, configs, costs, cost_capacity,
+                                           opts)
+        baselines.append(baseline)
+        rows.extend(cell_rows)
+        if checkpoint is not None:
+          checkpoint(partial())
+    release_compiled()
+  return partial()
+
+
+def make_verdicts(rows, baselines) -> list:
+  """Per (target, drafter, temperature): the best K at every batch and how it compares with
+  plain decoding there. 'within noise' when |speedup - 1| is under half the plain baseline's
+  spread (max-min)/median in that cell."""
+  noise = {(b["target"], b["batch"], b["temperature"]): b["noise_pct"] for b in baselines}
+  groups: dict = {}
+  for r in rows:
+    if r["K"] == 0:
+      continue
+    groups.setdefault((r["target"], r["drafter"], r["temperature"]), {}).setdefault(
+        r["batch"], []).append(r)
+  out = []
+  for (target, drafter, temp), per_batch in groups.items():
+    parts = []
+    for batch in sorted(per_batch):
+      best = max(per_batch[batch], key=lambda r: r["speedup"])
+      nz = noise.get((target, batch, temp), 0.0)
+      s = best["speedup"]
+      within = abs(s - 1.0) * 100 <= nz / 2
+      judgement = ("beats plain" if s > 1 else "LOSES to plain") + (", within noise" if within
+                                                                    else "")
+      parts.append({"batch": batch, "best_K": best["K"], "speedup": s, "beats_plain": s > 1.0,
+                    "clear": not within, "noise_pct": nz, "judgement": judgement})
+    out.append({"target": target, "drafter": drafter, "temperature": temp, "per_batch": parts,
+                "beats_plain_at_batches": [p["batch"] for p in parts if p["beats_plain"]],
+                "clearly_beats_plain_at_batches": [p["batch"] for p in parts
+                                                   if p["beats_plain"] and p["clear"]]})
+  return out

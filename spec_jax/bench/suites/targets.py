@@ -1,0 +1,106 @@
+"""What the spec and breakdown suites share: the grid of options, one target with its drafters
+and prompts, and the generate() call they time."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from spec_jax.bench.prompts import prompt_token_lists
+from spec_jax.bench.specs import draft_model_of, load_model, make_drafter, model_label, parse_pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """by_target: target spec -> [drafter specs] (order of --pairs); ks, batches: sorted unique
+  ints; temps: floats in the given order."""
+  by_target: dict
+  ks: list
+  batches: list
+  temps: list
+
+
+def grid_of(opts) -> Grid:
+  """--pairs, --num-draft, --batch, --temperatures -> Grid (ValueError for K < 1)."""
+  ks = sorted(set(int(k) for k in opts.num_draft))
+  if any(k < 1 for k in ks):
+    raise ValueError(f"--num-draft values must be >= 1 (K=0, plain decoding, is always run), "
+                     f"got {ks}")
+  by_target: dict = {}
+  for t, d in parse_pairs(opts.pairs):
+    by_target.setdefault(t, []).append(d)
+  return Grid(by_target=by_target, ks=ks, batches=sorted(set(int(b) for b in opts.batch)),
+              temps=[float(t) for t in opts.temperatures])
+
+
+@dataclasses.dataclass
+class TargetSetup:
+  """One target, its drafters (spec -> drafter) and prompts, and the lengths every cell uses:
+  max_new = --max-new-tokens capped by the shortest context of target and draft models (note
+  says so when capped), fill = longest prompt + max_new // 2 (where cost ratios are timed)."""
+  spec: str
+  model: Any
+  drafters: dict
+  ids: list
+  longest: int
+  context: int
+  max_new: int
+  fill: int
+  note: Optional[str]
+
+  @property
+  def label(self) -> str:
+    return model_label(self.spec)
+
+
+def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) -> TargetSetup:
+  """Loads the target and its drafters, refuses K above a drafter's max_draft, and reads
+  n_prompts prompts (ValueError when they leave no room for new tokens)."""
+  target = load_model(target_spec, opts.seed)
+  drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
+  for dspec, dr in drafters.items():
+    cap = getattr(dr, "max_draft", None)
+    if cap is not None and max(ks) > cap:
+      raise ValueError(f"drafter {dspec} proposes at most {cap} tokens per round; drop the "
+                       f"K values above {cap} from --num-draft (got {ks})")
+  ids, _ = prompt_token_lists(target, opts.prompts, n_prompts, opts.prompt_words,
+                              opts.max_prompt_tokens, opts.seed)
+  context = min([target.config.max_position_embeddings] + [
+      draft_model_of(d).config.max_position_embeddings for d in drafters.values()
+      if draft_model_of(d) is not None])
+  longest = max(len(r) for r in ids)
+  max_new = min(int(opts.max_new_tokens), context - longest - 1)
+  if max_new < 1:
+    raise ValueError(f"prompts of {longest} tokens leave no room in a context of {context}")
+  note = None
+  if max_new < int(opts.max_new_tokens):
+    note = (f"{model_label(target_spec)}: max_new_tokens capped from {opts.max_new_tokens} to "
+            f"{max_new} by the context of {context} positions (longest prompt {longest} tokens)")
+  return TargetSetup(spec=target_spec, model=target, drafters=drafters, ids=ids,
+                     longest=longest, context=context, max_new=max_new,
+                     fill=longest + max_new // 2, note=note)
+
+
+def run_generate(target, prompts, drafter, k: int, max_new: int, temperature: float, seed: int):
+  """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[])."""
+  import jax
+  import spec_jax as sj
+  out = sj.generate(target, prompts, drafter=drafter, num_draft=k if drafter is not None else 4,
+                    max_new_tokens=max_new, sampling=sj.Sampling(temperature=temperature),
+                    key=jax.random.key(seed), stop_tokens=[])
+  counts = {len(t) for t in out.tokens}
+  if counts != {max_new}:
+    raise RuntimeError(f"expected exactly {max_new} new tokens per row with stop_tokens=[], got "
+                       f"{sorted(counts)}")
+  return out
+
+
+def release_compiled() -> None:
+  """Bounds the memory of a long run: drops generate()'s compiled executables and the timing
+  loops before the next target."""
+  import jax
+  from spec_jax import engine
+  from spec_jax.bench import timers
+  getattr(engine, "_COMPILED", {}).clear()
+  timers.clear_cache()
+  jax.clear_caches()

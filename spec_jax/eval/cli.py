@@ -1,0 +1,94 @@
+"""The command line of python -m spec_jax.eval."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from spec_jax.bench.plots import PLOTS_HINT
+from spec_jax.bench.report import fmt, table
+from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+  import spec_jax.eval
+  p = argparse.ArgumentParser(prog="python -m spec_jax.eval",
+                              description=spec_jax.eval.__doc__.split("\n")[0],
+                              epilog="Writes DIR/results.json, DIR/report.md and DIR/*.png; "
+                              "rerun the same command to resume a killed run.")
+  p.add_argument("--target", required=True,
+                 help="the target model: a Hugging Face folder or a llama2.c folder / .bin")
+  p.add_argument("--drafter", action="extend", nargs="+", required=True, metavar="SPEC",
+                 help="ngram | ngram:MAX[:MIN] | draft:MODEL | heads:PATH; repeat or list "
+                 "several (plain decoding always runs beside them)")
+  p.add_argument("--prompts", default="spec_bench", help=f"{PROMPT_CHOICES} | a .jsonl / "
+                 ".jsonl.gz / .txt path (default: %(default)s)")
+  p.add_argument("--limit-per-category", type=int, default=None, metavar="N",
+                 help="only the first N questions of every category")
+  p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (default 1)")
+  p.add_argument("--num-draft", default="4", metavar="K|auto",
+                 help="draft tokens per round, or auto (the governor; default 4)")
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--out", required=True, metavar="DIR", help="the run directory")
+  p.add_argument("--strict", action="store_true",
+                 help="prompts that do not fit the context are an error, not skipped")
+  p.add_argument("--repeats", type=int, default=1, help="timed rounds per batch (default 1)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--prompt-bucket", type=int, default=64, metavar="N",
+                 help="pad prompts to a multiple of N tokens: one compile per padded length "
+                 "(default 64; the engine's own is 16)")
+  p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+  return p
+
+
+def options_from(args) -> EvalOptions:
+  return EvalOptions(target=args.target, drafters=tuple(args.drafter), out=args.out,
+                     prompts=args.prompts, batch=tuple(args.batch), num_draft=args.num_draft,
+                     temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                     limit_per_category=args.limit_per_category, strict=args.strict,
+                     repeats=args.repeats, seed=args.seed, prompt_bucket=args.prompt_bucket,
+                     progress=not args.no_progress)
+
+
+def summary_text(res: dict) -> str:
+  """What the terminal shows at the end: overall speedups, latency, where the files are."""
+  rows = [[r["drafter"], r["batch"], fmt(r["tokens_per_s"], 1),
+           f"{r['speedup']:.2f}x" if r["speedup"] else "-"] for r in res["throughput"]]
+  taus = {(r["drafter"], r["batch"]): r for r in res["summary"] if r["category"] == "all"}
+  for row in rows:
+    s = taus.get((row[0], row[1]), {})
+    row += [fmt(s.get("tau")), fmt(s.get("alpha"))]
+  lat = {(r["drafter"], r["batch"]): r for r in res["latency"]}
+  for row in rows:
+    t = lat.get((row[0], row[1]), {}).get("tpot_ms") or {}
+    row += [fmt(t.get("p50"), 2), fmt(t.get("p99"), 2)]
+  out = [table(["drafter", "B", "tok/s", "speedup", "tau", "alpha", "TPOT p50 ms",
+                "TPOT p99 ms"], rows)]
+  run = res["run"]
+  out.append(f"\n{run['units']} batches ({run['units_measured']} measured, "
+             f"{run['units_reused']} reused), {len(res['skipped'])} prompts skipped; "
+             f"greedy check: {'passed' if res['greedy_check']['checked'] else 'n/a (T > 0)'}")
+  out.append(f"written: {run['out']}/results.json, {run['out']}/report.md" +
+             "".join(f", {run['out']}/{p}" for p in res["plots"]))
+  if not res["plots"]:
+    out.append(PLOTS_HINT)
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  """0 on success; 2 with an `error:` line for bad options or inputs; 1 when greedy outputs
+  of a drafter differ from plain decoding's."""
+  from spec_jax.eval.evaluate import evaluate
+  from spec_jax.eval.runner import LossyOutputError
+  args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    res = evaluate(options_from(args))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except LossyOutputError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(summary_text(res))
+  return 0

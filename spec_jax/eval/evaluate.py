@@ -1,0 +1,170 @@
+"""evaluate(options): the whole evaluation, turn by turn, batch size by batch size, unit by
+unit, resumable from its directory; then results.json, report.md and the plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+
+from spec_jax.bench.prompts import read_prompt_records, source_path
+from spec_jax.bench.results import (SCHEMA_VERSION, atomic_write_json, atomic_write_text, log,
+                                    machine_info)
+from spec_jax.bench.specs import (draft_model_of, drafter_label, load_model, make_drafter,
+                                  model_label, resolve_path)
+from spec_jax.eval import aggregate
+from spec_jax.eval.options import EvalOptions
+from spec_jax.eval.progress import Progress
+from spec_jax.eval.prompting import build_requests, prompt_format, select_records
+from spec_jax.eval.report import render_markdown, write_plots
+from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
+from spec_jax.eval.store import RunDir, prompt_hash
+
+
+def make_configs(target, opts: EvalOptions) -> list:
+  """Plain decoding first, then every drafter (ValueError: K above a drafter's max_draft)."""
+  configs = [Config(key=PLAIN, label="plain", drafter=None, num_draft=0)]
+  for spec in opts.drafters:
+    dr = make_drafter(spec, target, opts.seed)
+    cap = getattr(dr, "max_draft", None)
+    if cap is not None and isinstance(opts.num_draft, int) and opts.num_draft > cap:
+      raise ValueError(f"drafter {spec} proposes at most {cap} tokens per round; give "
+                       f"--num-draft {cap} or less (got {opts.num_draft})")
+    configs.append(Config(key=spec, label=drafter_label(spec), drafter=dr,
+                          num_draft=opts.num_draft))
+  return configs
+
+
+def fingerprint(opts: EvalOptions, fmt: str) -> dict:
+  """The options that decide what a stored unit means (batch sizes and drafters do not: units
+  are stored per batch size and hold every configuration)."""
+  target = opts.target if opts.target.startswith("random:") else str(
+      resolve_path(opts.target).resolve())
+  return {"target": target, "prompts": str(source_path(opts.prompts).resolve()),
+          "limit_per_category": opts.limit_per_category, "num_draft": opts.num_draft,
+          "temperature": opts.temperature, "max_new_tokens": opts.max_new_tokens,
+          "repeats": opts.repeats, "seed": opts.seed, "prompt_bucket": opts.prompt_bucket,
+          "prompt_format": fmt}
+
+
+def _warn_skipped(skipped, turn: int, strict: bool) -> None:
+  if not skipped:
+    return
+  ids = ", ".join(s["id"] for s in skipped[:20]) + (" ..." if len(skipped) > 20 else "")
+  msg = (f"{len(skipped)} turn-{turn} prompt(s) do not fit the context (prompt + max new "
+         f"tokens) and are skipped: {ids}")
+  if strict:
+    raise ValueError(f"--strict: {msg}")
+  log(f"[eval] warning: {msg}")
+
+
+def _measure_turn(run_dir, runner, requests, batches, turn, progress, counters) -> list:
+  units = []
+  for b in batches:
+    for unit in plan_units(requests, b, turn):
+      stored = run_dir.load_unit(unit.key, prompt_hash(unit.prompts()),
+                                 [c.key for c in runner.configs])
+      reused = stored is not None
+      if not reused:
+        stored = runner.measure(unit)
+        run_dir.save_unit(unit.key, stored)
+      counters["reused" if reused else "measured"] += 1
+      progress.advance(reused=reused)
+      units.append(stored)
+  return units
+
+
+def _answers_from(units, turn: int) -> dict:
+  """(record id, turn) -> plain decoding's answer text at the smallest batch size."""
+  b = min(u["batch"] for u in units)
+  out = {}
+  for u in units:
+    if u["batch"] == b and u["turn"] == turn:
+      for req, text in zip(u["requests"], u["answers"]["text"]):
+        out[(req["id"], turn)] = text
+  return out
+
+
+def evaluate(opts: EvalOptions) -> dict:
+  """Runs (or resumes) the evaluation and writes DIR/results.json, DIR/report.md and the
+  plots; returns the results. ValueError for bad options or inputs, before anything runs;
+  runner.LossyOutputError when greedy outputs differ."""
+  opts = opts.validate()
+  started = time.time()
+  target = load_model(opts.target, opts.seed)
+  if target.tokenizer is None:
+    raise ValueError(f"{opts.target} has no tokenizer: the evaluation reads text prompts")
+  configs = make_configs(target, opts)
+  context = min([target.config.max_position_embeddings] + [
+      draft_model_of(c.drafter).config.max_position_embeddings for c in configs
+      if draft_model_of(c.drafter) is not None])
+  records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category)
+  fmt = prompt_format(target)
+  run_dir = RunDir(opts.out)
+  run_dir.open(fingerprint(opts, fmt))
+  info = machine_info()
+  runner = None
+  progress = Progress(enabled=opts.progress)
+  units, skipped, answers = [], [], {}
+  counters = {"measured": 0, "reused": 0}
+  try:
+    for turn in range(1, max(len(r.turns) for r in records) + 1):
+      requests, sk = build_requests(target, records, turn, answers, context, opts.max_new_tokens)
+      skipped += sk
+      _warn_skipped(sk, turn, opts.strict)
+      if not requests:
+        continue
+      progress.add_total(sum(-(-len(requests) // b) for b in opts.batch))
+      runner = runner or UnitRunner(target, configs, opts.max_new_tokens, opts.temperature,
+                                    opts.seed, opts.repeats, opts.prompt_bucket, progress)
+      turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters)
+      units += turn_units
+      answers.update(_answers_from(turn_units, turn))
+  finally:
+    progress.close()
+  if not units:
+    raise ValueError(f"no prompt of {opts.prompts} fits the context of {context} positions "
+                     f"with {opts.max_new_tokens} new tokens; lower --max-new-tokens")
+  res = results_of(opts, target, configs, records, units, skipped, fmt, info, counters)
+  res["wall_seconds"] = time.time() - started
+  res["plots"] = write_plots(res, run_dir.path)
+  atomic_write_json(run_dir.path / "results.json", res)
+  atomic_write_text(run_dir.path / "report.md", render_markdown(res))
+  return res
+
+
+def results_of(opts, target, configs, records, units, skipped, fmt, info, counters) -> dict:
+  """results.json's content (plots and wall time are added by evaluate)."""
+  try:
+    info["loadavg_end"] = os.getloadavg()
+  except OSError:
+    pass
+  batches = list(opts.batch)
+  categories = list(dict.fromkeys(r.category for r in records))
+  rows = aggregate.request_rows(units, configs)
+  greedy = opts.temperature == 0
+  return {
+      "schema_version": SCHEMA_VERSION, "kind": "eval",
+      "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "machine": info, "options": dataclasses.asdict(opts),
+      "target": {"spec": opts.target, "label": model_label(opts.target),
+                 "params": target.config.num_params, "prompt_format": fmt,
+                 "context": target.config.max_position_embeddings},
+      "drafters": [{"spec": c.key, "label": c.label, "num_draft": c.num_draft}
+                   for c in configs if c.key != PLAIN],
+      "prompts": {"source": opts.prompts, "selected": len(records), "categories": categories,
+                  "requests": len({(r["id"], r["turn"]) for r in rows})},
+      "skipped": skipped,
+      "greedy_check": {"checked": greedy, "mismatches": 0,
+                       "requests_compared": sum(1 for r in rows if r["config"] == PLAIN)
+                       if greedy else 0},
+      "summary": aggregate.summary_table(rows, configs, batches, categories),
+      "throughput": aggregate.throughput_table(units, configs, batches),
+      "latency": aggregate.latency_table(rows, configs, batches),
+      "requests": rows,
+      "answers": aggregate.answers_of(units),
+      "run": {"units": len(units), "units_measured": counters["measured"],
+              "units_reused": counters["reused"], "out": str(opts.out)},
+      "definitions": aggregate.EVAL_DEFINITIONS,
+  }

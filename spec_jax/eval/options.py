@@ -1,0 +1,94 @@
+"""The options of an evaluation, checked before anything is loaded or run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Optional, Union
+
+from spec_jax.bench.prompts import PROMPT_SETS, source_path
+from spec_jax.bench.specs import check_drafter_spec
+
+
+def auto_supported() -> bool:
+  """Whether this spec_jax has the governor behind generate(num_draft="auto") (issue 9)."""
+  return importlib.util.find_spec("spec_jax.governor") is not None
+
+
+def parse_num_draft(value) -> Union[int, str]:
+  """'auto' or an integer K >= 1 (ValueError otherwise)."""
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    return "auto"
+  try:
+    k = int(value)
+  except (TypeError, ValueError):
+    k = None
+  if k is None or isinstance(value, bool) or k < 1 or str(value).strip() != str(k):
+    raise ValueError(f"--num-draft must be an integer K >= 1 or 'auto', got {value!r}")
+  return k
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+  """target: a model spec (HF folder, llama2.c folder or .bin); drafters: drafter specs
+  (ngram, ngram:MAX[:MIN], draft:MODEL, heads:PATH), plain decoding always runs beside them;
+  prompts: spec_bench | mt_bench | humaneval | gsm8k | a .jsonl / .jsonl.gz / .txt path;
+  batch: batch sizes; num_draft: K or 'auto'; out: the run directory. limit_per_category: the
+  first N questions of every category (None = all); strict: prompts that do not fit the
+  context are an error instead of being skipped (turn t > 1 prompts are known only once turn
+  t - 1 has run; what ran is kept in DIR); repeats: timed rounds per batch;
+  prompt_bucket: prompts are padded to a multiple of this many tokens (fewer compiles)."""
+  target: str
+  drafters: tuple
+  out: str
+  prompts: str = "spec_bench"
+  batch: tuple = (1,)
+  num_draft: Union[int, str] = 4
+  temperature: float = 0.0
+  max_new_tokens: int = 256
+  limit_per_category: Optional[int] = None
+  strict: bool = False
+  repeats: int = 1
+  seed: int = 0
+  prompt_bucket: int = 64
+  progress: bool = True
+
+  def validate(self) -> "EvalOptions":
+    """The options with batch sorted and num_draft parsed; ValueError saying what is wrong
+    and what is allowed."""
+    if not self.target:
+      raise ValueError("--target is required: a Hugging Face folder or a llama2.c .bin")
+    drafters = tuple(self.drafters or ())
+    if not drafters:
+      raise ValueError("give at least one --drafter (ngram, ngram:MAX[:MIN], draft:MODEL or "
+                       "heads:PATH); plain decoding always runs beside them")
+    for d in drafters:
+      if d in ("", "none"):
+        raise ValueError("--drafter none is not needed: plain decoding always runs")
+      check_drafter_spec(d)
+    if len(set(drafters)) != len(drafters):
+      raise ValueError(f"a --drafter is given twice: {list(drafters)}")
+    batch = tuple(sorted(set(int(b) for b in self.batch)))
+    if not batch or batch[0] < 1:
+      raise ValueError(f"--batch sizes must be integers >= 1, got {list(self.batch)}")
+    num_draft = parse_num_draft(self.num_draft)
+    if num_draft == "auto" and not auto_supported():
+      raise ValueError("--num-draft auto needs the governor (issue 9), which is not available "
+                       "yet in this spec_jax; give an integer K >= 1")
+    if self.temperature < 0:
+      raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+    if self.limit_per_category is not None and self.limit_per_category < 1:
+      raise ValueError(f"--limit-per-category must be >= 1, got {self.limit_per_category}")
+    if self.repeats < 1:
+      raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+    if self.prompt_bucket < 1:
+      raise ValueError(f"--prompt-bucket must be >= 1, got {self.prompt_bucket}")
+    if not self.out:
+      raise ValueError("--out DIR is required")
+    source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
+    return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft)
+
+
+PROMPT_CHOICES = " | ".join(PROMPT_SETS)

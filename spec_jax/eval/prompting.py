@@ -1,0 +1,94 @@
+"""From prompt records to the token ids a model is asked: selection per category, the chat
+template (or raw text), multi-turn conversations, and the context check.
+
+A tokenizer with a chat template (a Hugging Face folder whose tokenizer_config.json has one)
+gets transformers' apply_chat_template(messages, add_generation_prompt=True); every other
+tokenizer gets the raw text, turns and answers joined by blank lines, encoded with the model's
+BOS convention. Turn t > 1 of a record (MT-bench's second question) is asked after the model's
+own answers to turns 1..t-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+CHAT_TEMPLATE, RAW_TEXT = "chat_template", "raw"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One generation: a record's turn (1-based), its category and its prompt token ids."""
+  id: str
+  category: str
+  turn: int
+  ids: tuple
+
+
+def select_records(records, limit_per_category: Optional[int]) -> list:
+  """The first `limit_per_category` records of every category (all with None), file order."""
+  if limit_per_category is None:
+    return list(records)
+  seen: dict = {}
+  out = []
+  for r in records:
+    seen[r.category] = seen.get(r.category, 0) + 1
+    if seen[r.category] <= limit_per_category:
+      out.append(r)
+  return out
+
+
+def chat_tokenizer(model):
+  """The transformers tokenizer behind model.tokenizer when it has a chat template, else None."""
+  hf = getattr(model.tokenizer, "hf", None)
+  return hf if hf is not None and getattr(hf, "chat_template", None) else None
+
+
+def prompt_format(model) -> str:
+  """'chat_template' or 'raw' (see the module docstring)."""
+  return CHAT_TEMPLATE if chat_tokenizer(model) is not None else RAW_TEXT
+
+
+def conversation(record, turn: int, answers: dict) -> list:
+  """Messages [user turn 1, assistant answer 1, ..., user turn `turn`]; answers maps
+  (record id, turn) -> the model's answer text."""
+  messages = []
+  for t in range(1, turn + 1):
+    messages.append({"role": "user", "content": record.turns[t - 1]})
+    if t < turn:
+      messages.append({"role": "assistant", "content": answers[(record.id, t)]})
+  return messages
+
+
+def encode_conversation(model, messages: list) -> list:
+  """Token ids of a conversation ending with a user message, ready for the answer."""
+  hf = chat_tokenizer(model)
+  if hf is None:
+    return model.encode("\n\n".join(m["content"] for m in messages))
+  ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  if hasattr(ids, "keys"):                 # transformers >= 5 returns a BatchEncoding
+    ids = ids["input_ids"]
+  return [int(t) for t in ids]
+
+
+def build_requests(model, records, turn: int, answers: dict, context: int,
+                   max_new_tokens: int) -> tuple:
+  """The requests of one turn -> (requests, skipped). A record is asked turn `turn` when it
+  has that many turns; it is skipped (listed with the reason) when its previous turn was
+  skipped or when prompt + max_new_tokens exceeds the context."""
+  requests, skipped = [], []
+  for r in records:
+    if len(r.turns) < turn:
+      continue
+    entry = {"id": r.id, "category": r.category, "turn": turn}
+    if turn > 1 and (r.id, turn - 1) not in answers:
+      skipped.append(dict(entry, prompt_tokens=None, reason=f"turn {turn - 1} was skipped"))
+      continue
+    ids = encode_conversation(model, conversation(r, turn, answers))
+    if len(ids) + max_new_tokens > context:
+      skipped.append(dict(entry, prompt_tokens=len(ids), reason=(
+          f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of "
+          f"{context}")))
+      continue
+    requests.append(Request(id=r.id, category=r.category, turn=turn, ids=tuple(ids)))
+  return requests, skipped

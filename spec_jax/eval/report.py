@@ -1,0 +1,129 @@
+"""The evaluation's report.md and PNG plots, drawn from results.json's tables with the bench's
+table and plot functions."""
+
+from __future__ import annotations
+
+import pathlib
+
+from spec_jax.bench import plots
+from spec_jax.bench.report import fmt, table
+from spec_jax.eval.aggregate import ALL
+
+PLOT_FILES = {"speedup": "speedup_vs_batch.png", "tau": "tau_per_category.png",
+              "tpot": "tpot_vs_batch.png"}
+
+
+_FORMATS = {"chat_template": "prompts through the tokenizer's chat template",
+            "raw": "raw-text prompts (the tokenizer has no chat template)"}
+
+
+def _x(v, nd=2):
+  return f"{v:.{nd}f}×" if v is not None else "-"
+
+
+def _pcts(d, nd=1):
+  return " / ".join(f"{d[q]:.{nd}f}" for q in ("p50", "p90", "p99")) if d else "-"
+
+
+def _title(res) -> str:
+  o = res["options"]
+  return (f"{res['target']['label']}, {o['prompts']}, K={o['num_draft']}, "
+          f"T={o['temperature']:g}")
+
+
+def write_plots(res: dict, out_dir) -> list:
+  """The three PNGs into out_dir -> their file names ([] without matplotlib)."""
+  if not plots.have_matplotlib():
+    return []
+  out_dir = pathlib.Path(out_dir)
+  drafters = [d["label"] for d in res["drafters"]]
+  speed = {d: [(r["batch"], r["speedup"]) for r in res["throughput"]
+               if r["drafter"] == d and r["speedup"] is not None] for d in drafters}
+  plots.speedup_vs_batch(speed, f"speedup vs batch size — {_title(res)}",
+                         out_dir / PLOT_FILES["speedup"])
+  b0 = min(res["options"]["batch"])
+  cats = [c for c in res["prompts"]["categories"]
+          if any(r["category"] == c for r in res["summary"])]
+  tau = {d: {r["category"]: r["tau"] for r in res["summary"]
+             if r["drafter"] == d and r["batch"] == b0 and r["category"] != ALL
+             and r["tau"] is not None} for d in drafters}
+  plots.bars_per_category(tau, cats, f"tokens per target forward (τ) per category, batch "
+                          f"{b0} — {_title(res)}", "τ: tokens per target forward",
+                          out_dir / PLOT_FILES["tau"], baseline=1.0,
+                          baseline_label="plain decoding (τ = 1)")
+  tpot = {}
+  for r in res["latency"]:
+    if r["tpot_ms"]:
+      per_q = tpot.setdefault(r["drafter"], {"p50": [], "p90": [], "p99": []})
+      for q in per_q:
+        per_q[q].append((r["batch"], r["tpot_ms"][q]))
+  plots.percentiles_vs_batch(tpot, f"time per output token per request — {_title(res)}",
+                             "TPOT (ms per output token)", out_dir / PLOT_FILES["tpot"])
+  return [PLOT_FILES[k] for k in ("speedup", "tau", "tpot")]
+
+
+def _header(res) -> list:
+  o, m, p = res["options"], res["machine"], res["prompts"]
+  limit = (f"the first {o['limit_per_category']} per category"
+           if o["limit_per_category"] else "all")
+  lines = [f"# Evaluation: {res['target']['label']} — "
+           f"{', '.join(d['label'] for d in res['drafters'])} vs plain decoding", "",
+           f"- prompts: `{o['prompts']}`, {limit}: {p['selected']} questions, "
+           f"{p['requests']} requests (turns) asked, {len(res['skipped'])} skipped; "
+           f"{_FORMATS[res['target']['prompt_format']]}",
+           f"- K = {o['num_draft']}, temperature {o['temperature']:g}, max {o['max_new_tokens']} "
+           f"new tokens (stop at end-of-text), batch sizes {o['batch']}, {o['repeats']} timed "
+           f"round(s) per batch, interleaved",
+           f"- machine: {m.get('backend')} backend, {len(m.get('devices', []))} device(s) "
+           f"({', '.join(m.get('device_kind', [])) or '?'}), {m.get('cpu_count')} CPUs, load "
+           f"average at start {fmt((m.get('loadavg_start') or [None])[0], 1)}; commit "
+           f"`{m.get('git_commit', '?')[:12]}`; {res['created'][:19]} UTC; "
+           f"wall {res['wall_seconds']:.0f} s", ""]
+  g = res["greedy_check"]
+  if g["checked"]:
+    lines.append(f"**Greedy check passed**: every drafter's output equals plain decoding's, "
+                 f"token for token, on all {g['requests_compared']} (request, batch size) pairs.")
+  else:
+    lines.append("Greedy check: not applicable at temperature > 0 (outputs are samples).")
+  return lines + [""]
+
+
+def render_markdown(res: dict) -> str:
+  """report.md: throughput, per-category, latency and skipped-prompt sections, definitions."""
+  out = _header(res)
+  out += ["## Throughput and speedup over plain decoding", ""]
+  out.append(table(["drafter", "B", "requests", "new tokens", "seconds", "tok/s", "speedup"],
+                   [[r["drafter"], r["batch"], r["requests"], r["new_tokens"],
+                     fmt(r["seconds"]), fmt(r["tokens_per_s"], 1), _x(r["speedup"])]
+                    for r in res["throughput"]],
+                   markdown=True))
+  if PLOT_FILES["speedup"] in res["plots"]:
+    out += ["", f"![speedup vs batch size]({PLOT_FILES['speedup']})"]
+  for b in res["options"]["batch"]:
+    out += ["", f"## Per category, batch {b}", ""]
+    rows = [r for r in res["summary"] if r["batch"] == b]
+    out.append(table(["category", "drafter", "requests", "tau", "alpha", "a_tok",
+                      "tok/s per request", "speedup"],
+                     [[r["category"], r["drafter"], r["requests"], fmt(r["tau"]),
+                       fmt(r["alpha"]), fmt(r["alpha_token"]), fmt(r["tokens_per_s"], 1),
+                       _x(r["speedup"])] for r in rows], markdown=True))
+  if PLOT_FILES["tau"] in res["plots"]:
+    out += ["", f"![tau per category]({PLOT_FILES['tau']})"]
+  out += ["", "## Latency per batch size (ms; p50 / p90 / p99 over requests)", ""]
+  out.append(table(["drafter", "B", "requests", "TTFT", "TPOT", "end-to-end"],
+                   [[r["drafter"], r["batch"], r["requests"], _pcts(r["ttft_ms"]),
+                     _pcts(r["tpot_ms"], 2), _pcts(r["e2e_ms"])] for r in res["latency"]],
+                   markdown=True))
+  if PLOT_FILES["tpot"] in res["plots"]:
+    out += ["", f"![TPOT percentiles vs batch size]({PLOT_FILES['tpot']})"]
+  if not res["plots"]:
+    out += ["", f"No plots: {plots.PLOTS_HINT}."]
+  out += ["", f"## Skipped prompts ({len(res['skipped'])})", ""]
+  if res["skipped"]:
+    out += [f"- `{s['id']}` ({s['category']}, turn {s['turn']}): {s['reason']}"
+            for s in res["skipped"]]
+  else:
+    out.append("None: every prompt fit the context.")
+  out += ["", "## Definitions", ""]
+  out += [f"- **{k}**: {v}" for k, v in res["definitions"].items()]
+  return "\n".join(out) + "\n"

@@ -1,0 +1,181 @@
+"""Measuring one batch ("unit") of an evaluation: every configuration (plain decoding and each
+drafter) on the same prompts, round-robin, with the time to first token, and the check that
+greedy speculative outputs equal plain decoding's token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from spec_jax.bench.metrics import engine_capacity, first_difference
+from spec_jax.bench.timing import interleaved_rounds
+from spec_jax.eval.latency import row_counts
+from spec_jax.eval.store import prompt_hash
+
+PLAIN = "none"
+
+
+class LossyOutputError(RuntimeError):
+  """Greedy speculative decoding produced other tokens than greedy plain decoding."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One way to decode: key (the drafter spec, 'none' for plain decoding), label (for
+  tables), drafter (None for plain), num_draft (K, 'auto', or 0 for plain)."""
+  key: str
+  label: str
+  drafter: Any
+  num_draft: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One batch: `requests` in prompt order, plus `filler` copies of the last prompt that keep
+  the batch at `batch` rows (run, never counted)."""
+  turn: int
+  batch: int
+  index: int
+  requests: tuple
+  filler: int
+
+  @property
+  def key(self) -> str:
+    return f"turn{self.turn}-B{self.batch}-{self.index:05d}"
+
+  def prompts(self) -> list:
+    return [list(r.ids) for r in self.requests] + [list(self.requests[-1].ids)] * self.filler
+
+  def describe(self) -> str:
+    cats = list(dict.fromkeys(r.category for r in self.requests))
+    return f"turn {self.turn} | {'+'.join(cats)[:40]} | B={self.batch}"
+
+
+def plan_units(requests, batch: int, turn: int) -> list:
+  """The requests of one turn cut into batches of `batch` rows in prompt order; the last
+  batch is filled up to `batch` rows by repeating its last prompt."""
+  units = []
+  for i in range(0, len(requests), batch):
+    chunk = tuple(requests[i:i + batch])
+    units.append(Unit(turn=turn, batch=batch, index=i // batch, requests=chunk,
+                      filler=batch - len(chunk)))
+  return units
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def generate_call(target, prompts, config: Config, max_new_tokens: int, temperature: float,
+                  key, capacity, prompt_bucket: int):
+  """The one generate() call of the harness (stop at the model's end-of-text tokens).
+
+  Prompts are padded to multiples of `prompt_bucket` (one compile per padded length; the
+  padding is masked, so outputs do not change, and the prefill pays for it in plain and
+  speculative decoding alike): hundreds of prompts of every length would otherwise mean
+  dozens of compiles."""
+  import spec_jax as sj
+  return sj.generate(target, prompts, drafter=config.drafter,
+                     num_draft=config.num_draft if config.drafter is not None else 1,
+                     max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature),
+                     key=key, stop_tokens=None, capacity=capacity, prompt_bucket=prompt_bucket)
+
+
+def check_greedy(unit: Unit, configs, outputs: dict) -> None:
+  """Raises LossyOutputError when a drafter's tokens differ from plain decoding's on a real
+  row of the unit; outputs: config key -> tokens per row."""
+  n = len(unit.requests)
+  plain = outputs[PLAIN][:n]
+  for c in configs:
+    if c.key == PLAIN:
+      continue
+    diff = first_difference(plain, outputs[c.key][:n])
+    if diff is not None:
+      row, pos = diff
+      req = unit.requests[row]
+      ours, theirs = outputs[c.key][row], plain[row]
+      raise LossyOutputError(
+          f"greedy outputs differ: drafter {c.label} (K={c.num_draft}) vs plain decoding on "
+          f"prompt {req.id} ({req.category}, turn {req.turn}, batch {unit.batch}) at new token "
+          f"{pos}: {ours[pos:pos + 5]} instead of {theirs[pos:pos + 5]}. Greedy speculative "
+          f"decoding must reproduce plain decoding exactly: this is a bug in the drafter or "
+          f"the engine, not noise")
+
+
+class UnitRunner:
+  """Measures units with fixed options; remembers which compiled shapes already ran once (a
+  new shape gets one untimed run first, so first-run effects stay out of the timings)."""
+
+  def __init__(self, target, configs, max_new_tokens: int, temperature: float, seed: int,
+               repeats: int, prompt_bucket: int = 64, progress=None):
+    self.target, self.configs = target, list(configs)
+    self.max_new, self.temperature, self.seed = max_new_tokens, temperature, seed
+    self.repeats, self.bucket, self.progress = repeats, prompt_bucket, progress
+    self._warm: set = set()
+
+  def _key(self, unit: Unit):
+    import jax
+    return jax.random.fold_in(jax.random.key(self.seed), unit.turn * 1_000_003 + unit.index)
+
+  def _padded_length(self, prompts) -> int:
+    return _round_up(max(len(p) for p in prompts), self.bucket)
+
+  def _capacity(self, prompts, config: Config):
+    """generate()'s capacity for the padded prompt length: one cache size per prompt bucket."""
+    if not isinstance(config.num_draft, int):
+      return None                         # "auto": generate() picks it
+    return engine_capacity(self._padded_length(prompts), self.max_new, config.num_draft)
+
+  def _runs(self, unit: Unit, prompts: list) -> dict:
+    key = self._key(unit)
+    runs = {}
+    for c in self.configs:
+      cap = self._capacity(prompts, c)
+
+      def run(c=c, cap=cap):
+        if self.progress is not None:
+          self.progress.describe(f"{unit.describe()} | {c.label}")
+        call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap,
+                                       self.bucket)
+        sig = (c.key, len(prompts), self._padded_length(prompts), cap)
+        if sig not in self._warm:           # compile (excluded anyway) and a first run
+          call(self.max_new)
+          call(1)
+          self._warm.add(sig)
+        return call(self.max_new), call(1).stats.seconds
+      runs[c.key] = run
+    return runs
+
+  def measure(self, unit: Unit) -> dict:
+    """All configurations on the unit's prompts, `repeats` interleaved rounds -> the unit's
+    record (see store.py); LossyOutputError at temperature 0 when outputs differ."""
+    prompts = unit.prompts()
+    results = interleaved_rounds(self._runs(unit, prompts), self.repeats)
+    n = len(unit.requests)
+    outputs = {k: res[0][0].tokens for k, res in results.items()}
+    if self.temperature == 0:
+      check_greedy(unit, self.configs, outputs)
+    configs = {}
+    for c in self.configs:
+      res = results[c.key]
+      first = res[0][0]
+      counts = row_counts(first.stats)
+      configs[c.key] = {
+          "label": c.label, "num_draft": c.num_draft, "K": first.stats.num_draft,
+          "capacity": self._capacity(prompts, c),
+          "seconds": [o.stats.seconds for o, _ in res], "ttft_s": [t for _, t in res],
+          "seconds_median": statistics.median(o.stats.seconds for o, _ in res),
+          "ttft_median_s": statistics.median(t for _, t in res),
+          "iterations": first.stats.iterations,
+          "new_tokens": [len(t) for t in first.tokens[:n]],
+          **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "accepted_at")}}
+    plain = results[PLAIN][0][0]
+    return {"key": unit.key, "turn": unit.turn, "batch": unit.batch, "index": unit.index,
+            "filler": unit.filler, "prompt_hash": prompt_hash(prompts),
+            "requests": [{"id": r.id, "category": r.category, "turn": r.turn,
+                          "prompt_tokens": len(r.ids)} for r in unit.requests],
+            "configs": configs,
+            "answers": {"tokens": plain.tokens[:n],
+                        "text": plain.text[:n] if plain.text is not None else None}}

@@ -1,0 +1,131 @@
+"""sj.decode: the pure loop inside a caller's jit equals sj.generate; one while, no callbacks."""
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from spec_jax import engine
+
+CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=128, eos_token_ids=())
+DRAFT_CFG = CFG.replace(num_layers=1, intermediate_size=32)
+PROMPTS = [[1, 5, 9, 3], [2, 7]]
+MAX_NEW = 12
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models():
+  target = sj.init_model(CFG, jax.random.key(0))
+  draft = sj.drafters.DraftModel(sj.init_model(DRAFT_CFG, jax.random.key(1)))
+  return target, draft
+
+
+def _batch(target):
+  prompt_tokens, prompt_lens, capacity = engine.prepare_batch(target, PROMPTS, MAX_NEW, K)
+  return jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens), capacity
+
+
+def _user_fn(config, drafter, capacity, sampling):
+  """A caller's own jitted function: decode, then score the samples with the target."""
+
+  @jax.jit
+  def sample_and_score(params, dparams, prompts, lens, key):
+    res = sj.decode(params, prompts, lens, key, config=config, drafter=drafter,
+                    drafter_params=dparams, num_draft=K, max_new_tokens=MAX_NEW,
+                    capacity=capacity, sampling=sampling, stop_tokens=())
+    b, s = res.tokens.shape
+    logits = sj.forward(params, config, res.tokens, sj.KVCache.zeros(config, b, s),
+                        jnp.zeros((b,), jnp.int32)).logits
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    tok_logp = jnp.take_along_axis(logp, res.tokens[:, 1:, None], -1)[..., 0]
+    pos = jnp.arange(s - 1)[None]
+    new = (pos >= res.prompt_lens[:, None] - 1) & (pos < res.lengths[:, None] - 1)
+    return res, jnp.sum(jnp.where(new, tok_logp, 0.0), axis=1)
+
+  return sample_and_score
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_in_user_jit_equals_generate(models, temperature):
+  target, draft = models
+  sampling = sj.Sampling(temperature=temperature)
+  key = jax.random.key(7)
+  out = sj.generate(target, PROMPTS, drafter=draft, num_draft=K, max_new_tokens=MAX_NEW,
+                    sampling=sampling, key=key, stop_tokens=[])
+  prompts, lens, capacity = _batch(target)
+  fn = _user_fn(CFG, draft, capacity, sampling)
+  res, score = fn(target.params, draft.params, prompts, lens, key)
+  assert sj.new_tokens(res) == out.tokens
+  assert [len(t) for t in out.tokens] == [MAX_NEW] * len(PROMPTS)
+  # The extra computation in the same jit ran: finite log-probabilities of the samples.
+  assert np.all(np.isfinite(np.asarray(score))) and np.all(np.asarray(score) < 0)
+  stats = sj.SpecStats.from_result(res)
+  assert stats.rounds == out.stats.rounds and stats.accepted == out.stats.accepted
+
+
+def test_decode_jaxpr_has_one_while_and_no_callbacks(models):
+  target, draft = models
+  prompts, lens, capacity = _batch(target)
+  fn = functools.partial(sj.decode, config=CFG, drafter=draft, num_draft=K,
+                         max_new_tokens=MAX_NEW, capacity=capacity,
+                         sampling=sj.Sampling(temperature=1.0))
+  jaxpr = jax.make_jaxpr(fn)(target.params, prompts, lens, jax.random.key(0),
+                             drafter_params=draft.params)
+  text = str(jaxpr)
+  prims = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      prims.append(eqn.primitive.name)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert top.count("while") == 1, top
+  assert not [p for p in prims if "callback" in p], "host callbacks inside decode"
+  assert "while" in text
+
+
+def test_finished_at_round_is_each_rows_latency(models):
+  target, _ = models
+  out = sj.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=5, stop_tokens=[],
+                    sampling=sj.Sampling(temperature=0.0))
+  # Plain decoding: the prefill gives token 1, each round one more: 4 rounds for 5 tokens.
+  np.testing.assert_array_equal(out.result.finished_at_round, [4, 4])
+  short = sj.generate(target, [[1, 2, 3]], max_new_tokens=1, stop_tokens=[])
+  np.testing.assert_array_equal(short.result.finished_at_round, [0])
+  assert short.stats.rounds == 0 and short.stats.mean_accepted_length == 1.0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_draft=0), "num_draft"),
+    (dict(capacity=8), "capacity 8 is too small"),
+    (dict(tree=object()), "tree drafting"),
+    (dict(sampling=None), "sampling must be"),
+])
+def test_decode_bad_static_arguments_raise_at_trace_time(models, kwargs, message):
+  target, draft = models
+  prompts, lens, capacity = _batch(target)
+  args = dict(config=CFG, drafter=draft, num_draft=K, max_new_tokens=MAX_NEW,
+              capacity=capacity, sampling=sj.Sampling())
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    jax.make_jaxpr(functools.partial(sj.decode, **args))(target.params, prompts, lens,
+                                                         jax.random.key(0))
+
+
+def test_decode_and_generate_share_messages(models):
+  target, draft = models
+  with pytest.raises(ValueError) as from_generate:
+    sj.generate(target, PROMPTS, drafter=sj.drafters.Medusa.init(target, num_heads=2,
+                                                                  key=jax.random.key(0)),
+                num_draft=3)
+  with pytest.raises(ValueError) as from_decode:
+    engine.check_num_draft(sj.drafters.Medusa.init(target, num_heads=2, key=jax.random.key(0)), 3)
+  assert str(from_generate.value) == str(from_decode.value)

@@ -1,0 +1,199 @@
+"""python -m spec_jax.eval on tinystories656K with a few tiny prompts and 4 new tokens: the
+files it writes, resuming, the greedy check, skipped prompts, chat templates, bad input.
+
+No assertion looks at a measured time; latency arithmetic is checked on hand-picked numbers.
+"""
+
+import json
+
+import pytest
+
+from spec_jax.bench.plots import have_matplotlib
+from spec_jax.bench.prompts import PromptRecord, read_prompt_records
+from spec_jax.eval import EvalOptions, LossyOutputError, cli, evaluate, prompting, runner
+from spec_jax.eval.latency import request_latencies
+from spec_jax.eval.options import auto_supported
+from spec_jax.eval.report import render_markdown
+
+from .conftest import need_shared
+
+TINY = "tinystories656K"
+PROMPTS = [
+    {"question_id": "a1", "category": "alpha", "turns": ["Once upon a time there was a cat."]},
+    {"question_id": "a2", "category": "alpha", "turns": ["Beyond the limit per category."]},
+    {"question_id": "b1", "category": "beta", "turns": ["Tom had a red ball.",
+                                                        "What happened next?"]},
+    {"question_id": "c1", "category": "gamma", "turns": ["word " * 600]},   # > 512 tokens
+]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+  return path
+
+
+def _argv(model, prompts, out, *extra):
+  return ["--target", str(model), "--drafter", "ngram", "--prompts", str(prompts),
+          "--limit-per-category", "1", "--max-new-tokens", "4", "--out", str(out),
+          "--no-progress", *extra]
+
+
+def test_eval_writes_results_report_plots_and_resumes(tmp_path, prompt_file, capsys,
+                                                      monkeypatch):
+  model = need_shared("models", TINY)
+  out = tmp_path / "run"
+  assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "2")) == 0
+  res = json.loads((out / "results.json").read_text())
+  report = (out / "report.md").read_text()
+  assert res["kind"] == "eval" and res["machine"]["git_commit"] is not None
+  assert res["target"]["prompt_format"] == "raw"
+  # a2 is over the limit; c1 does not fit the context: skipped, listed, reported.
+  assert [(s["id"], s["turn"]) for s in res["skipped"]] == [("c1", 1)]
+  assert "`c1` (gamma, turn 1)" in report and "exceed the context of 512" in report
+  asked = {(r["id"], r["turn"], r["batch"]) for r in res["requests"]}
+  assert asked == {(i, t, b) for i, t in [("a1", 1), ("b1", 1), ("b1", 2)] for b in (1, 2)}
+  assert res["greedy_check"]["checked"] and res["greedy_check"]["requests_compared"] == 6
+  assert res["run"] == dict(res["run"], units=5, units_measured=5, units_reused=0)
+  cats = {(r["category"], r["drafter"], r["batch"]) for r in res["summary"]}
+  assert cats == {(c, d, b) for c in ("alpha", "beta", "all") for d in ("plain", "ngram")
+                  for b in (1, 2)}
+  for r in res["summary"]:
+    if r["drafter"] == "plain":
+      assert r["speedup"] == 1.0 and r["tau"] == 1.0 and r["alpha"] is None
+  for r in res["latency"]:
+    assert set(r["ttft_ms"]) == {"p50", "p90", "p99"} and r["requests"] == 3
+  turn2 = [a for a in res["answers"] if a["turn"] == 2]
+  assert [a["id"] for a in turn2] == ["b1"] and isinstance(turn2[0]["text"], str)
+  if have_matplotlib():
+    assert res["plots"] == ["speedup_vs_batch.png", "tau_per_category.png", "tpot_vs_batch.png"]
+    for name in res["plots"]:
+      assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report
+  else:
+    assert res["plots"] == [] and "pip install" in report
+  assert "No plots: plots need matplotlib: pip install 'spec_jax[plot]'" in (
+      render_markdown(dict(res, plots=[])))
+  printed = capsys.readouterr().out
+  assert "speedup" in printed and "results.json" in printed
+
+  # The same command again measures nothing.
+  def no_measuring(self, unit):
+    raise AssertionError(f"measured {unit.key} again")
+  monkeypatch.setattr(runner.UnitRunner, "measure", no_measuring)
+  assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "2")) == 0
+  again = json.loads((out / "results.json").read_text())
+  assert again["run"]["units_measured"] == 0 and again["run"]["units_reused"] == 5
+  assert again["summary"] == res["summary"] and again["requests"] == res["requests"]
+  monkeypatch.undo()
+
+  # A run killed before its last batch: only that batch is measured.
+  (out / "units" / "turn2-B2-00000.json").unlink()
+  assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "2")) == 0
+  third = json.loads((out / "results.json").read_text())
+  assert third["run"]["units_measured"] == 1 and third["run"]["units_reused"] == 4
+
+  # Other options in the same directory: a clear error, nothing overwritten.
+  assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "--temperature", "1")) == 2
+  assert "other options (temperature: 0.0 there, 1.0 now)" in capsys.readouterr().err
+
+
+def test_greedy_mismatch_is_an_error(tmp_path, prompt_file, monkeypatch, capsys):
+  model = need_shared("models", TINY)
+  real = runner.generate_call
+
+  def lossy(target, prompts, config, max_new_tokens, *args):
+    out = real(target, prompts, config, max_new_tokens, *args)
+    if config.drafter is None:
+      return out
+    return out._replace(tokens=[t[:-1] + [(t[-1] + 1) % 2048] for t in out.tokens])
+  monkeypatch.setattr(runner, "generate_call", lossy)
+  opts = EvalOptions(target=str(model), drafters=("ngram",), prompts=str(prompt_file),
+                     out=str(tmp_path / "lossy"), batch=(1,), max_new_tokens=4,
+                     limit_per_category=1, progress=False)
+  with pytest.raises(LossyOutputError, match=r"drafter ngram .* prompt a1 \(alpha, turn 1"):
+    evaluate(opts)
+  assert not (tmp_path / "lossy" / "results.json").exists()
+  assert cli.main(_argv(model, prompt_file, tmp_path / "lossy2", "--batch", "1")) == 1
+  assert "error: greedy outputs differ" in capsys.readouterr().err
+
+
+def test_strict_and_bad_input(tmp_path, prompt_file, capsys):
+  model = need_shared("models", TINY)
+  assert cli.main(_argv(model, prompt_file, tmp_path / "s", "--strict")) == 2
+  assert "--strict: 1 turn-1 prompt(s) do not fit the context" in capsys.readouterr().err
+  assert not list((tmp_path / "s" / "units").glob("*.json"))      # nothing was measured
+  base = dict(target=str(model), drafters=("ngram",), out=str(tmp_path / "o"),
+              prompts=str(prompt_file))
+  bad = [(dict(drafters=()), "at least one --drafter"),
+         (dict(drafters=("bogus",)), "unknown drafter 'bogus'; use none, ngram"),
+         (dict(drafters=("ngram", "ngram")), "given twice"),
+         (dict(drafters=("none",)), "plain decoding always runs"),
+         (dict(batch=(0, 4)), "--batch sizes must be integers >= 1"),
+         (dict(num_draft="0"), "integer K >= 1 or 'auto'"),
+         (dict(num_draft="four"), "integer K >= 1 or 'auto'"),
+         (dict(temperature=-1.0), "--temperature must be >= 0"),
+         (dict(max_new_tokens=0), "--max-new-tokens must be >= 1"),
+         (dict(limit_per_category=0), "--limit-per-category must be >= 1"),
+         (dict(prompts="no_such_set"), "prompt source 'no_such_set' not found")]
+  if not auto_supported():
+    bad.append((dict(num_draft="auto"), "not available yet"))
+  for change, message in bad:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+      EvalOptions(**dict(base, **change)).validate()
+  assert EvalOptions(**dict(base, num_draft="6", batch=(4, 1))).validate().batch == (1, 4)
+  assert cli.main(_argv(model, prompt_file, tmp_path / "b", "--batch", "0")) == 2
+  assert "error: --batch sizes must be integers >= 1" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["--drafter", "ngram", "--out", str(tmp_path)])          # no --target
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
+  import spec_jax as sj
+  src = need_shared("models", TINY)
+  folder = tmp_path / "chat"
+  folder.mkdir()
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "special_tokens_map.json"):
+    (folder / name).symlink_to(src / name)
+  config = json.loads((src / "tokenizer_config.json").read_text())
+  config["chat_template"] = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: "
+                             "{{ m['content'] }}\n{% endfor %}"
+                             "{% if add_generation_prompt %}assistant:{% endif %}")
+  (folder / "tokenizer_config.json").write_text(json.dumps(config))
+  chat, raw = sj.load(folder), sj.load(src)
+  assert prompting.prompt_format(chat) == "chat_template"
+  assert prompting.prompt_format(raw) == "raw"
+  rec = PromptRecord(id="q", category="c", turns=("Hi there", "And then?"))
+  answers = {("q", 1): "A story."}
+  ids = prompting.encode_conversation(chat, prompting.conversation(rec, 2, answers))
+  text = chat.tokenizer.hf.decode(ids)
+  assert text == ("<|start_story|>user: Hi there\n<|start_story|>assistant: A story.\n"
+                  "<|start_story|>user: And then?\nassistant:")
+  raw_ids = prompting.encode_conversation(raw, prompting.conversation(rec, 2, answers))
+  assert raw_ids == raw.encode("Hi there\n\nA story.\n\nAnd then?")
+  reqs, skipped = prompting.build_requests(chat, [rec], 2, answers, 512, 4)
+  assert [r.ids for r in reqs] == [tuple(ids)] and skipped == []
+  reqs, skipped = prompting.build_requests(chat, [rec], 2, {}, 512, 4)
+  assert reqs == [] and skipped[0]["reason"] == "turn 1 was skipped"
+
+
+def test_prompt_records_units_and_latency_arithmetic():
+  need_shared("data", "prompts")
+  records = read_prompt_records("spec_bench")
+  assert len(records) == 480 and records[0].id == "81" and records[0].category == "writing"
+  assert len(records[0].turns) == 2
+  picked = prompting.select_records(records, 2)
+  assert len(picked) == 13 * 2 and [r.category for r in picked[:3]] == ["writing", "writing",
+                                                                         "roleplay"]
+  he = read_prompt_records("humaneval")
+  assert he[0].id == "HumanEval/0" and he[0].category == "humaneval"
+  reqs = [prompting.Request(id=str(i), category="c", turn=1, ids=(1, 2 + i)) for i in range(5)]
+  units = runner.plan_units(reqs, 2, 1)
+  assert [(len(u.requests), u.filler) for u in units] == [(2, 0), (2, 0), (1, 1)]
+  assert units[2].prompts() == [[1, 6], [1, 6]] and units[2].key == "turn1-B2-00002"
+  # 1.0 s call, 0.2 s prefill, 8 loop iterations -> 0.1 s per round.
+  lat = request_latencies(1.0, 0.2, 8, rounds=[8, 4, 0], new_tokens=[17, 9, 1])
+  assert [round(x["e2e_s"], 9) for x in lat] == [1.0, 0.6, 0.2]
+  assert [x["tpot_s"] and round(x["tpot_s"], 9) for x in lat] == [0.05, 0.05, None]
+  assert all(x["ttft_s"] == 0.2 for x in lat)
+
