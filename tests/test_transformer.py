@@ -10,8 +10,8 @@ import pytest
 
 import spec_jax as sj
 
-CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, max_position_embeddings=128)
+CFG = sj.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=128)   # head_dim 16
 
 _forward = jax.jit(sj.forward, static_argnums=1, static_argnames=("return_layers",))
 
