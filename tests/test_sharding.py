@@ -24,16 +24,20 @@ SCRIPT = textwrap.dedent("""
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5], [1, 9, 9], [1, 4, 4, 4, 2, 1, 4, 4],
                [1], [1, 6, 6], [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
     mesh = jax.make_mesh((4, 2), ("data", "model"))
+    plain = None
     for drafter, k in [(None, 0), (sj.drafters.NGram(), 3), (sj.drafters.DraftModel(draft), 3)]:
       kw = dict(drafter=drafter, num_draft=k, max_new_tokens=16, stop_tokens=[])
       one = sj.generate(target, prompts, sampling=sj.Sampling(0.0), **kw)
+      plain = plain or one
       many = sj.generate(target, prompts, sampling=sj.Sampling(0.0), mesh=mesh, **kw)
       assert many.tokens == one.tokens, (k, many.tokens, one.tokens)
       s1 = sj.generate(target, prompts, sampling=sj.Sampling(1.0), key=jax.random.key(3), **kw)
       s8 = sj.generate(target, prompts, sampling=sj.Sampling(1.0), key=jax.random.key(3),
                        mesh=mesh, **kw)
       assert s8.tokens == s1.tokens, k
-    # Every head kind (single-layer 2-D weights, Medusa's per-head LM heads) on the mesh.
+    # Every head kind (single-layer 2-D weights, Medusa's per-head LM heads) on the mesh: greedy
+    # speculative output equals plain greedy output on one device (lossless), so that is the
+    # reference (no extra one-device compile per head).
     from spec_jax.drafters import EAGLE, EAGLE3, MTP, Medusa
     heads = [Medusa.init(target, num_heads=3, key=jax.random.key(4), init_scale=4.0),
              EAGLE.init(target, key=jax.random.key(4), init_std=0.3),
@@ -42,9 +46,8 @@ SCRIPT = textwrap.dedent("""
     for head in heads:
       kw = dict(drafter=head, num_draft=3, max_new_tokens=16, stop_tokens=[],
                 sampling=sj.Sampling(0.0))
-      one = sj.generate(target, prompts, **kw)
       many = sj.generate(target, prompts, mesh=mesh, **kw)
-      assert many.tokens == one.tokens, (type(head).__name__, many.tokens, one.tokens)
+      assert many.tokens == plain.tokens, (type(head).__name__, many.tokens, plain.tokens)
       assert many.stats.drafted > 0
     try:
       sj.generate(target, prompts[:3], mesh=mesh)
