@@ -27,6 +27,9 @@ class SpecStats:
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
     ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
     row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
+  processes: how many processes fed rows to the generation; every count above sums over all of
+    their rows (a multi-process generate() reports global statistics on every process), and
+    seconds is this process's wall time of the one collective call.
   """
   rounds: int
   drafted: int
@@ -40,6 +43,7 @@ class SpecStats:
   iterations: int = 0
   num_draft: int = 0
   row_counts: Optional[dict] = None
+  processes: int = 1
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -68,8 +72,8 @@ class SpecStats:
         row_counts=row_counts)
 
   @classmethod
-  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
-                  ) -> "SpecStats":
+  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
+                  processes: int = 1) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
     rounds emitted (every row's first token comes from the prefill, not from a round)."""
     accepted_at = np.asarray(result.accepted_at)
@@ -82,7 +86,7 @@ class SpecStats:
     rounds = stats.rounds
     from_rounds = int(new.sum()) - int(np.sum(new > 0))
     tau = from_rounds / rounds if rounds else 1.0
-    return dataclasses.replace(stats, mean_accepted_length=tau)
+    return dataclasses.replace(stats, mean_accepted_length=tau, processes=int(processes))
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
@@ -90,7 +94,8 @@ class SpecStats:
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
             f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "
-            f"tokens/s={self.tokens_per_second:.1f}")
+            f"tokens/s={self.tokens_per_second:.1f}" +
+            (f" (global: summed over {self.processes} processes)" if self.processes > 1 else ""))
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
