@@ -13,7 +13,8 @@ Each child gets the environment spec_jax.distributed.initialize() reads (SPEC_JA
 lines of spec_jax and train call initialize() themselves; a script of your own calls
 spec_jax.distributed.initialize() before anything else in jax.
 
-Output: by default process 0's stdout and stderr pass through unchanged, and the others' are
+Output: by default process 0's stdout and stderr pass through unchanged (less gloo's
+"[Gloo] Rank I is connected to ..." lines), and the others' are
 kept and shown, each line prefixed with [process I], only if that process fails;
 --output all shows every process's lines as they come, prefixed. The exit status is 0 when
 every process exits 0; otherwise the first failure's (a signal counts as 128 + its number),
@@ -37,6 +38,14 @@ import time
 from spec_jax import distributed
 
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
+# gloo prints "[Gloo] Rank I is connected to N peer ranks. Expected number of connected peer
+# ranks is : N" on stdout for every CPU device as its collectives connect, from several threads
+# at once, so the pieces of these lines interleave: a line made of nothing but such pieces (and
+# digits and spaces) is gloo's, not the command's.
+_GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to",
+                r"peer ranks\. Expected number of connected peer ranks is :")
+NOISE = re.compile(r"^(?=.*(?:%s))(?:\s|\d|%s)+$" % ("|".join(_GLOO_PIECES),
+                                                    "|".join(_GLOO_PIECES)))
 KEEP_LINES = 200           # lines of a quiet process's output kept for its failure report
 GRACE_SECONDS = 5.0
 
@@ -81,6 +90,8 @@ class _Child:
   def _copy(self, pipe, sink) -> None:
     for raw in iter(pipe.readline, b""):
       line = raw.decode(errors="replace")
+      if NOISE.match(line):
+        continue
       if self.quiet:
         self.kept.append(line)
         continue
