@@ -112,6 +112,22 @@ def test_distributed_settings_and_mesh_specs():
     sharding.make_mesh(data=8, model=1)
 
 
+def test_single_layer_head_weights_get_shardings():
+  """EAGLE / EAGLE-3 / MTP heads hold 2-D single-layer weights (wq [D, H*Dh], not [L, D, H*Dh]):
+  the model axis is found from the end, so they shard like the target's layers (this raised
+  IndexError before)."""
+  cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2)
+  target = sj.init_model(cfg, jax.random.key(0))
+  head = sj.drafters.EAGLE3.init(target, key=jax.random.key(1))
+  specs = sharding.param_shardings(jax.make_mesh((1, 1), ("data", "model")), head.params)
+  assert specs["layer"]["wq"].spec == jax.sharding.PartitionSpec(None, "model")
+  assert specs["layer"]["wo"].spec == jax.sharding.PartitionSpec("model", None)
+  stacked = sharding.param_shardings(jax.make_mesh((1, 1), ("data", "model")), target.params)
+  assert stacked["layers"]["wq"].spec == jax.sharding.PartitionSpec(None, None, "model")
+  assert stacked["embed"].spec == jax.sharding.PartitionSpec("model", None)
+
+
 def test_distill_mesh_config_errors(tmp_path):
   path = tmp_path / "c.yaml"
   path.write_text(yaml.safe_dump({"target": "x", "out_dir": str(tmp_path / "o"),
