@@ -121,7 +121,7 @@ def evaluate(opts: EvalOptions) -> dict:
   info = machine_info()
   info["processes"] = distributed.process_count()
   runner = None
-  progress = Progress(enabled=opts.progress and main)
+  progress = Progress(enabled=opts.progress, silent=not main)
   units, skipped, answers = [], [], {}
   counters = {"measured": 0, "reused": 0}
   try:
