@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
       prog="python -m spec_jax.launch", usage="%(prog)s --processes N --devices-per-process D "
       "[--output main|all] [--port PORT] -- COMMAND ...",
-      description=__doc__.split("\n")[0])
+      description="Runs COMMAND as N processes on this machine, each with D fake CPU devices, "
+      "joined into one jax distributed runtime (coordinator on 127.0.0.1, gloo collectives): "
+      "the code path of a TPU pod slice or of several GPU hosts.")
   p.add_argument("--processes", type=int, required=True, help="N processes")
   p.add_argument("--devices-per-process", type=int, default=1, help="D fake CPU devices each")
   p.add_argument("--output", choices=("main", "all"), default="main",
@@ -198,16 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if "--" not in argv:
+  cut = argv.index("--") if "--" in argv else len(argv)
+  args = build_parser().parse_args(argv[:cut])       # --help, or a usage error, exits here
+  command = argv[cut + 1:]
+  if not command:
     build_parser().print_usage(sys.stderr)
     print("error: give the command after --, e.g. -- python -m spec_jax generate ...",
           file=sys.stderr)
-    return 2
-  cut = argv.index("--")
-  args = build_parser().parse_args(argv[:cut])
-  command = argv[cut + 1:]
-  if not command:
-    print("error: no command after --", file=sys.stderr)
     return 2
   if args.processes < 1 or args.devices_per_process < 1:
     print(f"error: --processes and --devices-per-process must be >= 1, got {args.processes} "

@@ -77,6 +77,7 @@ def test_launcher_environment_output_and_failures(tmp_path):
   assert "[process 1] process 1 gives up" in bad.stderr
   assert "process 1 failed with status 3" in bad.stderr
   assert launch.main(["--processes", "2"]) == 2          # no command
+  assert launch.main(["--processes", "0", "--", "true"]) == 2
 
 
 def test_launcher_output_all_prefixes_every_process(tmp_path):
