@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax import global_batch
 from spec_jax import sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
@@ -102,11 +103,15 @@ class DecodeResult:
 class GenerateOutput(NamedTuple):
   """tokens: list[list[int]] new tokens per row (a stop token that ended a row is included);
   text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats;
-  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round)."""
+  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round); rows: the
+  global row indices of tokens and text. With a mesh over several processes, tokens and text are
+  this process's rows, result and stats cover every process's rows (new_tokens(result) is every
+  row's tokens, in global order)."""
   tokens: list
   text: Optional[list]
   stats: SpecStats
   result: Optional[Any] = None
+  rows: Optional[range] = None
 
 
 class NoDrafter(Drafter):
@@ -486,8 +491,11 @@ def _as_token_ids(values, what: str) -> list:
   return [int(t) for t in arr.reshape(-1).tolist()]
 
 
-def _prepare_prompts(target, prompts) -> list[list[int]]:
-  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+def _prepare_prompts(target, prompts, allow_empty: bool = False) -> list[list[int]]:
+  """Token ids of every prompt (ValueError on bad ones); allow_empty: a process of a
+  multi-process call may feed no rows."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+      len(prompts) == 0 and not allow_empty):
     raise ValueError("prompts must be a non-empty list of strings or of token-id lists, got "
                      f"{type(prompts).__name__}")
   vocab = target.config.vocab_size
@@ -589,6 +597,11 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       up to a multiple of 64).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
+      A mesh over several processes (after spec_jax.distributed.initialize()): every process
+      calls generate() with the same options and its own prompts (possibly none); the batch
+      is every process's rows in process order (spec_jax.global_batch); each process gets its
+      own rows' tokens and text back, and statistics over all rows (stats.processes says how
+      many processes they sum over).
     prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
       length; the padding is masked, so outputs do not depend on it).
 
@@ -611,7 +624,19 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}")
   if capacity is not None and (not _is_static_int(capacity) or capacity < 1):
     raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
-  ids = _prepare_prompts(target, prompts)
+  sharding_lib.check_mesh(mesh, 0)
+  spans = sharding_lib.spans_processes(mesh)
+  if not spans:
+    ids = _prepare_prompts(target, prompts)
+    rows, processes = range(len(ids)), 1
+  else:       # each process fed its own rows: every process now gets the whole global batch
+    try:
+      ids, error = _prepare_prompts(target, prompts, allow_empty=True), None
+    except ValueError as e:
+      ids, error = [], str(e)
+    ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
+        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket),
+        error=error)
   sharding_lib.check_mesh(mesh, len(ids))
   prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity,
                                                        prompt_bucket)
@@ -637,10 +662,27 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   jax.block_until_ready(result.lengths)
   seconds = time.perf_counter() - start
 
-  result = jax.tree.map(np.asarray, result)
-  new = new_tokens(result)
+  result = global_batch.to_host(result, spans)       # every row, on every process
+  new = new_tokens(result)[rows.start:rows.stop]
   text = None
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
-  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k)
-  return GenerateOutput(tokens=new, text=text, stats=stats, result=result)
+  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes)
+  return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
+
+
+def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,
+                    prompt_bucket) -> dict:
+  """What every process of a multi-process generate() must pass alike (global_batch.assemble
+  compares fingerprints): all options but the prompts and per-row sampling arrays."""
+  scalar = all(np.ndim(v) == 0 for v in (sampling.temperature, sampling.top_k, sampling.top_p))
+  params = lambda tree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(tree)]
+  return {"target": [repr(target.config), params(target.params)],
+          "drafter": None if drafter is None else [type(drafter).__name__,
+                                                   params(drafter.params)],
+          "num_draft": k, "max_new_tokens": max_new_tokens,
+          "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)]
+          if scalar else "per-row",
+          "key": np.asarray(jax.random.key_data(key)).tolist(),
+          "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
+          "capacity": capacity, "prompt_bucket": prompt_bucket}

@@ -68,7 +68,11 @@ class Sampling:
 
 
 def _is_concrete(x) -> bool:
+  """Whether x's values can be read on the host here (not a tracer, nor an array spread over
+  other processes' devices, which was checked before it was placed there)."""
   if isinstance(x, jax.core.Tracer):
+    return False
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return False
   return isinstance(x, (numbers.Number, np.ndarray, jax.Array, list, tuple))
 

@@ -41,6 +41,9 @@ class SpecStats:
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
     ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
     row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
+  processes: how many processes fed rows to the generation; every count above sums over all of
+    their rows (a multi-process generate() reports global statistics on every process), and
+    seconds is this process's wall time of the one collective call.
   """
   rounds: int
   drafted: int
@@ -54,12 +57,13 @@ class SpecStats:
   iterations: int = 0
   num_draft: int = 0
   row_counts: Optional[dict] = None
+  processes: int = 1
   emitted: int = 0
   alpha_token: float = 0.0
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
-                  num_draft, emitted=None) -> "SpecStats":
+                  num_draft, emitted=None, processes: int = 1) -> "SpecStats":
     """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
     totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
     ([B] or a total); None means no round was cut (accepted + rounds)."""
@@ -85,12 +89,13 @@ class SpecStats:
         iterations=int(iterations),
         num_draft=int(num_draft),
         row_counts=row_counts,
+        processes=int(processes),
         emitted=emitted,
         alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft else 0.0)
 
   @classmethod
-  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
-                  ) -> "SpecStats":
+  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
+                  processes: int = 1) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
     rounds emitted (every row's first token comes from the prefill, not from a round)."""
     accepted_at = np.asarray(result.accepted_at)
@@ -100,7 +105,7 @@ class SpecStats:
         rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
         accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
         new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k,
-        emitted=np.maximum(new - 1, 0))
+        emitted=np.maximum(new - 1, 0), processes=processes)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
@@ -109,7 +114,8 @@ class SpecStats:
             f"alpha_token={self.alpha_token:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
             f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "
-            f"tokens/s={self.tokens_per_second:.1f}")
+            f"tokens/s={self.tokens_per_second:.1f}" +
+            (f" (global: summed over {self.processes} processes)" if self.processes > 1 else ""))
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -20,6 +20,10 @@ DEFAULTS = {
     "target": None,            # path of the frozen target (sj.load)
     "out_dir": None,           # checkpoints/, heads/, eval.json go here
     "seed": 0,
+    "mesh": {                  # data parallelism (and the target's tensor parallelism)
+        "data": None,          # batch rows over this many devices (None and model None: no mesh)
+        "model": None,         # the frozen target's heads / MLP / vocabulary over this many
+    },                         # data x model = every device of every process
     "head": {
         "kind": "eagle",       # medusa | eagle | eagle3 | mtp
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
@@ -158,10 +162,27 @@ def validate(cfg: dict) -> dict:
     raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
   if kind == "medusa" and t["ttt_steps"] != 1:
     raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
+  _check_mesh(cfg)
   w = cfg["data"]["window"]
   if not isinstance(w, int) or w < cfg["head"]["num_draft"] + 3:
     raise ValueError(f"data.window must be an integer >= num_draft + 3, got {w!r}")
   return cfg
+
+
+def _check_mesh(cfg: dict) -> None:
+  """mesh.data / mesh.model: both None (no mesh) or integers >= 1 (a None beside an integer is
+  1); the batch must divide over mesh.data."""
+  mesh = cfg["mesh"]
+  if mesh["data"] is None and mesh["model"] is None:
+    return
+  for name in ("data", "model"):
+    n = mesh[name] = 1 if mesh[name] is None else mesh[name]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"mesh.{name} must be an integer >= 1 (or null), got {n!r}")
+  b = cfg["train"]["batch_size"]
+  if b % mesh["data"]:
+    raise ValueError(f"train.batch_size {b} does not divide over mesh.data={mesh['data']}: make "
+                     f"the batch a multiple of {mesh['data']}")
 
 
 def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:

@@ -9,7 +9,11 @@ generated tokens are cached on disk (npz, written atomically) under a key that h
 target's fingerprint and the data config, so a restart reuses them. The held-out split is never
 read here (it is for evaluation only).
 
-Batch order is a pure function of (seed, step): a restarted run sees the same batches.
+Batch order is a pure function of (seed, step): a restarted run sees the same batches. On a
+mesh (train.distill_heads' `mesh:`) that global batch is split over the "data" axis, and each
+process places the rows its own devices hold (spec_jax.sharding.shard_rows): a process's rows
+are a function of (seed, step, process), and a run resumed on another mesh or another number
+of processes trains on the same global batches.
 """
 
 from __future__ import annotations

@@ -91,6 +91,15 @@ def _write_json_atomic(path: pathlib.Path, obj) -> None:
   os.replace(tmp, path)
 
 
+def _this_process_only(ocp):
+  """Heads are small host copies: each process reads them on its own, and process 0 alone
+  writes them (train.distill_heads), with no barrier with the other processes of a
+  multi-process run (which orbax would otherwise wait for)."""
+  import jax
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
   """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / MTP) trained for `target` into folder `path`."""
   import orbax.checkpoint as ocp
@@ -100,7 +109,7 @@ def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) ->
   tmp_dir = path / (PARAMS + f".tmp{os.getpid()}")
   if tmp_dir.exists():
     shutil.rmtree(tmp_dir)
-  with ocp.StandardCheckpointer() as ckpt:
+  with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     ckpt.save(tmp_dir, jax.tree.map(np.asarray, drafter.params))
     ckpt.wait_until_finished()
   if params_dir.exists():
@@ -163,7 +172,7 @@ def load(path, target, greedy_drafts: bool = False):
   skeleton = build(meta["kind"], target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
-  with ocp.StandardCheckpointer() as ckpt:
+  with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     params = ckpt.restore(path / PARAMS, abstract)
   params = jax.tree.map(jax.numpy.asarray, params)
   drafter = skeleton.with_params(params, greedy_drafts=greedy_drafts)
