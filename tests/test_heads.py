@@ -35,12 +35,18 @@ def make_head(kind, target, greedy_drafts=False, scale=0.5):
   key = jax.random.key(5)
   if kind == "medusa":
     return Medusa.init(target, num_heads=3, key=key, init_scale=4.0, greedy_drafts=greedy_drafts)
+  if kind == "eagle3-reduced":
+    # A draft vocabulary without some tokens the target emits: q is 0 there, p is not.
+    v = target.config.vocab_size
+    ids = [i for i in range(v) if i % 3 != 1]
+    return EAGLE3.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts,
+                       draft_tokens=ids)
   cls = {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind]
   return cls.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts)
 
 
 LOSSLESS_CASES = [("medusa", False), ("eagle", False), ("eagle3", False), ("mtp", False),
-                  ("eagle", True)]
+                  ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True)]
 
 
 @pytest.mark.slow   # ~20-40 s each on a shared 2-core CPU (40k rows)
@@ -50,6 +56,10 @@ def test_heads_are_lossless(kind, greedy_drafts):
   target = small_target()
   drafter = make_head(kind, target, greedy_drafts)
   sampling = sj.Sampling(temperature=1.0)
+  if kind == "eagle3-reduced":      # the excluded tokens carry real target mass
+    joint = exact_joint(target, PROMPT, sampling)
+    excluded = np.setdiff1d(np.arange(target.config.vocab_size), drafter.draft_tokens)
+    assert joint[excluded].sum() > 0.1 and joint[:, :, excluded].sum() > 0.1
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=NEW,
                     sampling=sampling, key=jax.random.key(7), stop_tokens=[], capacity=16)
   toks = np.asarray(out.tokens)
@@ -77,7 +87,7 @@ def plain_greedy():
   return sj.generate(greedy_target(), PROMPTS, max_new_tokens=20, sampling=GREEDY, stop_tokens=[])
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp", "eagle3-reduced"])
 def test_greedy_with_heads_equals_plain(kind):
   target = greedy_target()
   drafter = make_head(kind, target, scale=0.3)
@@ -98,9 +108,9 @@ def test_feature_head_state_matches_a_fresh_unroll():
                    return_layers=head.target_layers)
   feats = head.target_feature(head.params, out.hidden, out.layer_hidden)
   o_train = head.unroll(head.params, target.params, toks, feats, steps=1)[0]       # [1, 11, D]
-  x = head.combine(head.params, target.params, toks[:, 1:], feats[:, :-1])
   k, v = head._empty_cache(1, 32)
-  o_cached, _, _ = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o_cached, _, _ = head._step(head.params, target.params, toks[:, 1:], feats[:, :-1], k, v,
+                              jnp.zeros(1, jnp.int32))
   np.testing.assert_allclose(np.asarray(o_train), np.asarray(o_cached), atol=1e-4, rtol=1e-4)
 
 
@@ -117,14 +127,14 @@ def test_training_time_test_unroll_matches_drafting():
   outs = head.unroll(head.params, target.params, toks, feats, steps=3)
   j = 7
   real_end = j - 2                              # slots <= real_end hold target features
-  x = head.combine(head.params, target.params, toks[:, 1:real_end + 2], feats[:, :real_end + 1])
   k, v = head._empty_cache(1, 32)
-  o, k, v = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o, k, v = head._step(head.params, target.params, toks[:, 1:real_end + 2],
+                       feats[:, :real_end + 1], k, v, jnp.zeros(1, jnp.int32))
   feature = o[:, -1]
   for step in (2, 3):
     slot = real_end + step - 1
-    x = head.combine(head.params, target.params, toks[:, slot + 1:slot + 2], feature[:, None])
-    o, k, v = head._layer(head.params, x, k, v, jnp.full((1,), slot, jnp.int32))
+    o, k, v = head._step(head.params, target.params, toks[:, slot + 1:slot + 2],
+                         feature[:, None], k, v, jnp.full((1,), slot, jnp.int32))
     feature = o[:, 0]
   np.testing.assert_allclose(np.asarray(outs[2][0, j]), np.asarray(feature[0]), atol=1e-4,
                              rtol=1e-4)
@@ -132,7 +142,7 @@ def test_training_time_test_unroll_matches_drafting():
 
 # ----------------------------------------------------------------------------- save / load
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "eagle3-reduced"])
 def test_feature_heads_save_and_reload(tmp_path, kind):
   target = greedy_target()
   head = make_head(kind, target)

@@ -25,7 +25,10 @@ DEFAULTS = {
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
         "intermediate_size": None,   # EAGLE/EAGLE-3/MTP layer MLP width (None: the target's)
         "num_heads": None,     # attention heads of the head's layer (None: the target's)
-        "target_layers": None,  # EAGLE-3 fused layers (None: (1, L//2, L-1))
+        "target_layers": None,  # EAGLE-3 captured layers, as layer-output indices (None: the
+                               # public default (1, L//2-1, L-4) = inputs of (2, L//2, L-3))
+        "draft_vocab_size": None,  # EAGLE-3 draft vocabulary: the N most frequent target tokens
+                                   # of the training data (None: the whole vocabulary)
         "init_std": 0.02,      # random init scale of the head's layer
         "medusa_layers": 1,    # residual SiLU blocks per Medusa head
     },
@@ -156,6 +159,12 @@ def validate(cfg: dict) -> dict:
       raise ValueError(f"train.{name} must be an integer >= 1, got {t[name]!r}")
   if t["dtype"] not in ("float32", "bfloat16"):
     raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
+  n = cfg["head"]["draft_vocab_size"]
+  if n is not None:
+    if kind != "eagle3":
+      raise ValueError(f"head.draft_vocab_size applies to EAGLE-3 heads, not {kind}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"head.draft_vocab_size must be None or an integer >= 1, got {n!r}")
   if kind == "medusa" and t["ttt_steps"] != 1:
     raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
   w = cfg["data"]["window"]

@@ -2,9 +2,11 @@
 
 Distills draft heads (Medusa, EAGLE, EAGLE-3, MTP) onto a frozen target:
 
-  1. loads the target (`target:`) and builds fresh heads (`head:`);
+  1. loads the target (`target:`);
   2. builds training windows (train/data.py: the target's own continuations of dev.txt
-     prompts, cached on disk, and/or dev.txt text);
+     prompts, cached on disk, and/or dev.txt text), then fresh heads (`head:`); an EAGLE-3
+     `head.draft_vocab_size` picks the most frequent target tokens of those windows as its
+     draft vocabulary (d2t / t2d, as SpecForge does);
   3. trains with optax AdamW (warmup + cosine decay, gradient clipping); only the head's
      params are in the optimizer state; every step runs the frozen target over the [B, T]
      batch inside the same jitted step for its features and soft labels (train/losses.py);
@@ -45,7 +47,8 @@ def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
-def build_head(cfg: dict, target):
+def build_head(cfg: dict, target, draft_tokens=None):
+  """Fresh heads per cfg["head"]; draft_tokens: EAGLE-3's draft vocabulary (target ids)."""
   h = cfg["head"]
   key = jax.random.key(cfg["seed"])
   if h["kind"] == "medusa":
@@ -58,6 +61,8 @@ def build_head(cfg: dict, target):
     hp["num_heads"] = h["num_heads"]
   if h["kind"] == "eagle3" and h["target_layers"] is not None:
     hp["target_layers"] = tuple(h["target_layers"])
+  if draft_tokens is not None:
+    hp["draft_tokens"] = [int(i) for i in draft_tokens]
   return heads_io.build(h["kind"], target, hp, key=key)
 
 
@@ -99,12 +104,18 @@ def run(cfg: dict) -> dict:
   tcfg, ecfg, hcfg = cfg["train"], cfg["eval"], cfg["head"]
   target = sj.load(cfg["target"])
   fp = heads_io.fingerprint(target)
-  head = build_head(cfg, target)
+  windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
+  draft_tokens = None
+  if hcfg["draft_vocab_size"] is not None:
+    draft_tokens = data_lib.frequent_tokens(windows, hcfg["draft_vocab_size"],
+                                            target.config.vocab_size)
+    covered = np.isin(windows, draft_tokens).mean()
+    log(f"draft vocabulary: the {len(draft_tokens)} most frequent of {target.config.vocab_size} "
+        f"tokens cover {covered:.1%} of the training tokens")
+  head = build_head(cfg, target, draft_tokens)
   k_eval = ecfg["num_draft"] or hcfg["num_draft"]
   log(f"target {cfg['target']}: {target.config.num_params} params; {head.kind} heads, "
       f"{sum(np.size(x) for x in jax.tree.leaves(head.params))} trainable params")
-
-  windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
 
   evals = {}
   prompts = None

@@ -8,8 +8,10 @@ A saved head is a folder:
     params/        the head's params (an orbax StandardCheckpointer checkpoint)
 
 `load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
-that says what differs (the config, and which fields, or the weights). `load` on a Hugging Face
-folder whose checkpoint carries MTP weights returns that native MTP head.
+that says what differs (the config, and which fields, or the weights). `load` on a public
+EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
+(`spec_jax.drafters.eagle3_format`); on a Hugging Face folder whose checkpoint carries MTP
+weights, that native MTP head.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   if kind not in kinds:
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
   hp = dict(hyper_params)
+  if kind == "eagle3":     # rebuilt from every saved shape option (EAGLE3.init checks them)
+    return kinds[kind].init(target, key=key, **hp, **options)
   if kind == "medusa":
     return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")),
                             num_layers=int(hp.pop("num_layers", 1)), key=key, **options)
@@ -127,9 +131,7 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   hp.pop("qkv_bias", None)
   hp.pop("qk_norm", None)
   kv = hp.pop("num_kv_heads", None)
-  layers = hp.pop("target_layers", None)
-  if kind == "eagle3":
-    hp["target_layers"] = layers
+  hp.pop("target_layers", None)
   drafter = kinds[kind].init(target, key=key, **hp, **options)
   if kv is not None and drafter.layer_config.num_kv_heads != kv:
     raise ValueError(f"saved head has {kv} kv heads but the rebuilt one has "
@@ -141,7 +143,9 @@ def load(path, target, greedy_drafts: bool = False):
   """The drafter saved at `path` by train.distill_heads, for `target` (a Model).
 
   `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
-  `heads/`; or a Hugging Face folder whose checkpoint carries MTP weights (its native head).
+  `heads/`; or a public EAGLE-3 folder (config.json with architectures
+  ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a Hugging Face folder
+  whose checkpoint carries MTP weights (its native head).
   Raises ValueError when `target` differs from the model the heads were trained on.
   """
   import orbax.checkpoint as ocp
@@ -150,9 +154,13 @@ def load(path, target, greedy_drafts: bool = False):
     path = path / "heads"
   if not (path / META).is_file():
     if (path / "config.json").is_file():
+      from spec_jax.drafters import eagle3_format
+      if eagle3_format.is_eagle3_folder(path):
+        return eagle3_format.load_eagle3(path, target, greedy_drafts=greedy_drafts)
       return _load_native_mtp(path, target, greedy_drafts)
     raise ValueError(f"{path}: no {META} (not a folder saved by train.distill_heads) and no "
-                     "config.json (not a Hugging Face folder with MTP weights)")
+                     "config.json (not a public EAGLE-3 folder nor a Hugging Face folder with "
+                     "MTP weights)")
   try:
     meta = json.loads((path / META).read_text())
   except (OSError, json.JSONDecodeError) as e:
