@@ -322,10 +322,13 @@ def make_heads(kind, target):
     return Medusa.init(target, num_heads=3, key=key, init_scale=1.0)
   if kind == "eagle3-own-shape":   # its own head count and MLP width: kept, head_dim grows
     return EAGLE3.init(target, key=key, init_std=0.1, num_heads=4, intermediate_size=96)
+  if kind == "eagle3-reduced":     # a draft vocabulary (own lm_head columns) and its own eps
+    return EAGLE3.init(target, key=key, init_std=0.1, draft_tokens=list(range(3, 512, 2)),
+                       rms_norm_eps=3e-6)
   return {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind].init(target, key=key, init_std=0.1)
 
 
-HEAD_CASES = ["medusa", "eagle", "eagle3", "mtp", "eagle3-own-shape"]
+HEAD_CASES = ["medusa", "eagle", "eagle3", "mtp", "eagle3-own-shape", "eagle3-reduced"]
 
 
 @functools.lru_cache(None)
