@@ -16,7 +16,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax.drafters import heads_io
-from spec_jax.drafters.eagle import EAGLE, EAGLE3
+from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from tests.stats_helpers import assert_same_distribution
@@ -41,12 +41,13 @@ def make_head(kind, target, greedy_drafts=False, scale=0.5):
     ids = [i for i in range(v) if i % 3 != 1]
     return EAGLE3.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts,
                        draft_tokens=ids)
-  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind]
+  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused, "mtp": MTP}[kind]
   return cls.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts)
 
 
 LOSSLESS_CASES = [("medusa", False), ("eagle", False), ("eagle3", False), ("mtp", False),
-                  ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True)]
+                  ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True),
+                  ("eagle3_fused", False)]
 
 
 @pytest.mark.slow   # ~20-40 s each on a shared 2-core CPU (40k rows)
@@ -87,7 +88,8 @@ def plain_greedy():
   return sj.generate(greedy_target(), PROMPTS, max_new_tokens=20, sampling=GREEDY, stop_tokens=[])
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp", "eagle3-reduced"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp", "eagle3-reduced",
+                                  "eagle3_fused"])
 def test_greedy_with_heads_equals_plain(kind):
   target = greedy_target()
   drafter = make_head(kind, target, scale=0.3)
@@ -97,11 +99,12 @@ def test_greedy_with_heads_equals_plain(kind):
   assert spec.stats.drafted > 0
 
 
-def test_feature_head_state_matches_a_fresh_unroll():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_feature_head_state_matches_a_fresh_unroll(kind):
   """The cached drafting path (init_state / commit / propose) and the training forward
   (unroll, step 1) compute the same head outputs: the training loss trains what drafts."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:12]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
@@ -114,11 +117,12 @@ def test_feature_head_state_matches_a_fresh_unroll():
   np.testing.assert_allclose(np.asarray(o_train), np.asarray(o_cached), atol=1e-4, rtol=1e-4)
 
 
-def test_training_time_test_unroll_matches_drafting():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_training_time_test_unroll_matches_drafting(kind):
   """Step s of the unroll at slot j equals the s-th draft when the real prefix ends at slot
   j-s+1 and the data tokens are the drafted ones."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:10]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
@@ -142,7 +146,7 @@ def test_training_time_test_unroll_matches_drafting():
 
 # ----------------------------------------------------------------------------- save / load
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "eagle3-reduced"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "eagle3-reduced", "eagle3_fused"])
 def test_feature_heads_save_and_reload(tmp_path, kind):
   target = greedy_target()
   head = make_head(kind, target)

@@ -90,11 +90,13 @@ def test_feature_head_losses_train(tmp_path, kind):
 
 def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
   """head.draft_vocab_size: the most frequent tokens of the training windows, saved with the
-  heads; the loss over that vocabulary falls."""
+  heads; the loss over that vocabulary falls; train.frozen keeps the LM head at its init (the
+  target's rows for those tokens)."""
   from train import data as data_lib
   path = write_config(tmp_path, head={"kind": "eagle3", "num_draft": 2, "draft_vocab_size": 48,
                                       "target_layers": [1, 2, 4]},
-                      train={"steps": 12, "ttt_steps": 2, "checkpoint_every": 12})
+                      train={"steps": 12, "ttt_steps": 2, "checkpoint_every": 12,
+                             "frozen": ["lm_head"]})
   out = distill_heads.main(["--config", str(path)])
   assert out["final"]["loss"] < out["initial"]["loss"]
   target = sj.load(ROOT.parent / "shared" / "models" / "stories260K")
@@ -105,6 +107,12 @@ def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
   counts = np.bincount(windows.ravel(), minlength=512)
   np.testing.assert_array_equal(drafter.draft_tokens, np.sort(np.argsort(-counts, kind="stable")[:48]))
   assert np.asarray(drafter.params["lm_head"]).shape == (64, 48)
+  np.testing.assert_array_equal(np.asarray(drafter.params["lm_head"]),
+                                np.asarray(target.params["embed"]).T[:, drafter.draft_tokens])
+  with pytest.raises(ValueError, match=r"train.frozen names \['lm_hed'\], which these heads do "
+                                       r"not have; allowed: embed_norm, fc"):
+    distill_heads.main(["--config", str(path), "--set", "train.frozen=[lm_hed]",
+                        "--set", f"out_dir={tmp_path / 'other'}"])
 
 
 def test_frequent_tokens_fill_with_unused_ids():

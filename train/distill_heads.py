@@ -57,22 +57,34 @@ def build_head(cfg: dict, target, draft_tokens=None):
   hp = {"init_std": h["init_std"]}
   if h["intermediate_size"] is not None:
     hp["intermediate_size"] = h["intermediate_size"]
-  if h["kind"] in ("eagle", "eagle3") and h["num_heads"] is not None:
+  if h["kind"] in ("eagle", "eagle3", "eagle3_fused") and h["num_heads"] is not None:
     hp["num_heads"] = h["num_heads"]
-  if h["kind"] == "eagle3" and h["target_layers"] is not None:
+  if h["kind"] in ("eagle3", "eagle3_fused") and h["target_layers"] is not None:
     hp["target_layers"] = tuple(h["target_layers"])
   if draft_tokens is not None:
     hp["draft_tokens"] = [int(i) for i in draft_tokens]
   return heads_io.build(h["kind"], target, hp, key=key)
 
 
-def make_optimizer(tcfg: dict):
+def make_optimizer(tcfg: dict, params=None):
+  """AdamW (warmup + cosine, clipping) over the head's params; the top-level params named in
+  train.frozen keep their initial values (optax.set_to_zero on their updates)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=tcfg["lr"], warmup_steps=min(tcfg["warmup_steps"], tcfg["steps"]),
       decay_steps=max(tcfg["steps"], tcfg["warmup_steps"] + 1),
       end_value=tcfg["lr"] * tcfg["end_lr_ratio"])
-  return optax.chain(optax.clip_by_global_norm(tcfg["clip_norm"]),
-                     optax.adamw(schedule, weight_decay=tcfg["weight_decay"]))
+  adamw = optax.chain(optax.clip_by_global_norm(tcfg["clip_norm"]),
+                      optax.adamw(schedule, weight_decay=tcfg["weight_decay"]))
+  frozen = set(tcfg.get("frozen") or ())
+  if not frozen:
+    return adamw
+  unknown = sorted(frozen - set(params))
+  if unknown:
+    raise ValueError(f"train.frozen names {unknown}, which these heads do not have; allowed: "
+                     f"{', '.join(sorted(params))}")
+  labels = {name: jax.tree.map(lambda _, n=name: "frozen" if n in frozen else "train", leaf)
+            for name, leaf in params.items()}
+  return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
 def make_loss_fn(head, target_config, tcfg: dict):
@@ -126,7 +138,7 @@ def run(cfg: dict) -> dict:
       evals["before"] = eval_lib.measure(target, head, prompts, k_eval, ecfg["temperatures"],
                                          ecfg["max_new_tokens"], cfg["seed"])
 
-  optimizer = make_optimizer(tcfg)
+  optimizer = make_optimizer(tcfg, head.params)
   loss_fn = make_loss_fn(head, target.config, tcfg)
 
   @jax.jit

@@ -64,7 +64,7 @@ def feature_head_loss(head, params, target_params, tokens, hidden, layer_hidden,
   """EAGLE / EAGLE-3 / MTP: the unrolled head against the target's features and p."""
   feats = head.target_feature(params, hidden, layer_hidden)              # [B, T, D]
   teacher = jax.lax.stop_gradient(head.target_feature(params, hidden, layer_hidden)) \
-      if head.kind != "eagle3" else None
+      if head.kind not in ("eagle3", "eagle3_fused") else None
   noise = cfg["feature_noise"]
   fed = feats
   if noise:

@@ -62,7 +62,7 @@ from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
                                          rope_inv_freq)
 
-KINDS = ("eagle", "eagle3", "mtp")
+KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
 
 @flax.struct.dataclass

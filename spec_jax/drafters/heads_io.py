@@ -35,13 +35,14 @@ _IGNORED_FIELDS = ("attention_impl",)
 
 
 def _kinds():
-  from spec_jax.drafters.eagle import EAGLE, EAGLE3
+  from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
   from spec_jax.drafters.medusa import Medusa
   from spec_jax.drafters.mtp import MTP
-  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}
+  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused,
+          "mtp": MTP}
 
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "mtp")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp")
 
 
 def config_fields(config) -> dict:
@@ -94,7 +95,7 @@ def _write_json_atomic(path: pathlib.Path, obj) -> None:
 
 
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
-  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / MTP) trained for `target` into folder `path`."""
+  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / EAGLE3Fused / MTP) trained for `target` into folder `path`."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,9 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   hp.pop("qkv_bias", None)
   hp.pop("qk_norm", None)
   kv = hp.pop("num_kv_heads", None)
-  hp.pop("target_layers", None)
+  layers = hp.pop("target_layers", None)
+  if kind == "eagle3_fused":
+    hp["target_layers"] = layers
   drafter = kinds[kind].init(target, key=key, **hp, **options)
   if kv is not None and drafter.layer_config.num_kv_heads != kv:
     raise ValueError(f"saved head has {kv} kv heads but the rebuilt one has "

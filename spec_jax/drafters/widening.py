@@ -61,6 +61,13 @@ HEAD_RULES = {
         "lm_head": Rule(("res", None)),            # [D, V_draft], its own
         "embed": Rule((None, "res")),              # a loaded checkpoint's own embedding
     },
+    "eagle3_fused": {
+        "fuse": _CONCAT_IN,                        # concat(low, mid, high) -> D
+        "fc": _CONCAT_IN,
+        "fc_b": _RES,
+        "layer": LAYER_AXES,
+        "out_norm": NORM,
+    },
     "mtp": {
         "fc": _CONCAT_IN,                          # concat(enorm(embedding), hnorm(feature))
         "enorm": NORM,
