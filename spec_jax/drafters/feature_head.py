@@ -9,6 +9,8 @@ autoregressively by feeding its own predicted feature back in. They differ only 
            the LM head reads; EAGLE-1's convention)
   eagle3   fc(concat(low, mid, high)): three target     residual f, attention over    own lm_head(norm(o))
            layers' residual streams (target_layers)     concat(enorm(emb), hnorm(f))  (draft vocabulary)
+  eagle3_  concat(low, mid, high) @ fuse                fc(concat(emb, f)) + fc_b     lm_head(norm(o))
+  fused
   mtp      the target's last layer output before the    fc(concat(enorm(emb),         lm_head(norm(o)))
            final norm (DeepSeek-V3 / Qwen3-Next)         hnorm(f)))
 

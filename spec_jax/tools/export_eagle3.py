@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
@@ -37,7 +35,7 @@ def run(args) -> int:
   import json
 
   import spec_jax as sj
-  from spec_jax.tools.widen import _prompt_tokens, head_logits
+  from spec_jax.tools.widen import _prompt_tokens, head_logits, max_logit_diff
 
   target = sj.load(args.target)
   heads = sj.drafters.load(args.heads, target)
@@ -53,10 +51,7 @@ def run(args) -> int:
         f"{ids if ids else [i + 1 for i in heads.target_layers]}"
         f"{'' if ids else ' (the vLLM / SGLang default, not written)'}")
   tokens = _prompt_tokens(target, args.prompt)
-  a, b = head_logits(heads, target, tokens), head_logits(back, target, tokens)
-  same_mask = bool(np.array_equal(np.isinf(a), np.isinf(b)))     # -inf outside the draft vocab
-  fin = np.isfinite(a) & np.isfinite(b)
-  diff = float(np.abs(a[fin] - b[fin]).max()) if same_mask else float("inf")
+  diff = max_logit_diff(head_logits(heads, target, tokens), head_logits(back, target, tokens))
   print(f"  check: reloaded with sj.drafters.load; max |draft logit diff| over {len(tokens)} "
         f"prompt tokens: {diff:.3g}")
   if diff > args.max_diff:
