@@ -248,3 +248,15 @@ def test_native_mtp_weights_load_and_draft(tmp_path, layout):
 def test_model_without_mtp_weights_is_refused():
   with pytest.raises(ValueError, match="carries no MTP weights"):
     MTP.from_model(greedy_target())
+
+
+def test_eagle3_heads_saved_before_the_public_architecture_load_as_eagle3_fused(tmp_path):
+  target = greedy_target()
+  head = make_head("eagle3_fused", target)
+  heads_io.save(tmp_path / "h", head, target, num_draft=3)
+  meta_path = tmp_path / "h" / "heads.json"
+  meta = json.loads(meta_path.read_text())
+  meta["kind"] = "eagle3"                       # what such a folder says
+  meta_path.write_text(json.dumps(meta))
+  back = sj.drafters.load(tmp_path / "h", target)
+  assert back == head and back.kind == "eagle3_fused"

@@ -171,7 +171,12 @@ def load(path, target, greedy_drafts: bool = False):
   if meta.get("format") != FORMAT:
     raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
   check_fingerprint(meta["target"], target, what=f"the {meta['kind']} heads at {path}")
-  skeleton = build(meta["kind"], target, meta["hyper_params"])
+  kind = meta["kind"]
+  if kind == "eagle3" and "draft_tokens" not in meta["hyper_params"]:
+    # Saved before the public EAGLE-3 architecture took the name "eagle3" (every EAGLE3 since
+    # writes draft_tokens): those heads are today's eagle3_fused.
+    kind = "eagle3_fused"
+  skeleton = build(kind, target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
   with ocp.StandardCheckpointer() as ckpt:
