@@ -17,7 +17,7 @@ import pytest
 import spec_jax as sj
 from spec_jax.drafters import heads_io
 from spec_jax.drafters.base import PrefillInfo
-from spec_jax.drafters.eagle import EAGLE, EAGLE3
+from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from tests.stats_helpers import assert_same_distribution
@@ -36,12 +36,19 @@ def make_head(kind, target, greedy_drafts=False, scale=0.5):
   key = jax.random.key(5)
   if kind == "medusa":
     return Medusa.init(target, num_heads=3, key=key, init_scale=4.0, greedy_drafts=greedy_drafts)
-  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind]
+  if kind == "eagle3-reduced":
+    # A draft vocabulary without some tokens the target emits: q is 0 there, p is not.
+    v = target.config.vocab_size
+    ids = [i for i in range(v) if i % 3 != 1]
+    return EAGLE3.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts,
+                       draft_tokens=ids)
+  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused, "mtp": MTP}[kind]
   return cls.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts)
 
 
 LOSSLESS_CASES = [("medusa", False), ("eagle", False), ("eagle3", False), ("mtp", False),
-                  ("eagle", True)]
+                  ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True),
+                  ("eagle3_fused", False)]
 
 
 @pytest.mark.slow   # ~20-40 s each on a shared 2-core CPU (40k rows)
@@ -51,6 +58,10 @@ def test_heads_are_lossless(kind, greedy_drafts):
   target = small_target()
   drafter = make_head(kind, target, greedy_drafts)
   sampling = sj.Sampling(temperature=1.0)
+  if kind == "eagle3-reduced":      # the excluded tokens carry real target mass
+    joint = exact_joint(target, PROMPT, sampling)
+    excluded = np.setdiff1d(np.arange(target.config.vocab_size), drafter.draft_tokens)
+    assert joint[excluded].sum() > 0.1 and joint[:, :, excluded].sum() > 0.1
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=NEW,
                     sampling=sampling, key=jax.random.key(7), stop_tokens=[], capacity=16)
   toks = np.asarray(out.tokens)
@@ -78,7 +89,8 @@ def plain_greedy():
   return sj.generate(greedy_target(), PROMPTS, max_new_tokens=20, sampling=GREEDY, stop_tokens=[])
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp", "eagle3-reduced",
+                                  "eagle3_fused"])
 def test_greedy_with_heads_equals_plain(kind):
   target = greedy_target()
   drafter = make_head(kind, target, scale=0.3)
@@ -88,28 +100,30 @@ def test_greedy_with_heads_equals_plain(kind):
   assert spec.stats.drafted > 0
 
 
-def test_feature_head_state_matches_a_fresh_unroll():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_feature_head_state_matches_a_fresh_unroll(kind):
   """The cached drafting path (init_state / commit / propose) and the training forward
   (unroll, step 1) compute the same head outputs: the training loss trains what drafts."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:12]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
                    return_layers=head.target_layers)
   feats = head.target_feature(head.params, out.hidden, out.layer_hidden)
   o_train = head.unroll(head.params, target.params, toks, feats, steps=1)[0]       # [1, 11, D]
-  x = head.combine(head.params, target.params, toks[:, 1:], feats[:, :-1])
   k, v = head._empty_cache(1, 32)
-  o_cached, _, _ = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o_cached, _, _ = head._step(head.params, target.params, toks[:, 1:], feats[:, :-1], k, v,
+                              jnp.zeros(1, jnp.int32))
   np.testing.assert_allclose(np.asarray(o_train), np.asarray(o_cached), atol=1e-4, rtol=1e-4)
 
 
-def test_training_time_test_unroll_matches_drafting():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_training_time_test_unroll_matches_drafting(kind):
   """Step s of the unroll at slot j equals the s-th draft when the real prefix ends at slot
   j-s+1 and the data tokens are the drafted ones."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:10]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
@@ -118,14 +132,14 @@ def test_training_time_test_unroll_matches_drafting():
   outs = head.unroll(head.params, target.params, toks, feats, steps=3)
   j = 7
   real_end = j - 2                              # slots <= real_end hold target features
-  x = head.combine(head.params, target.params, toks[:, 1:real_end + 2], feats[:, :real_end + 1])
   k, v = head._empty_cache(1, 32)
-  o, k, v = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o, k, v = head._step(head.params, target.params, toks[:, 1:real_end + 2],
+                       feats[:, :real_end + 1], k, v, jnp.zeros(1, jnp.int32))
   feature = o[:, -1]
   for step in (2, 3):
     slot = real_end + step - 1
-    x = head.combine(head.params, target.params, toks[:, slot + 1:slot + 2], feature[:, None])
-    o, k, v = head._layer(head.params, x, k, v, jnp.full((1,), slot, jnp.int32))
+    o, k, v = head._step(head.params, target.params, toks[:, slot + 1:slot + 2],
+                         feature[:, None], k, v, jnp.full((1,), slot, jnp.int32))
     feature = o[:, 0]
   np.testing.assert_allclose(np.asarray(outs[2][0, j]), np.asarray(feature[0]), atol=1e-4,
                              rtol=1e-4)
@@ -265,11 +279,15 @@ def _init_from_prompt(drafter, config, params, target_params, prompt, buf, promp
   return drafter.init_state(params, info)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3_fused", "mtp"])
 def test_agreeing_heads_through_the_engine(kind):
   """Greedy output equals plain greedy with heads that are right most of the time (mean
   acceptance >= 0.5, some rounds fully and some partly accepted), and after every round the
-  state commit() produced equals the state recomputed from scratch for the committed text."""
+  state commit() produced equals the state recomputed from scratch for the committed text.
+
+  (The public EAGLE-3 architecture cannot copy a target layer — its residual starts from the
+  fused feature, not the embedding —; tests/test_eagle3.py checks it against an independent
+  PyTorch forward and through the engine instead.)"""
   target = agreeing_target()
   head = _trained_medusa(target) if kind == "medusa" else _copy_layer_head(kind, target)
   _COMMITS.clear()
@@ -308,7 +326,7 @@ def test_medusa_with_more_drafts_than_heads_is_refused():
 
 # ----------------------------------------------------------------------------- save / load
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "eagle3-reduced", "eagle3_fused"])
 def test_feature_heads_save_and_reload(tmp_path, kind):
   target = greedy_target()
   head = make_head(kind, target)
@@ -540,3 +558,15 @@ def test_native_mtp_matches_an_independent_torch_forward(tmp_path, layout):
 def test_model_without_mtp_weights_is_refused():
   with pytest.raises(ValueError, match="carries no MTP weights"):
     MTP.from_model(greedy_target())
+
+
+def test_eagle3_heads_saved_before_the_public_architecture_load_as_eagle3_fused(tmp_path):
+  target = greedy_target()
+  head = make_head("eagle3_fused", target)
+  heads_io.save(tmp_path / "h", head, target, num_draft=3)
+  meta_path = tmp_path / "h" / "heads.json"
+  meta = json.loads(meta_path.read_text())
+  meta["kind"] = "eagle3"                       # what such a folder says
+  meta_path.write_text(json.dumps(meta))
+  back = sj.drafters.load(tmp_path / "h", target)
+  assert back == head and back.kind == "eagle3_fused"

@@ -96,6 +96,43 @@ def test_feature_head_losses_train(tmp_path, kind):
   assert np.mean(out["final"]["agree"]) > np.mean(out["initial"]["agree"]) + 0.02
 
 
+def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
+  """head.draft_vocab_size: the most frequent tokens of the training windows, saved with the
+  heads; the loss over that vocabulary falls; train.frozen keeps the LM head at its init (the
+  target's rows for those tokens)."""
+  from train import data as data_lib
+  path = write_config(tmp_path, head={"kind": "eagle3", "num_draft": 2, "draft_vocab_size": 48,
+                                      "target_layers": [1, 2, 4]},
+                      train={"steps": 12, "ttt_steps": 2, "checkpoint_every": 12,
+                             "frozen": ["lm_head"]})
+  out = distill_heads.main(["--config", str(path)])
+  assert out["final"]["loss"] < out["initial"]["loss"]
+  target = sj.load(ROOT.parent / "shared" / "models" / "stories260K")
+  drafter = sj.drafters.load(tmp_path / "run", target)
+  assert drafter.kind == "eagle3" and drafter.draft_vocab_size == 48
+  cfg = load_config(path)
+  windows = data_lib.build_windows(target, cfg["data"], "unused", 0, lambda m: None)
+  counts = np.bincount(windows.ravel(), minlength=512)
+  np.testing.assert_array_equal(drafter.draft_tokens, np.sort(np.argsort(-counts, kind="stable")[:48]))
+  assert np.asarray(drafter.params["lm_head"]).shape == (64, 48)
+  np.testing.assert_array_equal(np.asarray(drafter.params["lm_head"]),
+                                np.asarray(target.params["embed"]).T[:, drafter.draft_tokens])
+  with pytest.raises(ValueError, match=r"train.frozen names \['lm_hed'\], which these heads do "
+                                       r"not have; allowed: embed_norm, fc"):
+    distill_heads.main(["--config", str(path), "--set", "train.frozen=[lm_hed]",
+                        "--set", f"out_dir={tmp_path / 'other'}"])
+
+
+def test_frequent_tokens_fill_with_unused_ids():
+  from train.data import frequent_tokens
+  windows = np.array([[5, 5, 5, 9, 9, 2], [9, 7, 7, 7, 7, 5]])
+  assert frequent_tokens(windows, 2, 10).tolist() == [5, 7]        # 7 x4, 5 x4 (lower id), 9 x3
+  assert frequent_tokens(windows, 3, 10).tolist() == [5, 7, 9]
+  assert frequent_tokens(windows, 6, 10).tolist() == [0, 1, 2, 5, 7, 9]   # four seen; 0, 1 fill
+  with pytest.raises(ValueError, match=r"draft_vocab_size=11 must lie in \[1, 10\]"):
+    frequent_tokens(windows, 11, 10)
+
+
 def test_config_errors(tmp_path):
   path = write_config(tmp_path)
   raw = yaml.safe_load(path.read_text())
@@ -116,6 +153,10 @@ def test_config_errors(tmp_path):
     load_config(path, ["train=3"])
   with pytest.raises(ValueError, match="ttt_steps applies to EAGLE"):
     load_config(path, ["train.ttt_steps=2"])
+  with pytest.raises(ValueError, match="draft_vocab_size applies to EAGLE-3 heads, not medusa"):
+    load_config(path, ["head.draft_vocab_size=64"])
+  with pytest.raises(ValueError, match="draft_vocab_size must be None or an integer >= 1"):
+    load_config(path, ["head.kind=eagle3", "head.draft_vocab_size=0"])
   with pytest.raises(SystemExit):
     distill_heads.main([])                     # argparse: --config is required
   assert parse_set("eval.temperatures=[0, 1]") == (["eval", "temperatures"], [0, 1])

@@ -2,9 +2,11 @@
 
 Distills draft heads (Medusa, EAGLE, EAGLE-3, MTP) onto a frozen target:
 
-  1. loads the target (`target:`) and builds fresh heads (`head:`);
+  1. loads the target (`target:`);
   2. builds training windows (train/data.py: the target's own continuations of dev.txt
-     prompts, cached on disk, and/or dev.txt text);
+     prompts, cached on disk, and/or dev.txt text), then fresh heads (`head:`); an EAGLE-3
+     `head.draft_vocab_size` picks the most frequent target tokens of those windows as its
+     draft vocabulary (d2t / t2d, as SpecForge does);
   3. trains with optax AdamW (warmup + cosine decay, gradient clipping); only the head's
      params are in the optimizer state; every step runs the frozen target over the [B, T]
      batch inside the same jitted step for its features and soft labels (train/losses.py);
@@ -86,7 +88,8 @@ def host_copy(tree):
                       else np.asarray(x), tree)
 
 
-def build_head(cfg: dict, target):
+def build_head(cfg: dict, target, draft_tokens=None):
+  """Fresh heads per cfg["head"]; draft_tokens: EAGLE-3's draft vocabulary (target ids)."""
   h = cfg["head"]
   key = jax.random.key(cfg["seed"])
   if h["kind"] == "medusa":
@@ -95,20 +98,34 @@ def build_head(cfg: dict, target):
   hp = {"init_std": h["init_std"]}
   if h["intermediate_size"] is not None:
     hp["intermediate_size"] = h["intermediate_size"]
-  if h["kind"] in ("eagle", "eagle3") and h["num_heads"] is not None:
+  if h["kind"] in ("eagle", "eagle3", "eagle3_fused") and h["num_heads"] is not None:
     hp["num_heads"] = h["num_heads"]
-  if h["kind"] == "eagle3" and h["target_layers"] is not None:
+  if h["kind"] in ("eagle3", "eagle3_fused") and h["target_layers"] is not None:
     hp["target_layers"] = tuple(h["target_layers"])
+  if draft_tokens is not None:
+    hp["draft_tokens"] = [int(i) for i in draft_tokens]
   return heads_io.build(h["kind"], target, hp, key=key)
 
 
-def make_optimizer(tcfg: dict):
+def make_optimizer(tcfg: dict, params=None):
+  """AdamW (warmup + cosine, clipping) over the head's params; the top-level params named in
+  train.frozen keep their initial values (optax.set_to_zero on their updates)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=tcfg["lr"], warmup_steps=min(tcfg["warmup_steps"], tcfg["steps"]),
       decay_steps=max(tcfg["steps"], tcfg["warmup_steps"] + 1),
       end_value=tcfg["lr"] * tcfg["end_lr_ratio"])
-  return optax.chain(optax.clip_by_global_norm(tcfg["clip_norm"]),
-                     optax.adamw(schedule, weight_decay=tcfg["weight_decay"]))
+  adamw = optax.chain(optax.clip_by_global_norm(tcfg["clip_norm"]),
+                      optax.adamw(schedule, weight_decay=tcfg["weight_decay"]))
+  frozen = set(tcfg.get("frozen") or ())
+  if not frozen:
+    return adamw
+  unknown = sorted(frozen - set(params))
+  if unknown:
+    raise ValueError(f"train.frozen names {unknown}, which these heads do not have; allowed: "
+                     f"{', '.join(sorted(params))}")
+  labels = {name: jax.tree.map(lambda _, n=name: "frozen" if n in frozen else "train", leaf)
+            for name, leaf in params.items()}
+  return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
 
 def make_loss_fn(head, target_config, tcfg: dict):
@@ -143,12 +160,18 @@ def run(cfg: dict) -> dict:
   tcfg, ecfg, hcfg = cfg["train"], cfg["eval"], cfg["head"]
   target = sj.load(cfg["target"])
   fp = heads_io.fingerprint(target)
-  head = build_head(cfg, target)
+  windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
+  draft_tokens = None
+  if hcfg["draft_vocab_size"] is not None:
+    draft_tokens = data_lib.frequent_tokens(windows, hcfg["draft_vocab_size"],
+                                            target.config.vocab_size)
+    covered = np.isin(windows, draft_tokens).mean()
+    log(f"draft vocabulary: the {len(draft_tokens)} most frequent of {target.config.vocab_size} "
+        f"tokens cover {covered:.1%} of the training tokens")
+  head = build_head(cfg, target, draft_tokens)
   k_eval = ecfg["num_draft"] or hcfg["num_draft"]
   log(f"target {cfg['target']}: {target.config.num_params} params; {head.kind} heads, "
       f"{sum(np.size(x) for x in jax.tree.leaves(head.params))} trainable params")
-
-  windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
 
   evals = {}
   prompts = None
@@ -159,7 +182,7 @@ def run(cfg: dict) -> dict:
       evals["before"] = eval_lib.measure(target, head, prompts, k_eval, ecfg["temperatures"],
                                          ecfg["max_new_tokens"], cfg["seed"])
 
-  optimizer = make_optimizer(tcfg)
+  optimizer = make_optimizer(tcfg, head.params)
   loss_fn = make_loss_fn(head, target.config, tcfg)
 
   def train_step(params, opt_state, target_params, tokens, key):
