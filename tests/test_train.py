@@ -107,7 +107,7 @@ def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
                              "frozen": ["lm_head"]})
   out = distill_heads.main(["--config", str(path)])
   assert out["final"]["loss"] < out["initial"]["loss"]
-  target = sj.load(ROOT.parent / "shared" / "models" / "stories260K")
+  target = sj.load(SHARED / "models" / "stories260K")
   drafter = sj.drafters.load(tmp_path / "run", target)
   assert drafter.kind == "eagle3" and drafter.draft_vocab_size == 48
   cfg = load_config(path)
