@@ -12,6 +12,11 @@ A drafter is a small pytree of params plus pure functions; the engine calls them
   matches proposes fewer).
 - draft_probs float32 [B, K, V], the distribution each draft was sampled from (the real q), or
   None for deterministic proposals (q one-hot at the draft token). Both are lossless.
+- With num_draft="auto" the governor may run plain rounds (K = 0) in between: they do not call
+  propose, but they do call commit with tokens [B, 1] (the one emitted token, n_accepted 0) and
+  the verify of the last committed token. A drafter with state must stay in sync across them
+  (Medusa and the feature heads read the verified feature there; DraftModel catches up lazily
+  in its next propose; K is static in commit as tokens.shape[1] - 1).
 
 Drafter objects are static arguments of the jitted engine: they must be hashable by their
 static configuration (not by their params, which travel separately as `drafter.params`).
