@@ -45,11 +45,19 @@ def _private_cache(tmp_path, monkeypatch):
   governor_lib.clear_memory()
 
 
+def _context_sensitive(model, embed_scale):
+  """Random tiny models barely attend (their attention output is ~1% of the residual): scale
+  the value and output projections so that what sits in a KV cache matters, and the
+  embedding so that greedy argmaxes are not near-ties."""
+  layers = dict(model.params["layers"], wv=model.params["layers"]["wv"] * 10,
+                wo=model.params["layers"]["wo"] * 10)
+  model.params.update(layers=layers, embed=model.params["embed"] * embed_scale)
+  return model
+
+
 @functools.lru_cache(None)
 def greedy_target():
-  target = sj.init_model(CFG, jax.random.key(1))
-  target.params["embed"] = target.params["embed"] * 40
-  return target
+  return _context_sensitive(sj.init_model(CFG, jax.random.key(1)), 40.0)
 
 
 def make_drafter(kind):
@@ -58,9 +66,8 @@ def make_drafter(kind):
   if kind == "draft_model_copy":          # the target itself: every draft is accepted
     return sj.drafters.DraftModel(target)
   if kind == "draft_model":
-    small = sj.init_model(CFG.replace(num_layers=1), jax.random.key(2))
-    small.params["embed"] = small.params["embed"] * 40
-    return sj.drafters.DraftModel(small)
+    return sj.drafters.DraftModel(_context_sensitive(
+        sj.init_model(CFG.replace(num_layers=1), jax.random.key(2)), 1.0))
   if kind == "ngram":
     return sj.drafters.NGram(3, 1)
   if kind == "medusa":
@@ -79,9 +86,10 @@ def plain_greedy():
 
 
 def rounds_then_drafts(drafter, schedule, n_rounds):
-  """n_rounds of the governed loop with a forced schedule, then the K=3 greedy drafts proposed
-  from (a) the drafter state the loop carried and (b) a fresh state built by init_state from a
-  prefill over the committed tokens. In sync, (a) == (b)."""
+  """n_rounds of the greedy governed loop with a forced schedule, then K=3 sampled drafts (their
+  q, or the tokens of a deterministic drafter) proposed from (a) the drafter state the loop
+  carried and (b) a fresh state built by init_state from a prefill over the committed tokens.
+  In sync, (a) == (b)."""
   target = greedy_target()
   gov = sj.Governor(ks=(0, 1, 2, 3), schedule=schedule, gate_alpha=0.0)
   prompts, lens, _ = engine.prepare_batch(target, PROMPTS, MAX_NEW, 3, CAPACITY)
@@ -95,10 +103,13 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
     st = st.replace(governor=gov.init_state(drafter, b))
     body = governor_lib.governed_round(env, gov, gov.cost_array(drafter))
     st = jax.lax.fori_loop(0, n_rounds, lambda i, s: body(s), st)
+    # Sampled drafts at T=1: their q depends continuously on the drafter's state.
     ctx = DraftContext(key=jax.random.key(9), tokens=st.tokens, lengths=st.lengths,
-                       sampling=env.sampling, target_params=env.target_params, num_draft=3,
-                       greedy=True)
-    carried = drafter.propose(env.drafter_params, st.drafter_state, ctx)[0]
+                       sampling=sj.Sampling(temperature=1.0).as_arrays(b),
+                       target_params=env.target_params, num_draft=3, greedy=False)
+    drafts = lambda state: (lambda d, q, _: d if q is None else q)(
+        *drafter.propose(env.drafter_params, state, ctx))
+    carried = drafts(st.drafter_state)
     p = CAPACITY - 1
     pre = forward(env.target_params, CFG, st.tokens[:, :p], KVCache.zeros(CFG, b, CAPACITY),
                   jnp.zeros((b,), jnp.int32), return_layers=env.layers)
@@ -106,7 +117,7 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
         tokens=st.tokens, prompt_tokens=st.tokens[:, :p], prompt_lens=st.lengths - 1,
         hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=env.target_params,
         sampling=env.sampling))
-    fresh = drafter.propose(env.drafter_params, fresh_state, ctx)[0]
+    fresh = drafts(fresh_state)
     return st.tokens, st.lengths, carried, fresh, st.governor.k_hist, st.accepted, st.drafted
 
   return jax.tree.map(np.asarray, run(target.params, drafter.params, jnp.asarray(prompts),
@@ -123,7 +134,7 @@ def test_drafters_stay_in_sync_across_plain_rounds(kind):
   tokens, lengths, carried, fresh, k_hist, accepted, drafted = rounds_then_drafts(
       drafter, SCHEDULE, 11)
   np.testing.assert_array_equal(k_hist, [6, 2, 1, 2])        # K = 0, 1, 2, 3
-  np.testing.assert_array_equal(carried, fresh)
+  np.testing.assert_allclose(carried, fresh, atol=2e-5, rtol=1e-4)
   plain = plain_greedy()
   for b, prompt in enumerate(PROMPTS):
     new = tokens[b, len(prompt):lengths[b]].tolist()
@@ -143,8 +154,10 @@ def test_greedy_auto_equals_plain(kind):
   assert out.stats.auto and set(out.stats.k_histogram) == {0, 1, 2, 3}
   assert sum(out.stats.k_histogram.values()) == out.stats.iterations
   assert "K=auto" in out.stats.summary() and "K_rounds={0:" in out.stats.summary()
-  if kind == "draft_model_copy":
-    assert out.stats.accepted == out.stats.drafted > 0
+  if kind == "draft_model_copy":      # every draft accepted; only each row's last round may
+    per_row = out.stats.row_counts      # lose drafts to the token limit
+    assert all(0 <= d - a <= 3 for d, a in zip(per_row["drafted"], per_row["accepted"]))
+    assert out.stats.accepted > 0
 
 
 # ----------------------------------------------------------------------------- lossless

@@ -169,6 +169,7 @@ class UnitRunner:
           "seconds_median": statistics.median(o.stats.seconds for o, _ in res),
           "ttft_median_s": statistics.median(t for _, t in res),
           "iterations": first.stats.iterations,
+          "k_histogram": {str(k): n for k, n in (first.stats.k_histogram or {}).items()},
           "new_tokens": [len(t) for t in first.tokens[:n]],
           **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "accepted_at")}}
     plain = results[PLAIN][0][0]
