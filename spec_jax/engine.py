@@ -221,9 +221,10 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
 class LoopEnv(NamedTuple):
   """What every round of one decode call closes over (set once, before the loop).
 
-  config, drafter, greedy, layers are static; the rest are arrays: drafter_params and
+  config, drafter, greedy, layers, rolled are static; the rest are arrays: drafter_params and
   target_params (execution layout), sampling (per-row [B]), stop_tokens int32 [N], limit int32
-  [B] (the longest committed length of each row)."""
+  [B] (the longest committed length of each row). rolled: drafters run their K-1 draft steps
+  as a loop rather than unrolled (DraftContext.rolled; the governor's many K compile faster)."""
   config: ModelConfig
   drafter: Drafter
   drafter_params: Any
@@ -233,6 +234,7 @@ class LoopEnv(NamedTuple):
   limit: jax.Array
   greedy: bool
   layers: tuple
+  rolled: bool = False
 
 
 def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n_emit):
@@ -269,7 +271,7 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
   else:
     ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
                        sampling=env.sampling, target_params=env.target_params, num_draft=k,
-                       greedy=env.greedy)
+                       greedy=env.greedy, rolled=env.rolled)
     draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
         env.drafter, env.drafter_params, st.drafter_state, ctx)
     if draft_rows is not None:
@@ -597,6 +599,32 @@ def _compiled_decode(args, static):
   return _COMPILED[sig]
 
 
+def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
+                         sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
+                         num_draft=4, governor=None, round_costs=None) -> tuple:
+  """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
+  mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
+  per shapes and static configuration. The governor's calibration times this same executable.
+
+  prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
+  stop: int32 [N]; round_costs: float32 [len(candidates)] or None."""
+  drafter_params = None if drafter is None else drafter.params
+  args = (sharding_lib.shard_params(mesh, target.params),
+          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
+          sharding_lib.replicate(mesh, key))
+  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
+                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
+                sampling=sharding_lib.shard_rows(mesh, sampling),
+                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop, jnp.int32)))
+  static = dict(config=target.config, drafter=drafter, num_draft=num_draft, capacity=capacity,
+                mesh=mesh, greedy=greedy)
+  if governor is not None:
+    static["governor"] = governor
+  if round_costs is not None:
+    kwargs["round_costs"] = sharding_lib.replicate(mesh, jnp.asarray(round_costs, jnp.float32))
+  return _compiled_decode((args, kwargs), static), args, kwargs
+
+
 def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
                   prompt_bucket: int = PROMPT_BUCKET):
   """Host-side prompt preparation shared by generate() and the benchmarks.
@@ -694,23 +722,15 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
   sampling = sampling.as_arrays(batch)
   stop = _stop_array(target, stop_tokens)
 
-  drafter_params = None if drafter is None else drafter.params
-  args = (sharding_lib.shard_params(mesh, target.params),
-          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
-          sharding_lib.replicate(mesh, key))
-  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
-                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
-                sampling=sharding_lib.shard_rows(mesh, sampling),
-                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop)))
-  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=capacity,
-                mesh=mesh, greedy=greedy)
-  if gov is not None:
+  costs = None
+  if gov is not None:   # the cost table (calibrated on first use, then cached): not timed
     costs = governor_lib.round_costs_for(gov, target, drafter, batch, capacity, greedy,
-                                         max_new_tokens)
-    if costs is not None:
-      kwargs["round_costs"] = sharding_lib.replicate(mesh, jnp.asarray(costs, jnp.float32))
-    static.update(num_draft="auto", governor=gov)
-  compiled = _compiled_decode((args, kwargs), static)
+                                         max_new_tokens, prompt_len=prompt_tokens.shape[1],
+                                         stop_count=len(stop), mesh=mesh)
+  compiled, args, kwargs = compiled_decode_call(
+      target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
+      sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
+      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs)
   start = time.perf_counter()
   result = compiled(*args, **kwargs)
   jax.block_until_ready(result.lengths)

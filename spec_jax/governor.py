@@ -4,9 +4,10 @@ Cost model. A round with K drafts costs t(K) seconds for the whole batch (drafti
 forward over K+1 tokens, acceptance, commit: tau / (K c_draft + c_verify(K+1)) of
 ../shared/DESIGN.md with the denominator measured as one number). t(K) is a cost table measured
 once per (device kind, target, drafter, batch B, capacity bucket, greedy or not) by
-`calibrate`, which times the engine's own round function at each candidate K in a jitted
-fori_loop (differencing, spec_jax.bench.timing), and cached as JSON under
-$XDG_CACHE_HOME/spec_jax/governor (default ~/.cache/spec_jax/governor). A row b with per-token
+`calibrate`, and cached as JSON under $XDG_CACHE_HOME/spec_jax/governor (default
+~/.cache/spec_jax/governor). It times the very executable generate() then runs (compiled once,
+shared): decode(num_draft="auto") with K forced through the cost vector, two lengths per K,
+differenced so the prefill and per-call work cancel (measure_round_costs). A row b with per-token
 acceptance alpha_b emits tau_b(K) = 1 + alpha_b + ... + alpha_b^K tokens in expectation (the
 i.i.d. model). Every round the governor takes
 
@@ -323,6 +324,7 @@ def governed_round(env: LoopEnv, gov: Governor, costs):
   candidate K (chain_round), sharing the carry."""
   ks = gov.candidates(env.drafter)
   gate = gov.gate_alpha > 0
+  env = env._replace(rolled=True)        # one draft-step body per K: a smaller program
 
   def branch(k):
     def run(st, draft_rows):
@@ -333,9 +335,18 @@ def governed_round(env: LoopEnv, gov: Governor, costs):
 
   branches = [branch(k) for k in ks]
 
+  from spec_jax.drafters.base import Drafter
+  lazy = type(env.drafter).catch_up is not Drafter.catch_up
+  drafts = jnp.asarray([k > 0 for k in ks])
+
   def round_(st: DecodeState) -> DecodeState:
     gs = st.governor
     idx, draft_rows = choose(gov, ks, gs, costs, ~st.done, st.iterations)
+    if lazy:      # a drafter that skipped plain rounds catches up before it drafts again
+      st = st.replace(drafter_state=jax.lax.cond(
+          drafts[idx], lambda s: env.drafter.catch_up(env.drafter_params, s, st.tokens,
+                                                       st.lengths),
+          lambda s: s, st.drafter_state))
     new = jax.lax.switch(idx, branches, st, draft_rows)
     return new.replace(governor=new.governor.replace(k_hist=gs.k_hist.at[idx].add(1)))
 
@@ -406,26 +417,30 @@ def cache_dir() -> pathlib.Path:
 
 _CHECKSUMS: dict = {}
 _TABLES: dict = {}
-
-
-def _checksum_fn():
-  def stats(leaves):
-    out = []
-    for x in leaves:
-      x = jnp.ravel(x).astype(jnp.float32)
-      w = (jnp.arange(x.shape[0], dtype=jnp.int32) % 1021 + 1).astype(jnp.float32)
-      out.append(jnp.stack([jnp.sum(x), jnp.sum(x * w), jnp.sum(jnp.abs(x))]))
-    return out
-  return jax.jit(stats)
-
-
 _CHECKSUM_JIT = None
+_HASH_ALL_BYTES = 1 << 26          # leaves up to 64 MiB on the host are hashed byte for byte
+
+
+def _device_sums(leaves) -> np.ndarray:
+  """Per-leaf (sum, position-weighted sum, sum of |x|) computed on the device (one jit)."""
+  global _CHECKSUM_JIT
+  if _CHECKSUM_JIT is None:
+    def stats(xs):
+      out = []
+      for x in xs:
+        x = jnp.ravel(x).astype(jnp.float32)
+        w = (jnp.arange(x.shape[0], dtype=jnp.int32) % 1021 + 1).astype(jnp.float32)
+        out.append(jnp.stack([jnp.sum(x), jnp.sum(x * w), jnp.sum(jnp.abs(x))]))
+      return out
+    _CHECKSUM_JIT = jax.jit(stats)
+  return np.asarray(jnp.stack(_CHECKSUM_JIT(leaves)), np.float32)
 
 
 def params_checksum(tree) -> str:
-  """A short digest of a param pytree's structure and values (per-leaf sums computed on the
-  device, so big models are not copied to the host). Memoised per set of leaf objects."""
-  global _CHECKSUM_JIT
+  """A short digest of a param pytree's structure and values. Leaves on the host (CPU) are
+  hashed byte for byte up to 64 MiB, larger ones by a strided sample plus their sum; leaves on
+  an accelerator by sums computed there (no copy to the host). Memoised per set of leaf
+  objects."""
   leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
   if not leaves:
     return "none"
@@ -433,13 +448,22 @@ def params_checksum(tree) -> str:
   hit = _CHECKSUMS.get(ids)
   if hit is not None and all(r() is x for r, x in zip(hit[0], leaves)):
     return hit[1]
-  if _CHECKSUM_JIT is None:
-    _CHECKSUM_JIT = _checksum_fn()
-  sums = np.asarray(jnp.stack(_CHECKSUM_JIT(leaves)), np.float32)
   h = hashlib.sha256()
   h.update(repr([(tuple(x.shape), str(x.dtype)) for x in leaves]).encode())
   h.update(repr(jax.tree.structure(tree)).encode())
-  h.update(sums.tobytes())
+  on_host = all(not isinstance(x, jax.Array) or
+                all(d.platform == "cpu" for d in x.devices()) for x in leaves)
+  if on_host:
+    for x in leaves:
+      a = np.asarray(x)
+      if a.nbytes <= _HASH_ALL_BYTES:
+        h.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes())
+      else:
+        flat = a.reshape(-1)
+        h.update(np.ascontiguousarray(flat[::max(1, flat.size // (1 << 20))]).tobytes())
+        h.update(np.float64(flat.astype(np.float64).sum()).tobytes())
+  else:
+    h.update(_device_sums(leaves).tobytes())
   digest = h.hexdigest()[:32]
   try:
     _CHECKSUMS[ids] = ([weakref.ref(x) for x in leaves], digest)
@@ -474,74 +498,67 @@ def _text_like_prompts(batch: int, length: int, vocab: int) -> np.ndarray:
   return np.tile(base, (1, reps))[:, :length].astype(np.int32)
 
 
-_LOOPS: dict = {}
-
-
-def _round_loop(target, drafter, batch, capacity, greedy, ks, fill):
-  """(start(), call(k_index, n)): start() builds the state after a prefill of `fill`-1 prompt
-  tokens + the first token; call runs n rounds of candidate ks[k_index] in a jitted fori_loop
-  (the same lax.switch the governor runs), resetting lengths after each round so the cache
-  fill stays at `fill` and no row finishes."""
-  from spec_jax import engine
-  from spec_jax.sampling import Sampling
-  config = target.config
-  sampling = Sampling(temperature=0.0 if greedy else 1.0).as_arrays(batch)
-  prompts = jnp.asarray(_text_like_prompts(batch, fill - 1, config.vocab_size))
-  lens = jnp.full((batch,), fill - 1, jnp.int32)
-  sig = (config, drafter, batch, capacity, greedy, ks, fill)
-  if sig not in _LOOPS:
-    def start(tp, dp, prompts, lens, key, sampling):
-      _, st = engine.init_loop(tp, prompts, lens, key, config=config, drafter=drafter,
-                               drafter_params=dp, max_new_tokens=capacity, capacity=capacity,
-                               sampling=sampling, stop_tokens=(), greedy=greedy,
-                               width=max(ks))
-      return st
-
-    def run(tp, dp, sampling, st, k_index, n):
-      from spec_jax.models.transformer import prepare_params
-      env = LoopEnv(config=config, drafter=drafter, drafter_params=drafter.prepare(dp),
-                    target_params=prepare_params(tp, config), sampling=sampling,
-                    stop_tokens=jnp.zeros((0,), jnp.int32),
-                    limit=jnp.full((batch,), capacity, jnp.int32), greedy=greedy,
-                    layers=tuple(drafter.target_layers))
-      branches = [lambda s, k=k: chain_round(env, s, k=k) for k in ks]
-
-      def body(_, s):
-        new = jax.lax.switch(k_index, branches, s)
-        return new.replace(lengths=s.lengths, done=s.done)
-      return jax.lax.fori_loop(0, n, body, st)
-
-    _LOOPS[sig] = (jax.jit(start), jax.jit(run, donate_argnums=(3,)))
-  start_fn, run_fn = _LOOPS[sig]
-  holder = {}
-
-  def begin():
-    holder["st"] = start_fn(target.params, drafter.params, prompts, lens, jax.random.key(0),
-                            sampling)
-
-  def call(k_index, n):
-    holder["st"] = run_fn(target.params, drafter.params, sampling, holder["st"],
-                          jnp.int32(k_index), jnp.int32(n))
-    jax.block_until_ready(holder["st"].lengths)
-
-  return begin, call
+CALIBRATION_TOKENS = 96          # new tokens of the longer timed decode (the shorter: half)
 
 
 def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool, ks,
-                        repeats: int = 5) -> dict:
-  """Seconds per round at each K (spec_jax.bench.timing.time_interleaved: calibrated loop
-  lengths, (t(2n) - t(n)) / n, round-robin over K) -> {K: timer dict}."""
-  from spec_jax.bench.timing import time_interleaved
-  fill = max(2, min(capacity // 2, capacity - max(ks) - 2))
-  begin, call = _round_loop(target, drafter, batch, capacity, greedy, tuple(ks), fill)
-  begin()
-  calls = {k: (lambda n, i=i: call(i, n)) for i, k in enumerate(ks)}
-  return time_interleaved(calls, repeats)
+                        repeats: int = 3, *, governor: Governor, prompt_len: int = 16,
+                        stop_count: int = 0, mesh=None) -> dict:
+  """Seconds per loop iteration at each candidate K, timed on the compiled decode that
+  generate(num_draft="auto") runs for these shapes (the same executable: calibrating compiles
+  nothing extra). K is forced through the cost vector (cost 1 for it, 1e30 for the others).
+  Per K, two calls of n and n/2 new tokens (text-like prompts of prompt_len tokens; stop tokens
+  that never occur, so every row runs to its limit) give (min t_n - min t_n/2) /
+  (iterations_n - iterations_n/2): the prefill, the warm-up rounds and per-call work cancel;
+  all calls run round-robin (spec_jax.bench.timing.interleaved_rounds), `repeats` times.
+  -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
+  from spec_jax import engine
+  from spec_jax.bench.timing import interleaved_rounds, summarize
+  from spec_jax.sampling import Sampling
+  kmax = max(ks)
+  p = max(1, min(int(prompt_len), capacity - kmax - 4))
+  n_long = max(2, min(capacity - p - kmax - 1, CALIBRATION_TOKENS))
+  n_short = max(1, n_long // 2)
+  prompts = _text_like_prompts(batch, p, target.config.vocab_size)
+  lens = np.full((batch,), p, np.int32)
+  sampling = Sampling(temperature=0.0 if greedy else 1.0).as_arrays(batch)
+  stop = np.full((stop_count,), -1, np.int32)           # token ids are >= 0: never stops
+  key = jax.random.key(0)
+
+  def run(i, n):
+    costs = np.full((len(ks),), 1e30, np.float32)
+    costs[i] = 1.0
+    compiled, args, kwargs = engine.compiled_decode_call(
+        target, drafter, prompts, lens, key, max_new_tokens=n, sampling=sampling, stop=stop,
+        capacity=capacity, greedy=greedy, mesh=mesh, num_draft="auto", governor=governor,
+        round_costs=costs)
+    t0 = time.perf_counter()
+    res = compiled(*args, **kwargs)
+    jax.block_until_ready(res.lengths)
+    return time.perf_counter() - t0, int(res.iterations)
+
+  runs = {(i, n): (lambda i=i, n=n: run(i, n)) for i in range(len(ks)) for n in (n_short, n_long)}
+  for r in runs.values():                                # compile (once) and warm
+    r()
+  results = interleaved_rounds(runs, repeats)
+  out = {}
+  for i, k in enumerate(ks):
+    short, long_ = results[(i, n_short)], results[(i, n_long)]
+    rounds = max(long_[0][1] - short[0][1], 1)         # the same in every repeat (same key)
+    samples = [max(tl - ts, 1e-9) / rounds for (ts, _), (tl, _) in zip(short, long_)]
+    # A shared machine only ever adds time: the fastest call of each length is the least
+    # disturbed one, and their difference the estimate (the spread of the per-repeat
+    # differences says how noisy the machine was).
+    best = max(min(t for t, _ in long_) - min(t for t, _ in short), 1e-9) / rounds
+    out[k] = {"per_iter_s": best, "spread_pct": summarize(samples)["spread_pct"],
+              "samples": samples}
+  return out
 
 
 def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
-              greedy: bool = True, governor: Optional[Governor] = None, repeats: int = 5,
-              cache: bool = True, refresh: bool = False) -> CostTable:
+              greedy: bool = True, governor: Optional[Governor] = None, repeats: int = 3,
+              cache: bool = True, refresh: bool = False, prompt_len: int = 16,
+              stop_count: Optional[int] = None, mesh=None) -> CostTable:
   """The governor's cost table for (this device, target, drafter, batch, capacity bucket,
   greedy): seconds per round at each candidate K, timed once and cached as JSON under
   cache_dir() (written atomically; keyed by `fingerprint`); a second call reads it (or this
@@ -554,6 +571,9 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
     greedy: time the greedy round (temperature 0: argmax verify) or the sampling round.
     governor: its candidate K set (default Governor()).
     repeats: timed rounds per K (round-robin).
+    prompt_len, stop_count, mesh: the padded prompt length, the number of stop tokens and the
+      mesh of the generate() call to come, so that the timed executable is the one it runs
+      (generate passes them; only the compile is shared, the table does not depend on them).
   """
   t0 = time.perf_counter()
   gov = resolve(governor, drafter)
@@ -584,7 +604,11 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
       _TABLES[digest] = table
       return dataclasses.replace(table, from_cache=True,
                                  measure_seconds=time.perf_counter() - t0)
-  timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats)
+  if stop_count is None:
+    stop_count = len(target.config.eos_token_ids)
+  timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats,
+                              governor=gov, prompt_len=prompt_len, stop_count=stop_count,
+                              mesh=mesh)
   table = CostTable(ks=tuple(ks), seconds=tuple(timed[k]["per_iter_s"] for k in ks),
                     spread_pct=tuple(timed[k]["spread_pct"] for k in ks), key=key,
                     fingerprint=digest, path=str(path) if cache else None)
@@ -597,17 +621,18 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
 
 
 def round_costs_for(gov: Governor, target, drafter, batch: int, capacity: int, greedy: bool,
-                    max_new_tokens: int):
+                    max_new_tokens: int, prompt_len: int = 16, stop_count: int = 0, mesh=None):
   """What generate() passes to decode: None when the governor has its own table or schedule;
   ones when the loop cannot run (max_new_tokens == 1: the prefill's token is the only one);
-  else calibrate(...).round_costs (measured once, then cached)."""
+  else calibrate(...).round_costs (measured once on the executable generate runs, then
+  cached)."""
   if not gov.needs_calibration():
     return None
   ks = gov.candidates(drafter)
   if max_new_tokens <= 1:
     return np.ones((len(ks),), np.float32)
-  return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy,
-                   governor=gov).costs_for(ks)
+  return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, governor=gov,
+                   prompt_len=prompt_len, stop_count=stop_count, mesh=mesh).costs_for(ks)
 
 
 def clear_memory() -> None:
@@ -615,4 +640,3 @@ def clear_memory() -> None:
   cache)."""
   _TABLES.clear()
   _CHECKSUMS.clear()
-  _LOOPS.clear()

@@ -109,7 +109,8 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
                        target_params=env.target_params, num_draft=3, greedy=False)
     drafts = lambda state: (lambda d, q, _: d if q is None else q)(
         *drafter.propose(env.drafter_params, state, ctx))
-    carried = drafts(st.drafter_state)
+    carried = drafts(drafter.catch_up(env.drafter_params, st.drafter_state, st.tokens,
+                                      st.lengths))
     p = CAPACITY - 1
     pre = forward(env.target_params, CFG, st.tokens[:, :p], KVCache.zeros(CFG, b, CAPACITY),
                   jnp.zeros((b,), jnp.int32), return_layers=env.layers)

@@ -10,12 +10,13 @@ then K-1 single-token steps. After a round of K >= 1 drafts with n accepted, slo
 >= the new lengths - 2: a chain of K >= 1 rounds never needs more.
 
 A K = 0 round (the governor's plain step) does not run the draft model: commit leaves the
-state as it is, so the cache falls behind by one token per such round. The next propose first
-catches up: while a row has synced < lengths-2, it feeds that row's next `catch_up_chunk`
-committed tokens (one [B, chunk] forward per iteration of a lax.while_loop; rows already in
-sync rewrite valid slots or slots past their length, which are never read before they are
-written again). Catching up g tokens costs ceil(g / chunk) batched forwards, paid only when
-drafting resumes, instead of one draft step in every plain round.
+state as it is, so the cache falls behind by one token per such round. Before the next
+propose the governor calls `catch_up` (Drafter.catch_up): while a row has synced < lengths-2,
+it feeds that row's next `catch_up_chunk` committed tokens (one [B, chunk] forward per
+iteration of a lax.while_loop; rows already in sync rewrite valid slots or slots past their
+length, which are never read before they are written again). Catching up g tokens costs
+ceil(g / chunk) batched forwards, paid only when drafting resumes, instead of one draft step
+in every plain round.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class DraftModel(Drafter):
 
   def catch_up(self, params, state: DraftModelState, tokens, lengths) -> DraftModelState:
     """Feeds committed tokens until every row has synced >= lengths - 2 (no work when none
-    is behind; see the module docstring)."""
+    is behind; see the module docstring). tokens int32 [B, S]; lengths int32 [B]."""
     s = tokens.shape[1]
     chunk = min(self.catch_up_chunk, s)
     need = lengths - 2
@@ -116,20 +117,42 @@ class DraftModel(Drafter):
 
   def propose(self, params, state: DraftModelState, ctx: DraftContext):
     b, k = ctx.tokens.shape[0], ctx.num_draft
-    cache = self.catch_up(params, state, ctx.tokens, ctx.lengths).cache
+    cache = state.cache                     # in sync: the governor calls catch_up first
     keys = jax.random.split(ctx.key, k)
     idx = jnp.stack([ctx.lengths - 2, ctx.lengths - 1], axis=1)
     inputs = jnp.take_along_axis(ctx.tokens, idx, axis=1)
     out = forward(params, self.config, inputs, cache, ctx.lengths - 2)
     cache, logits = out.cache, out.logits[:, -1]
     greedy = self.greedy_drafts or ctx.greedy
+
+    def draw(logits, key):
+      if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      q = sampling_lib.probs(logits, ctx.sampling)
+      return jax.vmap(sampling_lib.sample)(_row_keys(key, b), q), q
+
+    if ctx.rolled and k > 2:                # steps 1..K-2 as a loop: the same drafts
+      v = logits.shape[-1]
+
+      def step(i, carry):
+        cache, logits, drafts, qs = carry
+        tok, q = draw(logits, keys[i])
+        drafts = drafts.at[:, i].set(tok)
+        if not greedy:
+          qs = qs.at[:, i].set(q)
+        out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
+        return out.cache, out.logits[:, 0], drafts, qs
+
+      qs0 = jnp.zeros((b, k, v), jnp.float32) if not greedy else jnp.zeros((0,), jnp.float32)
+      cache, logits, drafts, qs = jax.lax.fori_loop(
+          0, k - 1, step, (cache, logits, jnp.zeros((b, k), jnp.int32), qs0))
+      tok, q = draw(logits, keys[k - 1])
+      drafts = drafts.at[:, k - 1].set(tok)
+      draft_probs = None if greedy else qs.at[:, k - 1].set(q)
+      return drafts, draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
     drafts, qs = [], []
     for i in range(k):
-      if greedy:
-        tok, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-      else:
-        q = sampling_lib.probs(logits, ctx.sampling)
-        tok = jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q)
+      tok, q = draw(logits, keys[i])
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k:
