@@ -28,7 +28,15 @@ finds fewer than K), started at a prior worth `prior_weight` judged drafts at `p
 
 updated only in rounds where row b drafted (a K = 0 round or a gated row teaches nothing, and
 the estimate stays). The first `warmup_rounds` loop iterations draft (the best K >= 1), so the
-choice rests on live evidence and not only on the prior.
+choice rests on live evidence and not only on the prior. Consequence: once plain rounds win
+for the whole batch, the estimates stop moving and the governor stays plain (no probing: a
+probe would cost a drafting round, and a DraftModel's catch-up, every time).
+
+Drafters across plain rounds: K = 0 rounds never call propose; drafters whose state follows
+the target (Medusa, EAGLE, EAGLE-3, MTP) still commit the verified token there (a feature
+head's layer runs over one pair: part of the measured t(0)); a DraftModel skips them and
+catches up in one chunked forward per 16 missed tokens when drafting resumes (Drafter.catch_up,
+called before the switch; that cost is not in the table, which times steady K).
 
 Lossless: K and the gating of round r depend only on rounds < r, and each round is an exact
 speculative round for any K, so the output distribution is the target's (tests/test_governor.py).
