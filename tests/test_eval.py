@@ -105,8 +105,9 @@ def test_eval_num_draft_auto(tmp_path, prompt_file, monkeypatch):
   from spec_jax import governor as governor_lib
   model = need_shared("models", TINY)
   assert auto_supported()
-  monkeypatch.setattr(governor_lib, "round_costs_for", lambda gov, target, drafter, *a: np.ones(
-      len(gov.candidates(drafter)), np.float32))
+  monkeypatch.setattr(governor_lib, "round_costs_for",
+                      lambda gov, target, drafter, *a, **kw: np.ones(
+                          len(gov.candidates(drafter)), np.float32))
   out = tmp_path / "auto"
   assert cli.main(_argv(model, prompt_file, out, "--batch", "2", "--num-draft", "auto")) == 0
   res = json.loads((out / "results.json").read_text())
