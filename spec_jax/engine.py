@@ -421,13 +421,14 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   env, state = init_loop(target_params, prompt_tokens, prompt_lens, key, config=config,
                          drafter=drafter, drafter_params=drafter_params,
                          max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
-                         stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache, width=k)
+                         stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache, width=k,
+                         lazy_drafter=gov is not None)
   if gov is None:
     round_ = functools.partial(chain_round, env, k=k)
+    final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
   else:
-    state = state.replace(governor=gov.init_state(drafter, b))
-    round_ = governor_lib.governed_round(env, gov, costs)
-  final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
+    final = governor_lib.governed_loop(env, gov, costs,
+                                       state.replace(governor=gov.init_state(drafter, b)))
   if gov is None:
     k_rounds = jnp.zeros((k + 1,), jnp.int32).at[k].set(final.iterations)
   else:
@@ -446,10 +447,12 @@ def is_auto(num_draft) -> bool:
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
               drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
-              cache: Optional[KVCache] = None, width: int = 0) -> tuple:
+              cache: Optional[KVCache] = None, width: int = 0,
+              lazy_drafter: bool = False) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
-  with accepted_at [B, width]. The governor's calibration starts its timed rounds from here."""
+  with accepted_at [B, width]. lazy_drafter: the loop calls drafter.catch_up before drafting
+  (the governor's loop; PrefillInfo.lazy)."""
   b, p = prompt_tokens.shape
   if greedy is None:
     greedy = _concretely_greedy(sampling)
@@ -491,7 +494,8 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config: ModelCo
   done = jnp.any(first[:, None] == stop_tokens[None, :], axis=1) | (lengths >= limit)
   drafter_state = drafter.init_state(drafter_params, PrefillInfo(
       tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
-      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling))
+      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
+      lazy=lazy_drafter))
   zeros = jnp.zeros((b,), jnp.int32)
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,

@@ -68,7 +68,7 @@ import numpy as np
 from spec_jax.engine import DecodeState, LoopEnv, chain_round
 
 DEFAULT_KS = (0, 1, 2, 4, 6, 8)
-COST_MODEL_VERSION = 1          # bump when what a timed round contains changes
+COST_MODEL_VERSION = 2          # bump when what a timed round contains changes
 DEFAULT_CAPACITY = 256
 OPTIONS = {
     "max_draft": "largest K the governor may choose (integer >= 1; default 8)",
@@ -239,7 +239,8 @@ class Governor:
     return GovernorState(
         accepted=jnp.full((batch,), self.prior_alpha * self.prior_weight, jnp.float32),
         judged=jnp.full((batch,), self.prior_weight, jnp.float32),
-        k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32))
+        k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32),
+        choice=jnp.zeros((), jnp.int32))
 
 
 @flax.struct.dataclass
@@ -249,10 +250,12 @@ class GovernorState:
   accepted, judged: float32 [B] smoothed counts of accepted and judged drafts per row (prior
     included); alpha = accepted / judged.
   k_hist: int32 [N] loop iterations that ran with each candidate K.
+  choice: int32 scalar, the index (into the candidates) of the next round's K.
   """
   accepted: jax.Array
   judged: jax.Array
   k_hist: jax.Array
+  choice: jax.Array
 
 
 def resolve(governor, drafter) -> Governor:
@@ -294,8 +297,9 @@ def expected_tokens(alpha, k: int):
 
 def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration):
   """-> (index into ks of this round's K, draft_rows bool [B]): the K with the most expected
-  tokens per second for the active rows (module docstring); during warm-up only K >= 1; a
-  schedule overrides the choice."""
+  tokens per second for the active rows (module docstring); during warm-up K = 0 is excluded
+  when some K >= 1 could beat it at all (with every draft accepted, (K+1) / t(K) > 1 / t(0));
+  a schedule overrides the choice."""
   alpha = row_alpha(gs)
   draft_rows = alpha >= gov.gate_alpha
   act = active.astype(jnp.float32)
@@ -305,10 +309,13 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   scores = []
   for i, k in enumerate(ks):
     tau = jnp.where(draft_rows, expected_tokens(alpha, k), 1.0) if k else jnp.ones_like(alpha)
-    score = jnp.sum(act * tau) / costs[i]
-    if k == 0 and gov.warmup_rounds and any(kk > 0 for kk in ks):
-      score = jnp.where(iteration < gov.warmup_rounds, -jnp.inf, score)
-    scores.append(score)
+    scores.append(jnp.sum(act * tau) / costs[i])
+  if 0 in ks and gov.warmup_rounds and any(k > 0 for k in ks):
+    i0 = ks.index(0)
+    could_win = jnp.any(jnp.asarray([(k + 1) * costs[i0] > costs[i]
+                                     for i, k in enumerate(ks) if k > 0]))
+    warm = (iteration < gov.warmup_rounds) & could_win
+    scores[i0] = jnp.where(warm, -jnp.inf, scores[i0])
   return jnp.argmax(jnp.stack(scores)).astype(jnp.int32), draft_rows
 
 
@@ -327,38 +334,56 @@ def observe(gov: Governor, gs: GovernorState, before: DecodeState, after: Decode
                     judged=jnp.where(seen, lam * gs.judged + j, gs.judged))
 
 
-def governed_round(env: LoopEnv, gov: Governor, costs):
-  """The loop body of num_draft="auto": choose K, then `lax.switch` over the rounds of every
-  candidate K (chain_round), sharing the carry."""
+def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
+                  until=None) -> DecodeState:
+  """The loop of num_draft="auto" (what `decode` runs instead of its fixed-K while_loop).
+
+  Every round runs the K the governor chose after the previous round (GovernorState.choice).
+  The rounds of each candidate K form their own inner `lax.while_loop` (body: chain_round at
+  that K, then the statistics and the next choice), which runs while the choice stays its K;
+  an outer `lax.while_loop` visits the inner loops in turn (K >= 1 first, K = 0 last) until
+  every row is done. Each round pays only for its K. (A `lax.switch` over per-K rounds in one
+  loop would be the obvious form, but XLA:CPU then copies the KV caches through the
+  conditional every round: +50% per round at B = 16 for stories260K. While loops keep their
+  carry in place.) A drafter that skipped plain rounds catches up once per outer iteration,
+  before the drafting loops (Drafter.catch_up; nothing to do when it is in sync).
+
+  until: optional int, stop after this many rounds (tests)."""
+  from spec_jax.drafters.base import Drafter
   ks = gov.candidates(env.drafter)
   gate = gov.gate_alpha > 0
   env = env._replace(rolled=True)        # one draft-step body per K: a smaller program
-
-  def branch(k):
-    def run(st, draft_rows):
-      rows = draft_rows if (gate and k) else None
-      new = chain_round(env, st, k=k, draft_rows=rows)
-      return new.replace(governor=observe(gov, st.governor, st, new, k, rows))
-    return run
-
-  branches = [branch(k) for k in ks]
-
-  from spec_jax.drafters.base import Drafter
   lazy = type(env.drafter).catch_up is not Drafter.catch_up
   drafts = jnp.asarray([k > 0 for k in ks])
 
-  def round_(st: DecodeState) -> DecodeState:
-    gs = st.governor
-    idx, draft_rows = choose(gov, ks, gs, costs, ~st.done, st.iterations)
-    if lazy:      # a drafter that skipped plain rounds catches up before it drafts again
-      st = st.replace(drafter_state=jax.lax.cond(
-          drafts[idx], lambda s: env.drafter.catch_up(env.drafter_params, s, st.tokens,
-                                                       st.lengths),
-          lambda s: s, st.drafter_state))
-    new = jax.lax.switch(idx, branches, st, draft_rows)
-    return new.replace(governor=new.governor.replace(k_hist=gs.k_hist.at[idx].add(1)))
+  def running(st):
+    go = ~jnp.all(st.done)
+    return go if until is None else go & (st.iterations < until)
 
-  return round_
+  def body(i, k):
+    def run(st):
+      rows = (row_alpha(st.governor) >= gov.gate_alpha) if (gate and k) else None
+      new = chain_round(env, st, k=k, draft_rows=rows)
+      gs = observe(gov, st.governor, st, new, k, rows)
+      gs = gs.replace(k_hist=gs.k_hist.at[i].add(1))
+      choice, _ = choose(gov, ks, gs, costs, ~new.done, new.iterations)
+      return new.replace(governor=gs.replace(choice=choice))
+    return run
+
+  def outer(st):
+    if lazy:      # before a plain round the drafter is told lengths 0: nothing to do
+      st = st.replace(drafter_state=env.drafter.catch_up(
+          env.drafter_params, st.drafter_state, st.tokens,
+          jnp.where(drafts[st.governor.choice], st.lengths, 0)))
+    for i in sorted(range(len(ks)), key=lambda j: ks[j] == 0):
+      st = jax.lax.while_loop(lambda s, i=i: running(s) & (s.governor.choice == i),
+                              body(i, ks[i]), st)
+    return st
+
+  gs = state.governor
+  choice, _ = choose(gov, ks, gs, costs, ~state.done, state.iterations)
+  state = state.replace(governor=gs.replace(choice=choice))
+  return jax.lax.while_loop(running, outer, state)
 
 
 def k_rounds(gov: Governor, drafter, gs: GovernorState):
@@ -515,10 +540,15 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   """Seconds per loop iteration at each candidate K, timed on the compiled decode that
   generate(num_draft="auto") runs for these shapes (the same executable: calibrating compiles
   nothing extra). K is forced through the cost vector (cost 1 for it, 1e30 for the others).
-  Per K, two calls of n and n/2 new tokens (text-like prompts of prompt_len tokens; stop tokens
-  that never occur, so every row runs to its limit) give (min t_n - min t_n/2) /
-  (iterations_n - iterations_n/2): the prefill, the warm-up rounds and per-call work cancel;
-  all calls run round-robin (spec_jax.bench.timing.interleaved_rounds), `repeats` times.
+  Per K, one call of n new tokens (text-like prompts of prompt_len tokens; stop tokens that
+  never occur, so every row runs to its limit); the smallest K >= 1, k1, also runs n/2 tokens,
+  and the difference of its two lengths gives the per-call part f (prefill, dispatch). Then
+  t(K) = (min over repeats of the call's seconds - f) / its loop iterations; for K = 0 the
+  governor's warm-up rounds, if it ran any (they are forced to k1), are taken out as well. All calls
+  run round-robin (spec_jax.bench.timing.interleaved_rounds), `repeats` times; a shared machine
+  only ever adds time, so the fastest call is the least disturbed one. (Differencing two
+  lengths for every K was tried: with few rounds at large K, a loaded machine's noise swamped
+  the difference.)
   -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
   from spec_jax import engine
   from spec_jax.bench.timing import interleaved_rounds, summarize
@@ -533,8 +563,12 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   stop = np.full((stop_count,), -1, np.int32)           # token ids are >= 0: never stops
   key = jax.random.key(0)
 
+  positive = [i for i, k in enumerate(ks) if k > 0]
+  i1 = positive[0] if positive else 0                  # k1: the smallest K >= 1
+
   def run(i, n):
     costs = np.full((len(ks),), 1e30, np.float32)
+    costs[i1] = 1e29                                     # the warm-up's choice when K = 0
     costs[i] = 1.0
     compiled, args, kwargs = engine.compiled_decode_call(
         target, drafter, prompts, lens, key, max_new_tokens=n, sampling=sampling, stop=stop,
@@ -543,23 +577,28 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
     t0 = time.perf_counter()
     res = compiled(*args, **kwargs)
     jax.block_until_ready(res.lengths)
-    return time.perf_counter() - t0, int(res.iterations)
+    return (time.perf_counter() - t0, int(res.iterations),
+            int(np.asarray(res.k_rounds)[ks[i1]]) if i != i1 else 0)
 
-  runs = {(i, n): (lambda i=i, n=n: run(i, n)) for i in range(len(ks)) for n in (n_short, n_long)}
+  runs = {(i, n_long): (lambda i=i: run(i, n_long)) for i in range(len(ks))}
+  runs[(i1, n_short)] = lambda: run(i1, n_short)
   for r in runs.values():                                # compile (once) and warm
     r()
   results = interleaved_rounds(runs, repeats)
+  (ts, its, _), (tl, itl, _) = (min(results[(i1, n)]) for n in (n_short, n_long))
+  per1 = max(tl - ts, 0.0) / max(itl - its, 1)
+  fixed = min(max(ts - its * per1, 0.0), ts)            # the per-call part f
+  per = {i: [max(t - fixed, 1e-9) / it for t, it, _ in results[(i, n_long)]] for i in positive}
   out = {}
   for i, k in enumerate(ks):
-    short, long_ = results[(i, n_short)], results[(i, n_long)]
-    rounds = max(long_[0][1] - short[0][1], 1)         # the same in every repeat (same key)
-    samples = [max(tl - ts, 1e-9) / rounds for (ts, _), (tl, _) in zip(short, long_)]
-    # A shared machine only ever adds time: the fastest call of each length is the least
-    # disturbed one, and their difference the estimate (the spread of the per-repeat
-    # differences says how noisy the machine was).
-    best = max(min(t for t, _ in long_) - min(t for t, _ in short), 1e-9) / rounds
-    out[k] = {"per_iter_s": best, "spread_pct": summarize(samples)["spread_pct"],
-              "samples": samples}
+    if k == 0:          # minus the warm-up rounds at k1, if the governor ran any
+      t1 = min(per[i1]) if positive else 0.0
+      samples = [max(t - fixed - w * t1, 1e-9) / max(it - w, 1)
+                 for t, it, w in results[(i, n_long)]]
+    else:
+      samples = per[i]
+    out[k] = {"per_iter_s": min(samples), "spread_pct": summarize(samples)["spread_pct"],
+              "samples": samples, "per_call_s": fixed}
   return out
 
 

@@ -46,6 +46,9 @@ class PrefillInfo:
   layer_hidden: tuple of [B, P, D], the layers the drafter asked for (`target_layers`).
   target_params: the target model's params (heads reuse its embedding and LM head).
   sampling: per-row Sampling arrays [B].
+  lazy: (static) the engine calls `catch_up` before the first propose (the governor does): a
+    drafter may leave work to it that drafting would need (DraftModel: the prompt's prefill,
+    wasted when the governor never drafts).
   """
   tokens: jax.Array
   prompt_tokens: jax.Array
@@ -54,6 +57,7 @@ class PrefillInfo:
   layer_hidden: tuple
   target_params: Any
   sampling: Sampling
+  lazy: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass

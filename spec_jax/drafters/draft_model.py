@@ -16,7 +16,8 @@ it feeds that row's next `catch_up_chunk` committed tokens (one [B, chunk] forwa
 iteration of a lax.while_loop; rows already in sync rewrite valid slots or slots past their
 length, which are never read before they are written again). Catching up g tokens costs
 ceil(g / chunk) batched forwards, paid only when drafting resumes, instead of one draft step
-in every plain round.
+in every plain round. Under the governor (PrefillInfo.lazy) even the prompt's prefill is left
+to catch_up: a batch that never drafts never runs the draft model.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class DraftModel(Drafter):
   def init_state(self, params, prefill: PrefillInfo):
     b, s = prefill.tokens.shape
     cache = KVCache.zeros(self.config, b, s)
+    if prefill.lazy:                        # catch_up prefills when (if) drafting starts
+      return DraftModelState(cache=cache, synced=jnp.zeros((b,), jnp.int32))
     out = forward(params, self.config, prefill.prompt_tokens, cache, jnp.zeros((b,), jnp.int32))
     return DraftModelState(cache=out.cache, synced=prefill.prompt_lens)
 
