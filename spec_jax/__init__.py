@@ -16,7 +16,8 @@ __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_
 
 from spec_jax import drafters
 from spec_jax.engine import DecodeResult, GenerateOutput, decode, generate, new_tokens
+from spec_jax.governor import CostTable, Governor, calibrate
 from spec_jax.stats import SpecStats
 
 __all__ += ["drafters", "decode", "DecodeResult", "new_tokens", "generate", "GenerateOutput",
-            "SpecStats"]
+            "SpecStats", "Governor", "calibrate", "CostTable"]

@@ -35,9 +35,12 @@ class SpecStats:
   tokens_per_second: new tokens / seconds, over all rows.
   new_tokens: new tokens emitted over all rows (stop tokens included; the prefill's included).
   iterations: decode-loop iterations (target forwards after the prefill).
-  num_draft: K.
+  num_draft: K (with num_draft="auto": the largest candidate K, the width of accepted_at).
   emitted: tokens emitted by the rounds (new_tokens less the one token per row the prefill
     sampled).
+  k_histogram: {K: decode-loop iterations that ran with K drafts} (K with at least one).
+  auto: the governor chose K (num_draft="auto"); alpha_token is then 0 (rounds mixed several K,
+    so no single K inverts tau; acceptance_rate = accepted / drafted still holds).
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
     ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
     row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
@@ -60,6 +63,8 @@ class SpecStats:
   processes: int = 1
   emitted: int = 0
   alpha_token: float = 0.0
+  k_histogram: Optional[dict] = None
+  auto: bool = False
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -95,21 +100,33 @@ class SpecStats:
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
-                  processes: int = 1) -> "SpecStats":
+                  processes: int = 1, auto: bool = False) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
-    rounds emitted (every row's first token comes from the prefill, not from a round)."""
+    rounds emitted (every row's first token comes from the prefill, not from a round).
+    auto: the result came from num_draft="auto" (the governor)."""
     accepted_at = np.asarray(result.accepted_at)
     k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
     new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
-    return cls.from_counts(
+    stats = cls.from_counts(
         rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
         accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
         new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k,
         emitted=np.maximum(new - 1, 0), processes=processes)
+    hist = getattr(result, "k_rounds", None)
+    if hist is not None:
+      hist = {k: int(n) for k, n in enumerate(np.asarray(hist).reshape(-1)) if n}
+    if not auto:
+      return dataclasses.replace(stats, k_histogram=hist)
+    return dataclasses.replace(stats, k_histogram=hist, auto=True, alpha_token=0.0)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
-    return (f"K={self.num_draft} rounds={self.rounds} drafted={self.drafted} "
+    k = f"auto(<={self.num_draft})" if self.auto else str(self.num_draft)
+    hist = ""
+    if self.auto and self.k_histogram is not None:
+      hist = " K_rounds={" + ", ".join(f"{kk}: {n}" for kk, n in
+                                       sorted(self.k_histogram.items())) + "}"
+    return (f"K={k}{hist} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"alpha_token={self.alpha_token:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "

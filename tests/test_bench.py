@@ -73,6 +73,42 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   assert again["rows"] == rows and again["partial"] is False
 
 
+def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, capsys):
+  """-K 1 auto: the governor is one more row per drafter, with its K histogram, cost table and
+  share of the best fixed K; --prompts mixed gives half random-token rows. The cost table's
+  timing is replaced by fixed numbers (calibration is tested in tests/test_governor.py)."""
+  from spec_jax import governor as governor_lib
+  from spec_jax.bench.prompts import prompt_token_lists
+  from spec_jax.bench.specs import load_model
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  governor_lib.clear_memory()
+  monkeypatch.setattr(governor_lib, "measure_round_costs", lambda target, drafter, batch,
+                      capacity, greedy, ks, repeats=3, **kw: {
+                          k: {"per_iter_s": 1e-3 * (1 + 0.2 * k), "spread_pct": 0.0}
+                          for k in ks})
+  out = tmp_path / "gov.json"
+  rc = cli.main(["--pairs", "random:tiny@ngram", "-K", "1", "auto", "-B", "2",
+                 "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                 "--temperatures", "0", "--prompts", "mixed", "--out", str(out)])
+  assert rc == 0
+  data = json.loads(out.read_text())
+  rows = {r["K"]: r for r in data["rows"]}
+  assert set(rows) == {0, 1, "auto"}
+  auto = rows["auto"]
+  assert sum(auto["k_histogram"].values()) == auto["iterations"] > 0
+  assert auto["best_fixed_K"] == 1 and auto["share_of_best_fixed"] == pytest.approx(
+      auto["speedup"] / rows[1]["speedup"])
+  assert auto["governor_costs"]["ks"] == [0, 1, 2, 4, 6, 8]
+  assert auto["bound"] is None and auto["c_verify"] is None
+  (g,) = data["governor"]
+  assert g["batch"] == 2 and g["k_histogram"] == auto["k_histogram"]
+  assert "governor random:tiny + ngram T=0 B=2" in capsys.readouterr().out
+  ids, _ = prompt_token_lists(load_model("random:tiny"), "mixed", 4, 8, 128, 0)
+  assert len(ids) == 4 and ids[0] != ids[1] and len(ids[0]) == len(ids[1])
+  assert cli.parse_args(["-K", "2", "auto"]).num_draft == [2, "auto"]
+  governor_lib.clear_memory()
+
+
 def test_plain_suite_tiny(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")

@@ -21,6 +21,16 @@ DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinyst
 QUICK = dict(num_draft=[2, 4], batch=[1, 4], max_new_tokens=32, repeats=2, cost_repeats=5)
 
 
+def k_or_auto(value):
+  """A --num-draft value: an integer K or 'auto' (the governor)."""
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    return "auto"
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise argparse.ArgumentTypeError(f"K must be an integer or 'auto', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The flags of python -m spec_jax.bench (the --config file's keys are the same names)."""
   import spec_jax.bench
@@ -36,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "library in its own process) | all (plain then spec)")
   p.add_argument("--pairs", nargs="+", default=["default"],
                  help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
-  p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
-                 help="K values (plain K=0 is always measured)")
+  p.add_argument("--num-draft", "-K", type=k_or_auto, nargs="+", default=[1, 2, 4, 6, 8],
+                 help="K values, and 'auto' for the governor as one more column (plain K=0 is "
+                 "always measured)")
   p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
   p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                  default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
@@ -46,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
   p.add_argument("--cost-repeats", type=int, default=20, help="timed calls per cost ratio")
   p.add_argument("--prompts", default="tinystories",
-                 help=f"{' | '.join(PROMPT_SETS)} | a .txt / .jsonl / .jsonl.gz path")
+                 help=f"{' | '.join(PROMPT_SETS)} | mixed (even rows tinystories, odd rows "
+                 "random token ids the drafter cannot predict) | a .txt / .jsonl / .jsonl.gz "
+                 "path")
   p.add_argument("--prompt-words", type=int, default=8,
                  help="words of each paragraph used as a prompt (.txt sources)")
   p.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -109,6 +122,11 @@ def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
           value if isinstance(value, list) else [value])
       if action.type is int:
         value = [int(x) for x in value]
+      elif action.type is k_or_auto:
+        try:
+          value = [k_or_auto(x) for x in value]
+        except argparse.ArgumentTypeError as e:
+          raise ValueError(f"{path}: {key}: {e}") from None
     elif action.type is int:
       value = int(value)
     defaults[dest] = value

@@ -239,6 +239,30 @@ class FeatureHead(Drafter):
     k_draft = ctx.num_draft
     keys = jax.random.split(ctx.key, k_draft)
     feature, kc, vc = state.next_feature, state.k, state.v
+    greedy = self.greedy_drafts or ctx.greedy
+    if ctx.rolled and k_draft > 2:          # steps 1..K-2 as a loop: the same drafts
+      b = feature.shape[0]
+      v = self.target_config.vocab_size
+
+      def step(i, carry):
+        feature, kc, vc, drafts, qs = carry
+        tok, q = self._propose_token(params, ctx.target_params, feature, keys[i],
+                                     ctx.sampling, ctx.greedy)
+        drafts = drafts.at[:, i].set(tok)
+        if not greedy:
+          qs = qs.at[:, i].set(q)
+        o, kc, vc = self._step(params, ctx.target_params, tok[:, None], feature[:, None], kc, vc,
+                               ctx.lengths - 1 + i)
+        return o[:, 0], kc, vc, drafts, qs
+
+      qs0 = jnp.zeros((b, k_draft, v), jnp.float32) if not greedy else jnp.zeros((0,))
+      feature, kc, vc, drafts, qs = jax.lax.fori_loop(
+          0, k_draft - 1, step, (feature, kc, vc, jnp.zeros((b, k_draft), jnp.int32), qs0))
+      tok, q = self._propose_token(params, ctx.target_params, feature, keys[k_draft - 1],
+                                   ctx.sampling, ctx.greedy)
+      drafts = drafts.at[:, k_draft - 1].set(tok)
+      probs = None if greedy else qs.at[:, k_draft - 1].set(q)
+      return drafts, probs, state.replace(k=kc, v=vc)
     drafts, qs = [], []
     for i in range(k_draft):
       tok, q = self._propose_token(params, ctx.target_params, feature, keys[i], ctx.sampling,

@@ -185,6 +185,7 @@ class UnitRunner:
           "seconds_median": statistics.median(o.stats.seconds for o, _ in res),
           "ttft_median_s": statistics.median(t for _, t in res),
           "iterations": first.stats.iterations,
+          "k_histogram": {str(k): n for k, n in (first.stats.k_histogram or {}).items()},
           "new_tokens": [len(t) for t in outputs[c.key][:n]],
           **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "accepted_at")}}
     plain_tokens, plain_text = rows[PLAIN]
