@@ -347,13 +347,12 @@ def _row_chunks(w, chunks: int):
 
 def cpu_weight_chunks() -> int:
   """Row blocks per projection weight in the CPU execution layout: $SPEC_JAX_CPU_WEIGHT_CHUNKS,
-  else 2 x the CPU count capped at 8. On the 2-core CI machine (78M widened model, fp32) a
-  decode step at T = 1 and a verify at T = 5 were fastest with 4 blocks (the benchmark in the
-  README's Speed section)."""
+  default 1 (whole weights). A matmul-only microbenchmark on the 2-core machine (48 fp32
+  weights, 302 MB) ran 25-40 % faster with 2-4 row blocks at T = 1..9, but whole decode and
+  verify forwards of the 78M widened model showed no gain (T = 1: 19.9 / 23.2 / 21.9 ms with
+  1 / 2 / 4 blocks, noisy), so the option stays off until a quiet measurement says otherwise."""
   env = os.environ.get("SPEC_JAX_CPU_WEIGHT_CHUNKS")
-  if env:
-    return max(1, int(env))
-  return max(1, min(8, 2 * (os.cpu_count() or 1)))
+  return max(1, int(env)) if env else 1
 
 
 def prepare_params(params, config: ModelConfig, mesh=None):
