@@ -332,7 +332,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   Static (hashable; mark them static in your jit, e.g. with functools.partial):
     config: the target's ModelConfig. drafter: a Drafter or None (plain decoding, K = 0).
     num_draft: K. capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1.
-    tree: reserved for tree drafting (not available yet: must be None).
+    tree: a spec_jax.TreeSpec for tree drafting (spec_jax.tree; num_draft is then ignored and
+      capacity must hold P_max + max_new_tokens + tree.cache_extent + 1), or None (a chain).
     mesh: optional Mesh ("data", "model") for the sharding annotations (spec_jax.sharding).
     greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
       infers it from concrete sampling values (traced values: False; both paths give the same
@@ -356,12 +357,16 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
         new = (pos >= res.prompt_lens[:, None] - 1) & (pos < res.lengths[:, None] - 1)
         return res, jnp.sum(jnp.where(new, tok_logp, 0.0), axis=1)
   """
-  if tree is not None:
-    raise ValueError("tree drafting is not available yet: pass tree=None")
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
                      f"{type(drafter).__name__}")
-  k = check_num_draft(drafter, num_draft)
+  if tree is not None:   # tree drafting: num_draft is ignored, depth bounds the accepted drafts
+    from spec_jax import tree as tree_lib
+    tree = tree_lib.check_tree(tree, drafter)
+    k, extent = tree.depth, tree.cache_extent
+  else:
+    k = check_num_draft(drafter, num_draft)
+    extent = k
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -375,9 +380,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   if _is_static_int(max_new_tokens):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_capacity(capacity, p, int(max_new_tokens), k)
-  elif not _is_static_int(capacity) or capacity < p + k + 2:
-    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + k + 2}, got {capacity!r}")
+    check_capacity(capacity, p, int(max_new_tokens), extent)
+  elif not _is_static_int(capacity) or capacity < p + extent + 2:
+    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + extent + 2}, got "
+                     f"{capacity!r}")
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   if greedy is None:
@@ -431,7 +437,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   env = LoopEnv(config=config, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
                 limit=limit, greedy=greedy, layers=layers)
-  round_ = functools.partial(chain_round, env, k=k)
+  if tree is not None:
+    round_ = functools.partial(tree_lib.tree_round, env, spec=tree)
+  else:
+    round_ = functools.partial(chain_round, env, k=k)
   final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
   return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
                       rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
@@ -565,7 +574,7 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
 def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int = 4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
-             prompt_bucket: int = PROMPT_BUCKET) -> GenerateOutput:
+             prompt_bucket: int = PROMPT_BUCKET, tree=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -588,6 +597,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
     prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
       length; the padding is masked, so outputs do not depend on it).
+    tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
+      verify over N+1 tree nodes per round, lossless); num_draft is then ignored. None: a chain.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -596,7 +607,12 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
-  k = check_num_draft(drafter, num_draft)
+  if tree is not None:
+    from spec_jax import tree as tree_lib
+    tree = tree_lib.check_tree(tree, drafter)
+    k, extent = tree.depth, tree.cache_extent
+  else:
+    k = extent = check_num_draft(drafter, num_draft)
   if drafter is not None:
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
@@ -609,8 +625,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
   ids = _prepare_prompts(target, prompts)
   sharding_lib.check_mesh(mesh, len(ids))
-  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity,
-                                                       prompt_bucket)
+  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, extent,
+                                                       capacity, prompt_bucket)
   batch = prompt_tokens.shape[0]
   mesh = sharding_lib.as_auto(mesh)
   greedy = sampling.is_greedy
@@ -626,7 +642,7 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
                 sampling=sharding_lib.shard_rows(mesh, sampling),
                 stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop)))
   static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=capacity,
-                mesh=mesh, greedy=greedy)
+                mesh=mesh, greedy=greedy, tree=tree)
   compiled = _compiled_decode((args, kwargs), static)
   start = time.perf_counter()
   result = compiled(*args, **kwargs)
@@ -638,5 +654,5 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   text = None
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
-  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k)
+  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, tree=tree)
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result)

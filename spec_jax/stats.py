@@ -27,6 +27,10 @@ class SpecStats:
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
     ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
     row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
+  tree: None for chains; for tree drafting (depth, top_k, num_nodes, candidates). Then
+    num_draft is the depth D, drafted counts the tree nodes verified (so acceptance_rate is
+    accepted nodes / verified nodes), accepted_at[d] the rounds whose accepted path reached
+    depth d+1, and mean_accepted_length is tau, tokens emitted per verify, as for chains.
   """
   rounds: int
   drafted: int
@@ -40,6 +44,7 @@ class SpecStats:
   iterations: int = 0
   num_draft: int = 0
   row_counts: Optional[dict] = None
+  tree: Optional[tuple] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -68,8 +73,8 @@ class SpecStats:
         row_counts=row_counts)
 
   @classmethod
-  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None
-                  ) -> "SpecStats":
+  def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
+                  tree=None) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
     rounds emitted (every row's first token comes from the prefill, not from a round)."""
     accepted_at = np.asarray(result.accepted_at)
@@ -82,11 +87,15 @@ class SpecStats:
     rounds = stats.rounds
     from_rounds = int(new.sum()) - int(np.sum(new > 0))
     tau = from_rounds / rounds if rounds else 1.0
-    return dataclasses.replace(stats, mean_accepted_length=tau)
+    tree = None if tree is None else (tree.depth, tree.top_k, tree.num_nodes, tree.candidates)
+    return dataclasses.replace(stats, mean_accepted_length=tau, tree=tree)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
-    return (f"K={self.num_draft} rounds={self.rounds} drafted={self.drafted} "
+    shape = (f"K={self.num_draft}" if self.tree is None else
+             "tree D={},k={},N={}{}".format(*self.tree[:3],
+                                            "" if self.tree[3] == "topk" else ",sampled"))
+    return (f"{shape} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
             f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "

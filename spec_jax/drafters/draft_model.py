@@ -5,6 +5,12 @@ cache is valid for positions < lengths-2 at least (after a round whose drafts we
 accepted, the last draft was never fed to it), so the first draft step always feeds the two
 last committed tokens at positions lengths-2, lengths-1; rewriting the slot at lengths-2 with
 the same token is harmless. Then K-1 single-token steps. No extra state is needed.
+
+Trees (spec_jax.tree, EAGLE-2's dynamic tree on the draft model): a tree round writes its
+frontier nodes into the draft cache past the last committed token, so the cache is only known
+valid below the old lengths, and a round commits at most D+1 tokens: each propose_tree
+re-feeds the last D+1 committed tokens (a causal block; the root's logits give depth 1), then
+one forward per further depth over [block, frontier nodes so far] with the ancestor mask.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
+from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
 from spec_jax.models.transformer import KVCache, forward, prepare_params
 
@@ -46,6 +53,8 @@ class DraftModel(Drafter):
   draft_probs are the real q. With greedy_drafts=True the drafts are the draft model's argmax,
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
   """
+
+  supports_tree = True
 
   def __init__(self, model, greedy_drafts: bool = False):
     self.model = model
@@ -90,3 +99,31 @@ class DraftModel(Drafter):
         cache, logits = out.cache, out.logits[:, 0]
     draft_probs = None if greedy else jnp.stack(qs, 1)
     return jnp.stack(drafts, 1), draft_probs, cache
+
+  def propose_tree(self, params, cache, ctx: DraftContext, spec):
+    b, s = ctx.tokens.shape
+    w = spec.depth + 1
+    lengths = ctx.lengths
+    start = jnp.maximum(lengths - w, 0)             # a short row's block runs past its root
+    idx = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    block = jnp.take_along_axis(ctx.tokens, jnp.minimum(idx, s - 1), axis=1)
+    root_at = lengths - 1 - start
+    out = forward(params, self.config, block, cache, start)
+    root_logits = jnp.take_along_axis(out.logits, root_at[:, None, None], axis=1)[:, 0]
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    sees_block = jnp.arange(w)[None, None, :] <= root_at[:, None, None]     # [B, 1, w]
+
+    def expand(tokens, parents, depths, cache):
+      t = tokens.shape[1]
+      mask = jnp.concatenate([
+          jnp.concatenate([causal, jnp.zeros((b, w, t), bool)], axis=2),
+          jnp.concatenate([jnp.broadcast_to(sees_block, (b, t, w)),
+                           tree_lib.ancestor_mask(parents, spec.depth)], axis=2)], axis=1)
+      positions = jnp.concatenate([idx, lengths[:, None] - 1 + depths], axis=1)
+      out = forward(params, self.config, jnp.concatenate([block, tokens], axis=1), cache, start,
+                    positions=positions, tree_mask=mask)
+      return out.logits[:, w:], out.cache
+
+    sampled = spec.candidates == "sampled" and not (self.greedy_drafts or ctx.greedy)
+    return tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
+                                       sampling=ctx.sampling, sampled=sampled)

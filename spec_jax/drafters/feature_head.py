@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
+from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
@@ -121,6 +122,7 @@ class FeatureHead(Drafter):
   """
 
   kind = "eagle"
+  supports_tree = True
 
   def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
                target_layers: tuple = (), greedy_drafts: bool = False):
@@ -186,17 +188,27 @@ class FeatureHead(Drafter):
     w_dtype = target_params["embed"].dtype
     return lm_head(target_params, self.target_config, out.astype(w_dtype))
 
-  def _layer(self, params, x, k, v, offsets):
-    """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v)."""
+  def _layer(self, params, x, k, v, offsets, positions=None, tree_mask=None):
+    """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v). positions
+    default to the slots (offsets + t); trees pass their own with an ancestor tree_mask."""
     t = x.shape[1]
-    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets, None,
-                         rope_inv_freq(self.layer_config))
+    if positions is None:
+      positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets,
+                         tree_mask, rope_inv_freq(self.layer_config))
 
   def _empty_cache(self, batch, capacity):
     c = self.layer_config
     shape = (batch, capacity, c.num_kv_heads, c.head_dim)
     return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+  def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
+            tree_mask=None):
+    """One cached head forward over T new pairs: next tokens int32 [B, T] and features
+    [B, T, D] at slots offsets[b] .. offsets[b]+T-1 -> (o [B, T, D], k, v). positions (default
+    the slots) and tree_mask [B, T, T] (default causal) are for draft trees."""
+    x = self.combine(params, target_params, tokens, feature)
+    return self._layer(params, x, k, v, offsets, positions, tree_mask)
 
   # ----------------------------------------------------------------------- drafter interface
 
@@ -245,6 +257,37 @@ class FeatureHead(Drafter):
     o, k, v = self._layer(params, x, state.k, state.v, verify.lengths_before - 1)
     last = jnp.take_along_axis(o, n_accepted[:, None, None], axis=1)[:, 0]
     return FeatureHeadState(k=k, v=v, next_feature=last)
+
+  def propose_tree(self, params, state: FeatureHeadState, ctx: DraftContext, spec):
+    """EAGLE-2's dynamic tree (spec_jax.tree.build_dynamic_tree). A node at depth d is the
+    pair (its parent's feature, its token) at RoPE position lengths-2+d, as in a chain; the
+    frontier nodes so far go through the head's layer once per depth at slots lengths-1.. with
+    their ancestor mask (speculative slots, rewritten by commit_tree along the accepted path),
+    each reading its parent's output o (the root's: next_feature)."""
+    tp = ctx.target_params
+    nf = state.next_feature
+    b, d = nf.shape
+    lengths = ctx.lengths
+
+    def expand(tokens, parents, depths, carry):
+      o_prev, k, v = carry
+      t = tokens.shape[1]
+      root_feat = jnp.broadcast_to(nf[:, None, :], (b, t, d))
+      if o_prev is None:
+        parent_feat = root_feat
+      else:
+        gathered = jnp.take_along_axis(o_prev, jnp.maximum(parents, 0)[:, :, None], axis=1)
+        parent_feat = jnp.where(parents[:, :, None] < 0, root_feat, gathered)
+      o, k, v = self._step(params, tp, tokens, parent_feat, k, v, lengths - 1,
+                           positions=lengths[:, None] - 2 + depths,
+                           tree_mask=tree_lib.ancestor_mask(parents, spec.depth))
+      return self.logits(params, tp, o), (o, k, v)
+
+    sampled = spec.candidates == "sampled" and not (self.greedy_drafts or ctx.greedy)
+    tree, (_, k, v) = tree_lib.build_dynamic_tree(
+        self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
+        sampling=ctx.sampling, sampled=sampled)
+    return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training
 
