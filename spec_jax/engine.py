@@ -306,7 +306,8 @@ def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -
   needed = longest_prompt + max_new_tokens + k + 1
   if capacity < needed:
     raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "
-                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) needs {needed}")
+                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}; a tree's cache_extent "
+                     f"+ 1) needs {needed}")
 
 
 def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
