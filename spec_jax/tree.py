@@ -162,8 +162,8 @@ def parse_tree_spec(text: str) -> TreeSpec:
 def check_tree(tree, drafter) -> TreeSpec:
   """The TreeSpec a (tree, drafter) pair runs with; ValueError naming what is allowed."""
   if not isinstance(tree, TreeSpec):
-    raise ValueError(f"tree must be a spec_jax.TreeSpec(depth=, top_k=, num_nodes=) or None, "
-                     f"got {type(tree).__name__}")
+    raise ValueError(f"tree must be a spec_jax.TreeSpec(depth=, top_k=, num_nodes=) for tree "
+                     f"drafting, or None; got {type(tree).__name__}")
   if drafter is None:
     raise ValueError("tree drafting needs a drafter (DraftModel, NGram, EAGLE, EAGLE3 or MTP); "
                      "got drafter=None")

@@ -539,3 +539,23 @@ def test_greedy_tree_equals_plain_with_heads(stories260k, plain_greedy, kind):
   head = cls.init(stories260k, key=jax.random.key(1))
   out = _tree_greedy(stories260k, head, sj.TreeSpec(3, 2, 6))
   assert out.tokens == plain_greedy.tokens
+
+
+# ----------------------------------------------------------------------------- bench
+
+def test_bench_reports_tree_rows_beside_chains(tmp_path, capsys):
+  import json
+  from spec_jax.bench import cli
+  out = tmp_path / "spec.json"
+  rc = cli.main(["--pairs", "random:tiny@ngram", "-K", "2", "--tree", "2,2,4", "-B", "1",
+                 "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                 "--temperatures", "0", "--out", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert sorted((r["drafter"], r["K"], r["tree"] or "") for r in rows) == [
+      ("ngram", 2, ""), ("ngram", 2, "2,2,4"), ("none", 0, "")]
+  tree_row = next(r for r in rows if r["tree"])
+  assert 1.0 <= tree_row["tau"] <= 3.0 and tree_row["c_verify"] > 0 and tree_row["c_draft"] > 0
+  assert tree_row["alpha_token"] is None
+  assert "tree 2,2,4" in capsys.readouterr().out
+  assert cli.main(["--tree", "2,2", "--out", str(out)]) == 2
