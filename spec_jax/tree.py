@@ -32,11 +32,23 @@ Tree building (drafters call `build_dynamic_tree`; NGram builds a trie with `tri
   the new tokens among themselves, so the tree so far is fed again rather than read from the
   drafter's cache; exact, and cheap for a one-layer head or a small draft model).
 
-  Sampled candidates (TreeSpec(candidates="sampled")): every expanded node gets m = top_k
-  children drawn i.i.d. from the drafter's q (its `sampling.probs`); which nodes are expanded
-  is decided per depth from the scores of the nodes themselves (before their children are
-  drawn), with a static number of expansions per depth (`sampled_schedule`); no final pruning,
-  because dropping a child for its own value would bias the children away from i.i.d. q.
+  Sampled candidates (TreeSpec(candidates="sampled" or "distinct")): the same shape (k children
+  per expanded node, k frontier nodes per depth, the N best kept), but every expanded node v
+  draws its children from the drafter's q_v = sampling.probs(logits): i.i.d. ("sampled") or
+  without replacement ("distinct": Gumbel-top-k, the first k draws of sampling without
+  replacement, in draw order). Which children are expanded and kept must not depend on a
+  child's own token, or the kept children would no longer follow q (keeping the likeliest of
+  k i.i.d. draws is lossy). So nodes are ranked by a priority fixed BEFORE the node is drawn:
+
+      prio(c_i) = min(prio(v), score(v) + log R_i),   R_i = 1 - sum_{j<i} q_v(c_j),
+
+  with score(v) = the cumulative log q of v's path (v's own token is known when its children
+  are ranked). prio never increases along a path or a sibling list, so anything whose rank
+  depends on c_i's token ranks below c_i, and whether c_i is drawn, expanded or kept depends
+  only on what ranks above it: the kept tree is a best-first search that decides each node
+  before drawing it, and every kept child of v is, given everything decided before it, a
+  fresh draw from q_v (or from q_v without the earlier siblings). Frontiers and the final N
+  are chosen by prio (ties: creation order, which keeps the tree ancestor-closed).
 
 Verification, chosen by how the candidates were drawn (all lossless: the emitted tokens have
 exactly the target's joint distribution):
@@ -66,9 +78,21 @@ exactly the target's joint distribution):
 
   all rejected -> draw from the last r. Each step is Leviathan et al.'s rejection sampler
   applied to the residual target r_i (emit ~ r_i exactly when c_i ~ q independently), so the
-  emitted token has distribution r_1 = p. Both rules then continue at the accepted child with
-  its own p; the children of a node are fixed before, and independently of, the uniforms at
-  its parent, so by induction over depth the emitted sequence has the target's joint.
+  emitted token has distribution r_1 = p.
+
+  Distinct candidates (drawn without replacement from q): recursive rejection sampling (Jeon et
+  al. 2024, "Recursive Speculative Decoding: Accelerating LLM Inference via Sampling Without
+  Replacement", sec. 3, Algorithm 1): the same step with the proposal of the i-th draw,
+  q_1 = q, q_{i+1} = norm(q_i with c_i zeroed):
+
+      accept c_i with probability min(1, r_i(c_i) / q_i(c_i));
+      on rejection r_{i+1} = norm(max(r_i - q_i, 0)),  q_{i+1} = norm(q_i with c_i zeroed).
+
+  c_{i+1} given c_1..c_i is a draw from q_{i+1}, so each step is again exact for r_i.
+
+  Every rule continues at the accepted child with its own p; a node's children are fixed
+  before, and independently of, the uniforms at the node, so by induction over depth the
+  emitted sequence has the target's joint.
 
 `verify_tree` is the vectorised verification (one pass over the nodes in index order, which is
 topological: a node's children come after it and siblings are tried in index order);
@@ -91,7 +115,7 @@ from spec_jax import sampling as sampling_lib
 from spec_jax.models.transformer import KVCache, forward
 
 MAX_TREE_TOKENS = 32       # root + nodes per verify: the kernels' one 32-bit mask per query row
-CANDIDATES = ("topk", "sampled")
+CANDIDATES = ("topk", "sampled", "distinct")
 
 
 # ----------------------------------------------------------------------------- the spec
@@ -105,8 +129,9 @@ class TreeSpec:
   num_nodes: N, draft nodes verified per round (the root, the last committed token, is extra):
     depth <= N and N + 1 <= 32.
   candidates: "topk" (deterministic top-k children; verified by recursive rejection with
-    one-hot drafts) or "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's
-    multi-step speculative sampling). Greedy decoding and deterministic drafters (n-gram,
+    one-hot drafts), "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's
+    multi-step speculative sampling) or "distinct" (children drawn from q without replacement;
+    recursive rejection sampling). Greedy decoding and deterministic drafters (n-gram,
     greedy_drafts=True) always use top-k candidates.
   """
   depth: int
@@ -142,16 +167,17 @@ class TreeSpec:
     return max(self.num_nodes, self.top_k * (self.depth - 1))
 
   def label(self) -> str:
-    kind = "" if self.candidates == "topk" else ",sampled"
+    kind = "" if self.candidates == "topk" else "," + self.candidates
     return f"tree D={self.depth},k={self.top_k},N={self.num_nodes}{kind}"
 
 
 def parse_tree_spec(text: str) -> TreeSpec:
-  """'D,k,N' or 'D,k,N,sampled' (the bench's --tree) -> TreeSpec; ValueError otherwise."""
+  """'D,k,N' or 'D,k,N,CANDIDATES' (topk, sampled or distinct; the bench's --tree) ->
+  TreeSpec; ValueError otherwise."""
   parts = [p.strip() for p in str(text).split(",")]
   if len(parts) not in (3, 4):
-    raise ValueError(f"a tree is written D,k,N or D,k,N,sampled (depth, top_k, num_nodes), got "
-                     f"{text!r}")
+    raise ValueError(f"a tree is written D,k,N or D,k,N,{'|'.join(CANDIDATES)} (depth, top_k, "
+                     f"num_nodes[, candidates]), got {text!r}")
   try:
     d, k, n = (int(p) for p in parts[:3])
   except ValueError:
@@ -173,22 +199,6 @@ def check_tree(tree, drafter) -> TreeSpec:
   return tree
 
 
-def sampled_schedule(spec: TreeSpec) -> tuple:
-  """(m, g) for sampled candidates: m = min(top_k, N) i.i.d. children per expanded node and
-  g[d] nodes of depth d expanded (g[0] = 1, the root), as wide as top_k allows while every
-  depth up to D keeps one expansion: m * sum(g) <= N nodes."""
-  m = min(spec.top_k, spec.num_nodes)
-  remaining = spec.num_nodes // m - 1
-  g = [1]
-  for d in range(2, spec.depth + 1):
-    if remaining <= 0:
-      break
-    give = min(spec.top_k, m * g[-1], max(1, remaining - (spec.depth - d)), remaining)
-    g.append(give)
-    remaining -= give
-  return m, tuple(g)
-
-
 # ----------------------------------------------------------------------------- the tree
 
 @flax.struct.dataclass
@@ -201,13 +211,15 @@ class DraftTree:
   depths: int32 [B, N+1], 0 at the root, parent's depth + 1 elsewhere (<= D).
   valid: bool [B, N+1], the root and the real drafts.
   q: float32 [B, N+1, V] or None. With sampled candidates, q[b, i] is the distribution node i's
-    children were drawn from (i.i.d.); None for deterministic candidates (one-hot drafts).
+    children were drawn from; None for deterministic candidates (one-hot drafts).
+  distinct: (static) the children were drawn from q without replacement, in index order.
   """
   tokens: jax.Array
   parents: jax.Array
   depths: jax.Array
   valid: jax.Array
   q: Optional[jax.Array] = None
+  distinct: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def ancestor_mask(parents, steps: int):
@@ -231,94 +243,120 @@ ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple]
 
 
 def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, key, sampling,
-                       sampled: bool):
-  """EAGLE-2's dynamic tree (module docstring), or its sampled-candidate variant.
+                       candidates: str = "topk", rank_by_score: bool = False):
+  """EAGLE-2's dynamic tree (module docstring), with top-k or sampled candidates.
 
   Args:
     root_logits: float [B, V], the drafter's logits for the token after the last committed one.
     expand: the drafter's batched forward over the frontier nodes so far,
       expand(tokens int32 [B, T], parents int32 [B, T] (index in the same list, -1 = the root),
       depths int32 [B, T] (1-based), carry) -> (logits [B, T, V] for the token after each node,
-      carry). Called D-1 times with T = k, 2k, ... (every earlier frontier again, then the new
-      one; the list only grows at its end).
+      carry). Called up to D-1 times with T = k, 2k, ... (every earlier frontier again, then the
+      new one; the list only grows at its end).
     carry: the drafter's pytree threaded through expand (its cache buffers).
-    spec: TreeSpec. key: PRNG key (sampled candidates only). sampling: per-row Sampling [B].
-    sampled: draw children i.i.d. from q = sampling.probs(logits) instead of taking the top-k.
+    spec: TreeSpec (depth D, top_k k, num_nodes N). key: PRNG key (sampled candidates only).
+    sampling: per-row Sampling [B]: q = sampling.probs(logits) for sampled candidates.
+    candidates: "topk" (children: the top-k of log_softmax(logits); scores: EAGLE-2's
+      cumulative log-probability), "sampled" (k i.i.d. draws from q) or "distinct" (k draws
+      from q without replacement); the sampled kinds rank by the priority of the module
+      docstring.
+    rank_by_score: a test hook: rank sampled candidates by their score (EAGLE-2's rule, right
+      for top-k candidates) instead of the priority; LOSSY for sampled candidates.
 
   Returns:
-    (DraftTree with N+1 nodes, carry). Scores are cumulative log_softmax(logits) (temperature 1)
-    of the path, EAGLE-2's; they rank the candidates and never enter the verification.
+    (DraftTree with N+1 nodes (q set for sampled candidates), carry).
   """
+  if candidates not in CANDIDATES:
+    raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
   b, v = root_logits.shape
-  d_max, k, n = spec.depth, spec.top_k, spec.num_nodes
-  if sampled:
-    m, groups = sampled_schedule(spec)
-    widths = groups[1:] + (0,) * (d_max - len(groups) + 1)   # widths[d-1]: depth-d expansions
-  else:
-    m = min(k, v)
-    widths = (min(k, m),) + (min(k, m * m),) * (d_max - 1)
+  d_max, n = spec.depth, spec.num_nodes
+  m = min(spec.top_k, v)
+  sampled = candidates != "topk"
   keys = jax.random.split(key, d_max)
+  rows = jnp.arange(b)[:, None]
 
-  def children(logits, key_d):
-    """logits [B, F, V] -> children tokens [B, F, m], their log-probs, q [B, F, V] or None."""
-    logp = jnp.minimum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), 0.0)
+  def children(logits, key_d, f_score, f_prio, f_valid):
+    """Children of F frontier nodes: tokens [B, F*m], score, prio, valid, and q [B, F, V]."""
+    f = logits.shape[1]
+    flat = lambda x: x.reshape(b, f * m)
     if not sampled:
+      logp = jnp.minimum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), 0.0)
       lp, toks = jax.lax.top_k(logp, m)
-      return toks.astype(jnp.int32), lp, None
+      score = f_score[:, :, None] + lp
+      valid = jnp.broadcast_to(f_valid[:, :, None], score.shape)
+      return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
     q = sampling_lib.probs(logits, sampling)
-    draws = jax.random.categorical(key_d, jnp.log(jnp.maximum(q, 0.0)), axis=-1,
-                                   shape=(m,) + q.shape[:-1])           # [m, B, F]
-    toks = jnp.moveaxis(draws, 0, -1).astype(jnp.int32)                  # [B, F, m]
-    return toks, jnp.take_along_axis(logp, toks, axis=-1), q
+    logq = jnp.log(jnp.maximum(q, 0.0))
+    if candidates == "distinct":     # Gumbel-top-k: sampling without replacement, in order
+      gumbel = jax.random.gumbel(key_d, q.shape, jnp.float32)
+      toks = jax.lax.top_k(logq + gumbel, m)[1]
+    else:
+      draws = jax.random.categorical(key_d, logq, axis=-1, shape=(m,) + q.shape[:-1])
+      toks = jnp.moveaxis(draws, 0, -1)
+    toks = toks.astype(jnp.int32)                                        # [B, F, m]
+    qc = jnp.take_along_axis(q, toks, axis=-1)
+    remaining = jnp.maximum(1.0 - (jnp.cumsum(qc, axis=-1) - qc), 0.0)   # R_i, before draw i
+    score = f_score[:, :, None] + jnp.log(qc)
+    prio = jnp.minimum(f_prio[:, :, None], f_score[:, :, None] + jnp.log(remaining))
+    valid = f_valid[:, :, None] & (qc > 0)
+    if rank_by_score:
+      prio = score
+    return flat(toks), flat(score), flat(prio), flat(valid), q
 
-  toks, lp, q_root = children(root_logits[:, None], keys[0])
-  cand_tok, cand_score, cand_parent = [toks[:, 0]], [lp[:, 0]], [jnp.full((b, m), -1, jnp.int32)]
+  zero = jnp.zeros((b, 1), jnp.float32)
+  toks, score, prio, valid, q_root = children(root_logits[:, None], keys[0], zero, zero,
+                                              jnp.ones((b, 1), bool))
+  c_tok, c_score, c_prio, c_valid = [toks], [score], [prio], [valid]
+  c_parent = [jnp.full((b, m), -1, jnp.int32)]
   n_cand = m
   frontier_q = []                      # (candidate ids [B, F], q [B, F, V]) for sampled trees
-  proc_tok = proc_par = proc_depth = None
-  if d_max > 1 and widths[0] > 0:
-    f_score, sel = jax.lax.top_k(cand_score[0], widths[0])               # [B, F]
-    f_cand = sel.astype(jnp.int32)
-    proc_tok = jnp.take_along_axis(cand_tok[0], sel, axis=1)
-    proc_par = jnp.full(sel.shape, -1, jnp.int32)
+  f = min(spec.top_k, m)
+  if d_max > 1:                        # depth-1 frontier: the f best by priority
+    sel = jax.lax.top_k(c_prio[0], f)[1]
+    pick = lambda xs, sel=sel: jnp.take_along_axis(xs, sel, axis=1)
+    f_cand, f_score, f_prio, f_valid = sel.astype(jnp.int32), pick(score), pick(prio), pick(valid)
+    proc_tok, proc_par = pick(toks), jnp.full(sel.shape, -1, jnp.int32)
     proc_depth = jnp.ones(sel.shape, jnp.int32)
   for d in range(2, d_max + 1):
-    f = widths[d - 2]
-    if f == 0 or proc_tok is None:
-      break
     logits, carry = expand(proc_tok, proc_par, proc_depth, carry)
     start = proc_tok.shape[1] - f                                        # this frontier's slots
-    toks, lp, q = children(logits[:, start:], keys[d - 1])               # [B, F, m]
+    toks, score, prio, valid, q = children(logits[:, start:], keys[d - 1], f_score, f_prio,
+                                           f_valid)
     if q is not None:
       frontier_q.append((f_cand, q))
-    score = f_score[:, :, None] + lp
-    cand_tok.append(toks.reshape(b, f * m))
-    cand_score.append(score.reshape(b, f * m))
-    cand_parent.append(jnp.repeat(f_cand, m, axis=1))
+    c_tok.append(toks)
+    c_score.append(score)
+    c_prio.append(prio)
+    c_valid.append(valid)
+    c_parent.append(jnp.repeat(f_cand, m, axis=1))
     offset = n_cand
     n_cand += f * m
-    f_next = widths[d - 1] if d < d_max else 0
-    if f_next == 0:
+    if d == d_max:
       break
-    f_score, sel = jax.lax.top_k(cand_score[-1], f_next)
-    f_cand = (offset + sel).astype(jnp.int32)
-    proc_tok = jnp.concatenate([proc_tok, jnp.take_along_axis(cand_tok[-1], sel, axis=1)], 1)
+    f_next = min(spec.top_k, f * m)
+    sel = jax.lax.top_k(prio, f_next)[1]
+    pick = lambda xs, sel=sel: jnp.take_along_axis(xs, sel, axis=1)
+    f_cand, f_score, f_prio, f_valid = (offset + sel).astype(jnp.int32), pick(score), \
+        pick(prio), pick(valid)
+    proc_tok = jnp.concatenate([proc_tok, pick(toks)], 1)
     proc_par = jnp.concatenate([proc_par, (start + sel // m).astype(jnp.int32)], 1)
     proc_depth = jnp.concatenate([proc_depth, jnp.full(sel.shape, d, jnp.int32)], 1)
+    f = f_next
 
-  tok = jnp.concatenate(cand_tok, 1)
-  score = jnp.concatenate(cand_score, 1)
-  parent = jnp.concatenate(cand_parent, 1)
-  depth = np.concatenate([np.full(c.shape[1], i + 1, np.int32) for i, c in enumerate(cand_tok)])
+  tok = jnp.concatenate(c_tok, 1)
+  prio = jnp.concatenate(c_prio, 1)
+  valid = jnp.concatenate(c_valid, 1)
+  parent = jnp.concatenate(c_parent, 1)
+  depth = np.concatenate([np.full(c.shape[1], i + 1, np.int32) for i, c in enumerate(c_tok)])
   depth = jnp.broadcast_to(jnp.asarray(depth), (b, n_cand))
-  if n_cand > n:     # keep the N best by (score desc, creation order): ancestor-closed
-    order = jnp.argsort(-score, axis=1, stable=True)[:, :n]
+  if n_cand > n:     # keep the N best by (priority desc, creation order): ancestor-closed
+    order = jnp.argsort(-prio, axis=1, stable=True)[:, :n]
     chosen = jnp.sort(order, axis=1)                                     # topological order
   else:
     chosen = jnp.broadcast_to(jnp.arange(n_cand, dtype=jnp.int32), (b, n_cand))
   kept = chosen.shape[1]
-  node_of = jnp.full((b, n_cand), -1, jnp.int32).at[
-      jnp.arange(b)[:, None], chosen].set(jnp.arange(1, kept + 1, dtype=jnp.int32))
+  node_of = jnp.full((b, n_cand), -1, jnp.int32).at[rows, chosen].set(
+      jnp.arange(1, kept + 1, dtype=jnp.int32))
   par_cand = jnp.take_along_axis(parent, chosen, axis=1)
   par_node = jnp.where(par_cand < 0, 0,
                        jnp.take_along_axis(node_of, jnp.maximum(par_cand, 0), axis=1))
@@ -330,16 +368,20 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       parts.append(jnp.full((b, pad), pad_value, x.dtype))
     return jnp.concatenate(parts, 1)
 
+  kept_valid = jnp.take_along_axis(valid, chosen, axis=1)
   tree = DraftTree(
-      tokens=with_root(jnp.take_along_axis(tok, chosen, axis=1), 0, 0),
-      parents=with_root(par_node, -1, 0),
-      depths=with_root(jnp.take_along_axis(depth, chosen, axis=1), 0, 1),
-      valid=with_root(jnp.ones((b, kept), bool), True, False))
+      tokens=with_root(jnp.where(kept_valid, jnp.take_along_axis(tok, chosen, axis=1), 0), 0, 0),
+      parents=with_root(jnp.where(kept_valid, par_node, 0), -1, 0),
+      depths=with_root(jnp.where(kept_valid, jnp.take_along_axis(depth, chosen, axis=1), 1),
+                       0, 1),
+      valid=with_root(kept_valid, True, False),
+      distinct=candidates == "distinct")
   if sampled:
     q_all = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(q_root[:, 0])
-    rows = jnp.arange(b)[:, None]
     for cands, q in frontier_q:
-      q_all = q_all.at[rows, jnp.take_along_axis(node_of, cands, axis=1)].set(q)
+      # A frontier node that was not kept maps to -1: dropped by the scatter.
+      at = jnp.take_along_axis(node_of, cands, axis=1)
+      q_all = q_all.at[rows, jnp.where(at < 0, n + 1, at)].set(q, mode="drop")
     tree = tree.replace(q=q_all)
   return tree, carry
 
@@ -409,40 +451,44 @@ def residual_sampled(r, token, q_node):
   return _normalised(jnp.maximum(r - q_node, 0.0), r)
 
 
-def _verify_row(key, tokens, parents, valid, p, q, *, depth: int, residual=None,
-                accept_ratio=None):
+def _verify_row(key, tokens, parents, valid, p, q, *, depth: int, distinct: bool = False,
+                residual=None, accept_ratio=None):
   """One row of `verify_tree`: a single pass over nodes 1..N in index order.
 
   Carry: cur (the node the accepted path has reached), r (the distribution the next token
-  follows: p[cur], reduced by the rejected children of cur), n, path. Node j is a candidate iff
-  it is a child of cur; then it is accepted with probability min(1, r(t)/q_cur(t)) (q one-hot
-  when q is None: r(t)), else r becomes the residual. Children of an accepted node come later
-  in the order, and children of a rejected one are never candidates."""
+  follows: p[cur], reduced by the rejected children of cur), qc (the proposal of cur's next
+  child: q[cur], without the rejected children when they were drawn without replacement), n,
+  path. Node j is a candidate iff it is a child of cur; then it is accepted with probability
+  min(1, r(t)/qc(t)) (r(t) for one-hot drafts, q None), else r (and qc) become the residuals.
+  Children of an accepted node come later in the order; those of a rejected one never match."""
   n1 = tokens.shape[0]
   k_accept, k_final = jax.random.split(key)
   u = jax.random.uniform(k_accept, (n1,), jnp.float32)
   residual = residual or (residual_deterministic if q is None else residual_sampled)
 
   def body(j, carry):
-    cur, r, n, path = carry
+    cur, r, qc, n, path = carry
     tok = tokens[j]
     is_child = valid[j] & (parents[j] == cur)
-    q_node = None if q is None else q[cur]
     r_tok = r[tok]
     if accept_ratio is not None:
-      accept = is_child & accept_ratio(u[j], r, tok, q_node, p[cur])
+      accept = is_child & accept_ratio(u[j], r, tok, qc, p[cur])
     elif q is None:
       accept = is_child & (u[j] < r_tok)
     else:
-      accept = is_child & (u[j] * q_node[tok] < r_tok)
-    rejected_r = residual(r, tok, q_node)
+      accept = is_child & (u[j] * qc[tok] < r_tok)
+    rejected_r = residual(r, tok, qc)
     r = jnp.where(accept, p[j], jnp.where(is_child, rejected_r, r))
+    if q is not None:
+      rejected_q = _normalised(qc.at[tok].set(0.0), qc) if distinct else qc
+      qc = jnp.where(accept, q[j], jnp.where(is_child, rejected_q, qc))
     at = jnp.minimum(n, depth - 1)
     path = path.at[at].set(jnp.where(accept, j, path[at]))
-    return jnp.where(accept, j, cur), r, n + accept.astype(jnp.int32), path
+    return jnp.where(accept, j, cur), r, qc, n + accept.astype(jnp.int32), path
 
-  init = (jnp.int32(0), p[0], jnp.int32(0), jnp.full((depth,), -1, jnp.int32))
-  cur, r, n, path = jax.lax.fori_loop(1, n1, body, init)
+  qc0 = jnp.zeros((), jnp.float32) if q is None else q[0]
+  init = (jnp.int32(0), p[0], qc0, jnp.int32(0), jnp.full((depth,), -1, jnp.int32))
+  cur, r, _, n, path = jax.lax.fori_loop(1, n1, body, init)
   final = sampling_lib.sample(k_final, r)
   return path, n, final
 
@@ -463,7 +509,8 @@ def verify_tree(key, tree: DraftTree, target_probs, depth: int, *, residual=None
   Args:
     key: PRNG key; row b uses fold_in(key, b) (split into the per-node uniforms and the final
       draw), so a row's randomness does not depend on the others.
-    tree: DraftTree; tree.q None selects the deterministic-candidate rule, else SpecInfer's.
+    tree: DraftTree; tree.q None selects the deterministic-candidate rule, else SpecInfer's
+      (tree.distinct: recursive rejection sampling without replacement).
     target_probs: float [B, N+1, V], p at every node (the distribution of the token after it).
     depth: D (static), the deepest node.
     residual, accept_ratio: test hooks (lossy variants in tests/test_tree.py); leave None.
@@ -475,7 +522,8 @@ def verify_tree(key, tree: DraftTree, target_probs, depth: int, *, residual=None
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
   p = target_probs.astype(jnp.float32)
   fn = lambda k_, t, par, val, pp, qq: _verify_row(k_, t, par, val, pp, qq, depth=depth,
-                                                    residual=residual, accept_ratio=accept_ratio)
+                                                    distinct=tree.distinct, residual=residual,
+                                                    accept_ratio=accept_ratio)
   if tree.q is None:
     path, n, final = jax.vmap(lambda k_, t, par, val, pp: fn(k_, t, par, val, pp, None))(
         keys, tree.tokens, tree.parents, tree.valid, p)
@@ -531,19 +579,24 @@ def verify_tree_reference(key, tree: DraftTree, target_probs, depth: int):
     while True:
       children = [j for j in range(1, n1) if valid[row, j] and parents[row, j] == cur]
       accepted = None
+      qc = None if q is None else q[row, cur]     # the proposal of the next child
       for c in children:
         t = int(tokens[row, c])
         if q is None:            # one-hot draft: accept with probability r(t)
           ok = u[c] < float(r[t])
           rejected = r.at[t].set(0.0)
-        else:                    # draft drawn from q: accept with probability min(1, r/q)
-          ok = u[c] * float(q[row, cur, t]) < float(r[t])
-          rejected = jnp.maximum(r - q[row, cur], 0.0)
+        else:                    # draft drawn from qc: accept with probability min(1, r/qc)
+          ok = u[c] * float(qc[t]) < float(r[t])
+          rejected = jnp.maximum(r - qc, 0.0)
         if ok:
           accepted = c
           break
         total = float(jnp.sum(rejected))
         r = rejected / total if total > 0 else r
+        if q is not None and tree.distinct:       # without replacement: drop t from qc
+          q_left = qc.at[t].set(0.0)
+          q_total = float(jnp.sum(q_left))
+          qc = q_left / q_total if q_total > 0 else qc
       if accepted is None:
         break
       paths[row, n] = accepted

@@ -71,17 +71,10 @@ def test_tree_refuses_drafters_that_cannot_build_trees():
 def test_parse_tree_spec():
   assert tree_lib.parse_tree_spec("6,4,31") == sj.TreeSpec(6, 4, 31)
   assert tree_lib.parse_tree_spec("3,2,8,sampled").candidates == "sampled"
+  assert tree_lib.parse_tree_spec("3,2,8,distinct").candidates == "distinct"
   for bad in ("6,4", "a,b,c", "2,2,1"):
     with pytest.raises(ValueError):
       tree_lib.parse_tree_spec(bad)
-
-
-def test_sampled_schedule_fits_the_node_budget():
-  for d, k, n in [(6, 4, 31), (3, 2, 6), (4, 3, 5), (2, 8, 4), (6, 1, 6), (5, 2, 31)]:
-    m, g = tree_lib.sampled_schedule(sj.TreeSpec(d, k, n, "sampled"))
-    assert m * sum(g) <= n and len(g) <= d and g[0] == 1, (d, k, n, m, g)
-    assert all(g[i] <= min(k, m * g[i - 1]) for i in range(1, len(g)))
-  assert tree_lib.sampled_schedule(sj.TreeSpec(6, 4, 31, "sampled")) == (4, (1, 2, 1, 1, 1, 1))
 
 
 # ----------------------------------------------------------------------------- synthetic target
@@ -128,7 +121,7 @@ def _table_lookup(tables, paths, depths):
   return out
 
 
-def _build(q_tables, spec, batch, key, sampled):
+def _build(q_tables, spec, batch, key, **kw):
   """Trees from build_dynamic_tree on the synthetic drafter q_tables, for `batch` rows."""
   logq = [jnp.log(jnp.asarray(q, jnp.float32)) for q in q_tables]
   root = jnp.broadcast_to(logq[0], (batch, V))
@@ -152,7 +145,7 @@ def _build(q_tables, spec, batch, key, sampled):
   sampling = sj.Sampling(temperature=jnp.ones((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
                          top_p=jnp.ones((batch,)))
   return tree_lib.build_dynamic_tree(root, expand, (), spec, key=key, sampling=sampling,
-                                     sampled=sampled)[0]
+                                     candidates=spec.candidates, **kw)[0]
 
 
 def _complete(emitted, n, tables, length, rng):
@@ -162,7 +155,8 @@ def _complete(emitted, n, tables, length, rng):
   have = np.minimum(n + 1, length)
   for t in range(length):
     from_round = t < have
-    seq[from_round, t] = emitted[from_round, t]
+    if t < emitted.shape[1]:
+      seq[from_round, t] = emitted[from_round, t]
     todo = ~from_round
     if todo.any():
       probs = tables[t][tuple(seq[todo, j] for j in range(t))] if t else \
@@ -173,12 +167,16 @@ def _complete(emitted, n, tables, length, rng):
   return seq
 
 
-def _round_joint(spec, sampled, seed=0, batch=100_000, **hooks):
-  """Counts of the first 3 tokens over `batch` rounds + completion, and the exact joint."""
+def _round_joint(spec, seed=0, batch=100_000, build=None, as_iid=False, mix=0.5, **hooks):
+  """Counts of the first 3 tokens over `batch` rounds + completion, and the exact joint.
+  build: options of build_dynamic_tree; as_iid: verify distinct children as if i.i.d.; mix:
+  how close the drafter is to the target (1 = the target itself)."""
   p_tables = _tables(seed, max(spec.depth, 2))
-  q_tables = _draft_tables(p_tables, seed + 1)
+  q_tables = _draft_tables(p_tables, seed + 1, mix)
   key_tree, key_verify = jax.random.split(jax.random.key(seed))
-  tree = _build(q_tables, spec, batch, key_tree, sampled)
+  tree = _build(q_tables, spec, batch, key_tree, **(build or {}))
+  if as_iid:
+    tree = tree.replace(distinct=False)
   paths, depths = _node_paths(tree)
   p = jnp.asarray(_table_lookup(p_tables, paths, depths), jnp.float32)
   emitted, _, n = jax.jit(functools.partial(tree_lib.verify_tree, depth=spec.depth, **hooks))(
@@ -189,18 +187,20 @@ def _round_joint(spec, sampled, seed=0, batch=100_000, **hooks):
   return counts, exact, np.asarray(n), tree
 
 
-ROUND_CASES = [pytest.param(sj.TreeSpec(2, 3, 6), False, marks=pytest.mark.slow),
-               (sj.TreeSpec(3, 2, 6), False),
-               pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), True, marks=pytest.mark.slow),
-               (sj.TreeSpec(3, 2, 6, "sampled"), True)]
+ROUND_CASES = [pytest.param(sj.TreeSpec(2, 3, 6), marks=pytest.mark.slow),
+               sj.TreeSpec(3, 2, 6),
+               pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), marks=pytest.mark.slow),
+               sj.TreeSpec(3, 2, 6, "sampled"),
+               pytest.param(sj.TreeSpec(2, 3, 6, "distinct"), marks=pytest.mark.slow),
+               sj.TreeSpec(3, 3, 8, "distinct")]
 
 
-@pytest.mark.parametrize("spec,sampled", ROUND_CASES, ids=lambda x: str(x))
-def test_verify_tree_keeps_the_target_joint(spec, sampled):
-  counts, exact, n, tree = _round_joint(spec, sampled)
+@pytest.mark.parametrize("spec", ROUND_CASES, ids=lambda x: x.label())
+def test_verify_tree_keeps_the_target_joint(spec):
+  counts, exact, n, tree = _round_joint(spec)
   # The trees branch and the verification both accepts later siblings and rejects everything.
-  assert np.asarray(tree.valid).sum(1).min() == spec.num_nodes + 1
-  assert 0.05 < (n == 0).mean() < 0.8 and (n >= 2).mean() > 0.05, np.bincount(n)
+  assert np.asarray(tree.valid).sum(1).mean() > spec.num_nodes - 0.5
+  assert 0.01 < (n == 0).mean() < 0.8 and (n >= 2).mean() > 0.05, np.bincount(n)
   assert_same_distribution(counts, exact, alpha=1e-3)
 
 
@@ -219,23 +219,26 @@ def _accept_whenever_p_ge_q(u, r, token, q_node, p_cur):
   return u * q_node[token] < p_cur[token]
 
 
-@pytest.mark.parametrize("spec,sampled,hooks", [
-    (sj.TreeSpec(2, 3, 6), False, dict(residual=_no_renormalisation)),
-    pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), True, dict(residual=_no_renormalisation),
+@pytest.mark.parametrize("spec,hooks", [
+    (sj.TreeSpec(2, 3, 6), dict(residual=_no_renormalisation)),
+    pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), dict(residual=_no_renormalisation),
                  marks=pytest.mark.slow),
-    pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), True,
-                 dict(accept_ratio=_accept_as_if_one_hot), marks=pytest.mark.slow),
-    (sj.TreeSpec(2, 3, 6, "sampled"), True,
+    pytest.param(sj.TreeSpec(2, 3, 6, "sampled"), dict(accept_ratio=_accept_as_if_one_hot),
+                 marks=pytest.mark.slow),
+    (sj.TreeSpec(2, 3, 6, "sampled"),
      dict(accept_ratio=_accept_whenever_p_ge_q, residual=_no_renormalisation)),
+    # The drafter unrelated to the target (mix 0): rejections, hence later siblings, are common.
+    (sj.TreeSpec(2, 3, 6, "distinct"), dict(as_iid=True, mix=0.0)),
+    (sj.TreeSpec(3, 3, 6, "sampled"), dict(build=dict(rank_by_score=True))),
 ], ids=["topk-no-renormalisation", "sampled-no-residual", "sampled-verified-as-one-hot",
-        "sampled-p-ge-q-no-residual"])
-def test_the_round_check_catches_lossy_verifiers(spec, sampled, hooks):
-  counts, exact, _, _ = _round_joint(spec, sampled, **hooks)
+        "sampled-p-ge-q-no-residual", "distinct-verified-as-iid", "sampled-ranked-by-score"])
+def test_the_round_check_catches_lossy_verifiers(spec, hooks):
+  counts, exact, _, _ = _round_joint(spec, **hooks)
   stat, dof = chi_square(counts, exact)
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 
 
-def _random_trees(key, batch, n1, depth, sampled):
+def _random_trees(key, batch, n1, depth, sampled, distinct=False):
   """Random valid trees (parents < index, depth <= D) and random p (and q) for the oracle."""
   ks = jax.random.split(key, 5)
   rng = np.random.default_rng(int(jax.random.randint(ks[0], (), 0, 2 ** 30)))
@@ -263,13 +266,15 @@ def _random_trees(key, batch, n1, depth, sampled):
   return tree_lib.DraftTree(tokens=jnp.asarray(tokens, jnp.int32),
                             parents=jnp.asarray(parents, jnp.int32),
                             depths=jnp.asarray(depths, jnp.int32), valid=jnp.asarray(valid),
-                            q=q), p
+                            q=q, distinct=distinct), p
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["one-hot", "sampled"])
-def test_verify_tree_matches_the_reference(sampled):
+@pytest.mark.parametrize("sampled,distinct", [(False, False), (True, False), (True, True)],
+                         ids=["one-hot", "sampled", "distinct"])
+def test_verify_tree_matches_the_reference(sampled, distinct):
   depth = 3
-  tree, p = _random_trees(jax.random.key(1 + sampled), 64, 8, depth, sampled)
+  tree, p = _random_trees(jax.random.key(1 + sampled + distinct), 64, 8, depth, sampled,
+                          distinct)
   key = jax.random.key(42)
   got = jax.jit(functools.partial(tree_lib.verify_tree, depth=depth))(key, tree, p)
   want = tree_lib.verify_tree_reference(key, tree, p, depth)
@@ -294,7 +299,7 @@ def test_dynamic_tree_is_eagle2s_top_n():
   k + (D-1) k^2 EAGLE-2 candidates, ancestor-closed, in topological order."""
   spec = sj.TreeSpec(3, 2, 5)
   p_tables = _tables(7, 3)
-  tree = _build(p_tables, spec, 1, jax.random.key(0), sampled=False)
+  tree = _build(p_tables, spec, 1, jax.random.key(0))
   tokens, parents, depths = (np.asarray(x)[0] for x in (tree.tokens, tree.parents, tree.depths))
   logp = [np.log(t) for t in p_tables]
   # Enumerate EAGLE-2's candidates by hand.

@@ -124,6 +124,6 @@ class DraftModel(Drafter):
                     positions=positions, tree_mask=mask)
       return out.logits[:, w:], out.cache
 
-    sampled = spec.candidates == "sampled" and not (self.greedy_drafts or ctx.greedy)
+    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
     return tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
-                                       sampling=ctx.sampling, sampled=sampled)
+                                       sampling=ctx.sampling, candidates=candidates)

@@ -283,10 +283,10 @@ class FeatureHead(Drafter):
                            tree_mask=tree_lib.ancestor_mask(parents, spec.depth))
       return self.logits(params, tp, o), (o, k, v)
 
-    sampled = spec.candidates == "sampled" and not (self.greedy_drafts or ctx.greedy)
+    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
         self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
-        sampling=ctx.sampling, sampled=sampled)
+        sampling=ctx.sampling, candidates=candidates)
     return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training
