@@ -564,3 +564,21 @@ def test_bench_reports_tree_rows_beside_chains(tmp_path, capsys):
   assert tree_row["alpha_token"] is None
   assert "tree 2,2,4" in capsys.readouterr().out
   assert cli.main(["--tree", "2,2", "--out", str(out)]) == 2
+
+
+def test_the_gpu_kernel_verifies_a_32_node_tree():
+  """transformer routes tree verifies of up to 32 tokens to the Pallas kernel (GPU / TPU):
+  the GPU kernel, under the interpreter here, matches the reference at T = 32."""
+  import kernels_pallas
+  from kernels_pallas.reference import verify_attention_reference
+  rng = np.random.default_rng(0)
+  b, t, hq, hkv, d, s = 2, 32, 4, 2, 16, 64
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
+  parents = np.stack([[-1] + [int(rng.integers(0, i)) for i in range(1, t)] for _ in range(b)])
+  mask = tree_lib.ancestor_mask(jnp.asarray(parents, jnp.int32), t)
+  lengths = jnp.asarray([40, 60], jnp.int32)
+  out = kernels_pallas.verify_attention(q, k, v, lengths, mask, impl="pallas", kernel="gpu")
+  np.testing.assert_allclose(np.asarray(out),
+                             np.asarray(verify_attention_reference(q, k, v, lengths, mask)),
+                             atol=1e-5)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
+from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models.config import ModelConfig
 
@@ -136,8 +137,9 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
   t = q.shape[1]
   window = config.sliding_window
   needs_window = window is not None and window < k_layer.shape[1]
-  if needs_window or t > 16:
-    # Prefill and sliding-window attention take the jnp path; the kernel is for small T.
+  if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS:
+    # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
+    # trees: up to its 32 new tokens).
     return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                       sliding_window=window if needs_window else None)
   return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
