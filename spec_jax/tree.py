@@ -287,12 +287,15 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
     q = sampling_lib.probs(logits, sampling)
     logq = jnp.log(jnp.maximum(q, 0.0))
+    # One key per row (fold_in(key, row)): a row's drafts do not depend on the batch.
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(key_d, i))(jnp.arange(b))
     if candidates == "distinct":     # Gumbel-top-k: sampling without replacement, in order
-      gumbel = jax.random.gumbel(key_d, q.shape, jnp.float32)
+      gumbel = jax.vmap(lambda k_: jax.random.gumbel(k_, q.shape[1:], jnp.float32))(row_keys)
       toks = jax.lax.top_k(logq + gumbel, m)[1]
     else:
-      draws = jax.random.categorical(key_d, logq, axis=-1, shape=(m,) + q.shape[:-1])
-      toks = jnp.moveaxis(draws, 0, -1)
+      draws = jax.vmap(lambda k_, lq: jax.random.categorical(
+          k_, lq, axis=-1, shape=(m,) + lq.shape[:-1]))(row_keys, logq)    # [B, m, F]
+      toks = jnp.moveaxis(draws, 1, -1)
     toks = toks.astype(jnp.int32)                                        # [B, F, m]
     qc = jnp.take_along_axis(q, toks, axis=-1)
     remaining = jnp.maximum(1.0 - (jnp.cumsum(qc, axis=-1) - qc), 0.0)   # R_i, before draw i

@@ -445,6 +445,17 @@ def test_ngram_and_head_trees_keep_the_target_joint():
   assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling))
 
 
+def test_a_rows_tree_does_not_depend_on_the_batch():
+  """Sampled trees draw with fold_in(key, row): row 0 alone and row 0 of a batch agree."""
+  target, draft = _models()
+  drafter = sj.drafters.DraftModel(draft)
+  kw = dict(drafter=drafter, tree=sj.TreeSpec(3, 2, 6, "distinct"), max_new_tokens=6,
+            sampling=sj.Sampling(1.0), key=jax.random.key(1), stop_tokens=[], capacity=32)
+  alone = sj.generate(target, [PROMPT], **kw).tokens
+  batch = sj.generate(target, [PROMPT, [3, 3, 1, 2], [5]], **kw).tokens
+  assert batch[0] == alone[0]
+
+
 def test_mixed_greedy_and_sampled_rows_in_one_tree_batch():
   """Even rows greedy, odd rows T=1, top-k trees: the greedy rows follow the argmax path and
   the sampled rows keep the exact joint."""
@@ -525,10 +536,18 @@ def _tree_greedy(target, drafter, spec):
 
 
 def test_greedy_tree_equals_plain_with_salty279k(stories260k, plain_greedy):
-  draft = sj.load(need_shared("models", "salty279K"))
-  out = _tree_greedy(stories260k, sj.drafters.DraftModel(draft), sj.TreeSpec(4, 3, 12))
+  draft = sj.drafters.DraftModel(sj.load(need_shared("models", "salty279K")))
+  spec = sj.TreeSpec(4, 3, 12)
+  out = _tree_greedy(stories260k, draft, spec)
   assert out.tokens == plain_greedy.tokens and out.text == plain_greedy.text
   assert out.stats.mean_accepted_length > 2.0, out.stats.summary()
+  # A stop token inside an accepted path ends the row there, as in plain decoding.
+  stop = [plain_greedy.tokens[0][9]]
+  plain = sj.generate(stories260k, PROMPTS, max_new_tokens=REAL_NEW, sampling=GREEDY,
+                      stop_tokens=stop)
+  spec_out = sj.generate(stories260k, PROMPTS, drafter=draft, tree=spec,
+                         max_new_tokens=REAL_NEW, sampling=GREEDY, stop_tokens=stop)
+  assert spec_out.tokens == plain.tokens and len(plain.tokens[0]) <= 10
 
 
 def test_greedy_tree_equals_plain_with_ngram(stories260k, plain_greedy):
