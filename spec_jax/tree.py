@@ -27,10 +27,10 @@ Tree building (drafters call `build_dynamic_tree`; NGram builds a trie with `tri
   children, scored by the cumulative draft log-probability of their path, and the k best of
   those k^2 become the next frontier; at the end the N best of all candidates by score are kept.
   A child's score is at most its parent's, and ties keep creation order, so the kept set is
-  ancestor-closed. One batched drafter forward per depth over the frontier nodes so far with
-  their ancestor mask (a recompute of the earlier frontiers: our verify attention masks only
-  the new tokens among themselves, so the tree so far is fed again rather than read from the
-  drafter's cache; exact, and cheap for a one-layer head or a small draft model).
+  ancestor-closed. One batched drafter forward per depth over the new frontier only: the
+  earlier frontiers are already in the drafter's cache, just past the committed tokens, and
+  the new nodes see them through a tree mask [B, F, W] over those W cache entries (ancestors
+  and self; kernels_pallas.reference's wide tree mask).
 
   Sampled candidates (TreeSpec(candidates="sampled" or "distinct")): the same shape (k children
   per expanded node, k frontier nodes per depth, the N best kept), but every expanded node v
@@ -239,7 +239,7 @@ def ancestor_mask(parents, steps: int):
 
 # ----------------------------------------------------------------------------- building
 
-ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple]
+ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, int, Any], tuple]
 
 
 def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, key, sampling,
@@ -248,11 +248,12 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
 
   Args:
     root_logits: float [B, V], the drafter's logits for the token after the last committed one.
-    expand: the drafter's batched forward over the frontier nodes so far,
+    expand: the drafter's batched forward over the newest frontier,
       expand(tokens int32 [B, T], parents int32 [B, T] (index in the same list, -1 = the root),
-      depths int32 [B, T] (1-based), carry) -> (logits [B, T, V] for the token after each node,
-      carry). Called up to D-1 times with T = k, 2k, ... (every earlier frontier again, then the
-      new one; the list only grows at its end).
+      depths int32 [B, T] (1-based), start, carry) -> (logits [B, T-start, V] for the token
+      after each of the nodes start..T-1, carry). The lists hold every frontier so far (they
+      only grow at their end; nodes < start were passed to earlier calls, and a node's parent
+      always comes before it). Called up to D-1 times, with T = k, 2k, ....
     carry: the drafter's pytree threaded through expand (its cache buffers).
     spec: TreeSpec (depth D, top_k k, num_nodes N). key: PRNG key (sampled candidates only).
     sampling: per-row Sampling [B]: q = sampling.probs(logits) for sampled candidates.
@@ -321,10 +322,9 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
     proc_tok, proc_par = pick(toks), jnp.full(sel.shape, -1, jnp.int32)
     proc_depth = jnp.ones(sel.shape, jnp.int32)
   for d in range(2, d_max + 1):
-    logits, carry = expand(proc_tok, proc_par, proc_depth, carry)
     start = proc_tok.shape[1] - f                                        # this frontier's slots
-    toks, score, prio, valid, q = children(logits[:, start:], keys[d - 1], f_score, f_prio,
-                                           f_valid)
+    logits, carry = expand(proc_tok, proc_par, proc_depth, start, carry)
+    toks, score, prio, valid, q = children(logits, keys[d - 1], f_score, f_prio, f_valid)
     if q is not None:
       frontier_q.append((f_cand, q))
     c_tok.append(toks)

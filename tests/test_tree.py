@@ -126,7 +126,7 @@ def _build(q_tables, spec, batch, key, **kw):
   logq = [jnp.log(jnp.asarray(q, jnp.float32)) for q in q_tables]
   root = jnp.broadcast_to(logq[0], (batch, V))
 
-  def expand(tokens, parents, depths, carry):
+  def expand(tokens, parents, depths, start, carry):
     # A node's path from the parent chain inside the frontier list.
     t = tokens.shape[1]
     path = [tokens]
@@ -140,7 +140,7 @@ def _build(q_tables, spec, batch, key, **kw):
     for d in range(1, spec.depth):
       idx = tuple(path[..., -d + j] for j in range(d))
       logits = jnp.where((depths == d)[..., None], logq[d][idx], logits)
-    return logits, carry
+    return logits[:, start:], carry
 
   sampling = sj.Sampling(temperature=jnp.ones((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
                          top_p=jnp.ones((batch,)))
@@ -343,6 +343,96 @@ def test_ngram_tree_branches_over_several_matches():
   got = [tuple(int(x) for x in paths[0, i] if x >= 0) for i in range(1, 7)]
   # Most recent longest match first (the chain's proposal), then the older one.
   assert got == [(4,), (4, 4), (4, 4, 1), (3,), (3, 1), (3, 1, 2)]
+
+
+# ----------------------------------------------------------------------------- incremental expansion
+
+def _captured_expand(drafter, params, state, ctx, spec, monkeypatch):
+  """The drafter's expand closure (and carry), grabbed from its propose_tree call."""
+  got = {}
+
+  def grab(root_logits, expand, carry, spec, **kw):
+    got.update(root=root_logits, expand=expand, carry=carry)
+    b = root_logits.shape[0]
+    zeros = jnp.zeros((b, spec.num_nodes + 1), jnp.int32)
+    return tree_lib.DraftTree(tokens=zeros, parents=zeros, depths=zeros,
+                              valid=zeros.astype(bool)), carry
+
+  monkeypatch.setattr(tree_lib, "build_dynamic_tree", grab)
+  drafter.propose_tree(params, state, ctx, spec)
+  return got
+
+
+# Two depth-1 frontier nodes (tokens 5, 2), then two depth-2 ones: 6 under node 1, 3 under 0.
+FRONTIER = dict(tokens=[[5, 2, 6, 3]], parents=[[-1, -1, 1, 0]], depths=[[1, 1, 2, 2]])
+PATHS = [[5], [2], [2, 6], [5, 3]]
+
+
+def _expand_in_two_steps(expand, carry):
+  tok, par, dep = (jnp.asarray(FRONTIER[k], jnp.int32) for k in ("tokens", "parents", "depths"))
+  first, carry = expand(tok[:, :2], par[:, :2], dep[:, :2], 0, carry)
+  second, carry = expand(tok, par, dep, 2, carry)
+  return jnp.concatenate([first, second], axis=1)[0]
+
+
+def test_draft_model_tree_expansion_matches_causal_forwards(monkeypatch):
+  """Each frontier node's draft logits equal a plain causal forward over its path."""
+  target, _ = _models()
+  draft = sj.init_model(target.config.replace(num_layers=2), jax.random.key(21))
+  drafter = sj.drafters.DraftModel(draft)
+  committed = [1, 4, 2, 7, 0]
+  s = 24
+  tokens = jnp.asarray([committed + [0] * (s - len(committed))], jnp.int32)
+  prefill = sj.drafters.PrefillInfo(
+      tokens=tokens, prompt_tokens=tokens[:, :4], prompt_lens=jnp.asarray([4]), hidden=None,
+      layer_hidden=(), target_params=target.params, sampling=sj.Sampling(0.0))
+  state = drafter.init_state(draft.params, prefill)
+  ctx = sj.drafters.DraftContext(key=jax.random.key(0), tokens=tokens,
+                                 lengths=jnp.asarray([len(committed)]),
+                                 sampling=sj.Sampling(0.0), target_params=target.params,
+                                 num_draft=2)
+  got = _captured_expand(drafter, draft.params, state, ctx, sj.TreeSpec(2, 2, 4), monkeypatch)
+  logits = _expand_in_two_steps(got["expand"], got["carry"])
+  for i, path in enumerate([[]] + PATHS):
+    seq = jnp.asarray([committed + path], jnp.int32)
+    want = forward(draft.params, draft.config, seq, KVCache.zeros(draft.config, 1, s),
+                   jnp.zeros((1,), jnp.int32)).logits[0, -1]
+    have = got["root"][0] if i == 0 else logits[i - 1]
+    np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=1e-4, err_msg=str(path))
+
+
+def test_head_tree_expansion_matches_chain_drafting(monkeypatch):
+  """Each frontier node's head logits equal the chain recursion along its path (the pair
+  (parent feature, token) at slot lengths-2+depth, causally, one step at a time)."""
+  target, _ = _models()
+  head = sj.drafters.EAGLE3.init(target, key=jax.random.key(5), init_std=0.5)
+  committed = [1, 4, 2, 7, 0]
+  s = 24
+  tokens = jnp.asarray([committed + [0] * (s - len(committed))], jnp.int32)
+  pre = forward(target.params, target.config, tokens[:, :4], KVCache.zeros(target.config, 1, s),
+                jnp.zeros((1,), jnp.int32), return_layers=head.target_layers)
+  prefill = sj.drafters.PrefillInfo(
+      tokens=tokens, prompt_tokens=tokens[:, :4], prompt_lens=jnp.asarray([4]),
+      hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=target.params,
+      sampling=sj.Sampling(0.0))
+  state = head.init_state(head.params, prefill)
+  # 5 committed: prefill's 4 pairs (f_j, token j+1) fill slots 0..3 (the engine's state after
+  # a prefill that sampled token 4); next_feature is o at slot lengths-2 = 3.
+  lengths = jnp.asarray([len(committed)])
+  ctx = sj.drafters.DraftContext(key=jax.random.key(0), tokens=tokens, lengths=lengths,
+                                 sampling=sj.Sampling(0.0), target_params=target.params,
+                                 num_draft=2)
+  got = _captured_expand(head, head.params, state, ctx, sj.TreeSpec(2, 2, 4), monkeypatch)
+  logits = _expand_in_two_steps(got["expand"], got["carry"])
+  for i, path in enumerate(PATHS):
+    feature, k, v = state.next_feature, state.k, state.v
+    for depth, tok in enumerate(path, start=1):
+      o, k, v = head._step(head.params, target.params, jnp.asarray([[tok]], jnp.int32),
+                           feature[:, None], k, v, lengths - 2 + depth)
+      feature = o[:, 0]
+    want = head.logits(head.params, target.params, feature)[0]
+    np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(want), atol=1e-4,
+                               err_msg=str(path))
 
 
 # ----------------------------------------------------------------------------- the KV move

@@ -10,7 +10,9 @@ Trees (spec_jax.tree, EAGLE-2's dynamic tree on the draft model): a tree round w
 frontier nodes into the draft cache past the last committed token, so the cache is only known
 valid below the old lengths, and a round commits at most D+1 tokens: each propose_tree
 re-feeds the last D+1 committed tokens (a causal block; the root's logits give depth 1), then
-one forward per further depth over [block, frontier nodes so far] with the ancestor mask.
+one forward per further depth over the new frontier nodes, placed after the block and the
+earlier frontiers, each seeing the block up to the root and its ancestors (a tree mask over
+those slots).
 """
 
 from __future__ import annotations
@@ -110,19 +112,18 @@ class DraftModel(Drafter):
     root_at = lengths - 1 - start
     out = forward(params, self.config, block, cache, start)
     root_logits = jnp.take_along_axis(out.logits, root_at[:, None, None], axis=1)[:, 0]
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
     sees_block = jnp.arange(w)[None, None, :] <= root_at[:, None, None]     # [B, 1, w]
 
-    def expand(tokens, parents, depths, cache):
+    def expand(tokens, parents, depths, first, cache):
+      # Tree node i sits at slot start+w+i; the new ones (first..) see the block up to the
+      # root and their ancestors: a mask over the w + T slots from `start`.
       t = tokens.shape[1]
-      mask = jnp.concatenate([
-          jnp.concatenate([causal, jnp.zeros((b, w, t), bool)], axis=2),
-          jnp.concatenate([jnp.broadcast_to(sees_block, (b, t, w)),
-                           tree_lib.ancestor_mask(parents, spec.depth)], axis=2)], axis=1)
-      positions = jnp.concatenate([idx, lengths[:, None] - 1 + depths], axis=1)
-      out = forward(params, self.config, jnp.concatenate([block, tokens], axis=1), cache, start,
-                    positions=positions, tree_mask=mask)
-      return out.logits[:, w:], out.cache
+      t_new = t - first
+      mask = jnp.concatenate([jnp.broadcast_to(sees_block, (b, t_new, w)),
+                              tree_lib.ancestor_mask(parents, spec.depth)[:, first:]], axis=2)
+      out = forward(params, self.config, tokens[:, first:], cache, start + w + first,
+                    positions=lengths[:, None] - 1 + depths[:, first:], tree_mask=mask)
+      return out.logits, out.cache
 
     candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
     return tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,

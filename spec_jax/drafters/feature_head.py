@@ -260,28 +260,31 @@ class FeatureHead(Drafter):
 
   def propose_tree(self, params, state: FeatureHeadState, ctx: DraftContext, spec):
     """EAGLE-2's dynamic tree (spec_jax.tree.build_dynamic_tree). A node at depth d is the
-    pair (its parent's feature, its token) at RoPE position lengths-2+d, as in a chain; the
-    frontier nodes so far go through the head's layer once per depth at slots lengths-1.. with
-    their ancestor mask (speculative slots, rewritten by commit_tree along the accepted path),
-    each reading its parent's output o (the root's: next_feature)."""
+    pair (its parent's feature, its token) at RoPE position lengths-2+d, as in a chain. Frontier
+    node i of the tree so far sits at head-cache slot lengths-1+i (speculative slots, rewritten
+    by commit_tree along the accepted path); each depth's new frontier goes through the head's
+    layer once, reading its parents' outputs o (the root's: next_feature) and attending to the
+    committed slots plus its ancestors through a tree mask over the tree's slots."""
     tp = ctx.target_params
     nf = state.next_feature
     b, d = nf.shape
     lengths = ctx.lengths
 
-    def expand(tokens, parents, depths, carry):
+    def expand(tokens, parents, depths, start, carry):
       o_prev, k, v = carry
-      t = tokens.shape[1]
-      root_feat = jnp.broadcast_to(nf[:, None, :], (b, t, d))
+      new_par = parents[:, start:]
+      t_new = new_par.shape[1]
+      root_feat = jnp.broadcast_to(nf[:, None, :], (b, t_new, d))
       if o_prev is None:
         parent_feat = root_feat
       else:
-        gathered = jnp.take_along_axis(o_prev, jnp.maximum(parents, 0)[:, :, None], axis=1)
-        parent_feat = jnp.where(parents[:, :, None] < 0, root_feat, gathered)
-      o, k, v = self._step(params, tp, tokens, parent_feat, k, v, lengths - 1,
-                           positions=lengths[:, None] - 2 + depths,
-                           tree_mask=tree_lib.ancestor_mask(parents, spec.depth))
-      return self.logits(params, tp, o), (o, k, v)
+        gathered = jnp.take_along_axis(o_prev, jnp.maximum(new_par, 0)[:, :, None], axis=1)
+        parent_feat = jnp.where(new_par[:, :, None] < 0, root_feat, gathered)
+      mask = tree_lib.ancestor_mask(parents, spec.depth)[:, start:]         # [B, t_new, T]
+      o, k, v = self._step(params, tp, tokens[:, start:], parent_feat, k, v, lengths - 1 + start,
+                           positions=lengths[:, None] - 2 + depths[:, start:], tree_mask=mask)
+      o_all = o if o_prev is None else jnp.concatenate([o_prev, o], axis=1)
+      return self.logits(params, tp, o), (o_all, k, v)
 
     candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
