@@ -16,8 +16,9 @@ __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_
 
 from spec_jax import drafters
 from spec_jax.engine import DecodeResult, GenerateOutput, decode, generate, new_tokens
+from spec_jax.governor import CostTable, Governor, calibrate
 from spec_jax.stats import SpecStats
 from spec_jax.tree import DraftTree, TreeSpec
 
 __all__ += ["drafters", "decode", "DecodeResult", "new_tokens", "generate", "GenerateOutput",
-            "SpecStats", "TreeSpec", "DraftTree"]
+            "SpecStats", "Governor", "calibrate", "CostTable", "TreeSpec", "DraftTree"]

@@ -3,6 +3,9 @@
     python -m spec_jax generate --prompt "Once upon a time"
     python -m spec_jax generate --drafter ngram --num-draft 4 --temperature 0.8
     python -m spec_jax generate --drafter draft:../shared/models/salty279K --num-draft 4
+    python -m spec_jax generate --prompt A --prompt B ... --mesh data=8,model=1
+    python -m spec_jax.launch --processes 2 --devices-per-process 4 -- \
+        python -m spec_jax generate --prompt A ... --mesh data=8,model=1   (the same output)
     python -m spec_jax bench ...          (same as python -m spec_jax.bench ...)
     python -m spec_jax eval ...           (same as python -m spec_jax.eval ...)
 """
@@ -21,28 +24,41 @@ DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared
 def _generate(args) -> int:
   import jax
   import spec_jax as sj
+  from spec_jax import distributed, sharding
   if not os.path.exists(args.model):
     print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder "
           "or a llama2.c .bin)", file=sys.stderr)
     return 2
   from spec_jax.bench.specs import make_drafter
+  prompts = args.prompt or ["Once upon a time"]
   try:
+    if jax.process_count() > 1 and args.mesh is None:
+      raise ValueError(f"this run has {jax.process_count()} processes: give --mesh "
+                       f"data=N,model=M over their {jax.device_count()} devices")
+    mesh = sharding.parse_mesh(args.mesh)
     model = sj.load(args.model)
     drafter = make_drafter(args.drafter, model)
     sampling = sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    prompts = args.prompt or ["Once upon a time"]
-    out = sj.generate(model, prompts, drafter=drafter, num_draft=args.num_draft,
+    # Every process feeds its share of the prompts (all of them on one process).
+    mine = distributed.share(prompts)
+    out = sj.generate(model, mine, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      key=jax.random.key(args.seed))
+                      key=jax.random.key(args.seed), mesh=mesh)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  for prompt, text, toks in zip(prompts, out.text or [None] * len(prompts), out.tokens):
+  if jax.process_index() != 0:
+    return 0
+  every = sj.new_tokens(out.result)        # every process's rows, in prompt order
+  texts = ([model.tokenizer.decode(t) for t in every] if model.tokenizer is not None
+           else [None] * len(every))
+  for prompt, text, toks in zip(prompts, texts, every):
     print(prompt + (text if text is not None else " " + " ".join(map(str, toks))))
     print()
   s = out.stats
-  print(f"{s.new_tokens} new tokens in {s.seconds:.3f} s: {s.tokens_per_second:.1f} tokens/s "
-        f"(compile excluded)")
+  over = f" (all {s.processes} processes)" if s.processes > 1 else ""
+  print(f"{s.new_tokens} new tokens{over} in {s.seconds:.3f} s: {s.tokens_per_second:.1f} "
+        f"tokens/s (compile excluded)")
   if drafter is not None:
     print(s.summary())
   return 0
@@ -50,6 +66,12 @@ def _generate(args) -> int:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  from spec_jax import distributed
+  try:
+    distributed.initialize()        # a multi-process run (spec_jax.launch, a pod) or nothing
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   if argv and argv[0] == "bench":
     from spec_jax import bench
     return bench.main(argv[1:])
@@ -69,6 +91,9 @@ def main(argv=None) -> int:
   g.add_argument("--drafter", default=None,
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
   g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
+  g.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                 help="shard over every device of every process: rows on data, weights on "
+                 "model (N x M = the device count); needed when run by spec_jax.launch")
   sub.add_parser("bench", help="side-by-side benchmark (see python -m spec_jax.bench --help)")
   sub.add_parser("eval", help="Spec-Bench-format evaluation (see python -m spec_jax.eval --help)")
   args = parser.parse_args(argv)
@@ -76,4 +101,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from spec_jax import distributed
+  distributed.exit(main())

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax import global_batch
 from spec_jax import sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
@@ -56,6 +57,7 @@ class DecodeState:
   finished_at_round: int32 [B], the round in which the row finished (0 = at the prefill), or -1
     while it runs.
   iterations: int32 scalar, loop iterations so far.
+  governor: the governor's state with num_draft="auto" (spec_jax.governor.GovernorState), else ().
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -69,6 +71,7 @@ class DecodeState:
   accepted_at: jax.Array
   finished_at_round: jax.Array
   iterations: jax.Array
+  governor: Any = ()
 
 
 @flax.struct.dataclass
@@ -87,6 +90,9 @@ class DecodeResult:
   finished_at_round: int32 [B], the loop iteration in which the row finished (0 = its first
     token, sampled at the prefill, already ended it): a request's latency in rounds.
   iterations: int32 scalar, loop iterations (target forwards after the prefill).
+  k_rounds: int32 [K+1], loop iterations that ran with k drafts, k = 0..K (a fixed K puts every
+    iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
+    histogram of choices).
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -97,16 +103,21 @@ class DecodeResult:
   accepted_at: jax.Array
   finished_at_round: jax.Array
   iterations: jax.Array
+  k_rounds: jax.Array
 
 
 class GenerateOutput(NamedTuple):
   """tokens: list[list[int]] new tokens per row (a stop token that ended a row is included);
   text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats;
-  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round)."""
+  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round); rows: the
+  global row indices of tokens and text. With a mesh over several processes, tokens and text are
+  this process's rows, result and stats cover every process's rows (new_tokens(result) is every
+  row's tokens, in global order)."""
   tokens: list
   text: Optional[list]
   stats: SpecStats
   result: Optional[Any] = None
+  rows: Optional[range] = None
 
 
 class NoDrafter(Drafter):
@@ -216,9 +227,10 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
 class LoopEnv(NamedTuple):
   """What every round of one decode call closes over (set once, before the loop).
 
-  config, drafter, greedy, layers are static; the rest are arrays: drafter_params and
+  config, drafter, greedy, layers, rolled are static; the rest are arrays: drafter_params and
   target_params (execution layout), sampling (per-row [B]), stop_tokens int32 [N], limit int32
-  [B] (the longest committed length of each row)."""
+  [B] (the longest committed length of each row). rolled: drafters run their K-1 draft steps
+  as a loop rather than unrolled (DraftContext.rolled; the governor's many K compile faster)."""
   config: ModelConfig
   drafter: Drafter
   drafter_params: Any
@@ -228,34 +240,52 @@ class LoopEnv(NamedTuple):
   limit: jax.Array
   greedy: bool
   layers: tuple
+  rolled: bool = False
 
 
 def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n_emit):
   """`new` with the statistics of the round st -> new added (rows active at its start only).
 
   accepted counts the drafts that were emitted: drafts cut by a stop token or the token limit
-  are not accepted tokens of this generation. accepted_at may be wider than this round's K."""
+  are not accepted tokens of this generation, and a round cut inside its accepted drafts
+  (n_emit <= n_accepted) counts as drafted only the n_emit drafts it emitted (the rest were
+  thrown away unjudged, like the drafts after a rejection), so alpha is not understated.
+  accepted_at may be wider than this round's K."""
   active = (~st.done).astype(jnp.int32)
   n_used = jnp.minimum(n_emit, n_accepted) * active
   width = st.accepted_at.shape[1]
   iteration = st.iterations + 1
   return new.replace(
       rounds=st.rounds + active,
-      drafted=st.drafted + active * draft_lengths,
+      drafted=st.drafted + active * jnp.where(n_emit <= n_accepted, n_emit, draft_lengths),
       accepted=st.accepted + n_used,
       accepted_at=st.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
       finished_at_round=jnp.where(new.done & ~st.done, iteration, st.finished_at_round),
       iterations=iteration)
 
 
-def chain_round(env: LoopEnv, st: DecodeState, *, k: int) -> DecodeState:
+def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> DecodeState:
   """One speculative round with a chain of K drafts (K = 0: a plain decoding step):
-  propose -> verify -> accept -> commit -> drafter.commit -> statistics."""
+  propose -> verify -> accept -> commit -> drafter.commit -> statistics.
+
+  K = 0 does not call drafter.propose (a drafter with state still gets commit, with K+1 = 1
+  verified token, to stay in sync). draft_rows: optional bool [B], the rows that may use their
+  drafts this round; the others get draft_length 0 (drafts masked to -1) and decode one token
+  (the governor's per-row gating)."""
   key, draft_key, accept_key = jax.random.split(st.key, 3)
-  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
-                     target_params=env.target_params, num_draft=k, greedy=env.greedy)
-  draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
-      env.drafter, env.drafter_params, st.drafter_state, ctx)
+  if k == 0:
+    b = st.tokens.shape[0]
+    draft_tokens, draft_probs = jnp.zeros((b, 0), jnp.int32), None
+    draft_lengths, dstate = jnp.zeros((b,), jnp.int32), st.drafter_state
+  else:
+    ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
+                       sampling=env.sampling, target_params=env.target_params, num_draft=k,
+                       greedy=env.greedy, rolled=env.rolled)
+    draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
+        env.drafter, env.drafter_params, st.drafter_state, ctx)
+    if draft_rows is not None:
+      draft_tokens = jnp.where(draft_rows[:, None], draft_tokens, -1)
+      draft_lengths = jnp.where(draft_rows, draft_lengths, 0)
   last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
   target_out, out = verify_step(env.target_params, env.config, st.cache, last, draft_tokens,
                                 st.lengths, env.sampling, env.layers, greedy=env.greedy)
@@ -311,10 +341,10 @@ def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -
 
 
 def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
-           drafter: Optional[Drafter] = None, drafter_params=None, num_draft: int = 4,
+           drafter: Optional[Drafter] = None, drafter_params=None, num_draft=4,
            max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
-           tree=None, mesh=None, greedy: Optional[bool] = None, cache: Optional[KVCache] = None
-           ) -> DecodeResult:
+           tree=None, mesh=None, greedy: Optional[bool] = None, cache: Optional[KVCache] = None,
+           governor=None, round_costs=None) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
   `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
 
@@ -330,11 +360,18 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
     max_new_tokens: int, or a traced int32 scalar (then capacity is not checked against it).
     cache: optional KVCache [L, B, S, Hkv, Dh] buffer to decode into (donate it with
       `donate_argnums` to reuse its memory); default a fresh zero cache.
+    round_costs: with num_draft="auto", float [len(governor.ks)] seconds (or any common unit)
+      of one round at each candidate K, in the order of `governor.candidates(drafter)` —
+      `sj.calibrate(...).round_costs`; None takes the governor's own `costs` table (or, with a
+      `schedule`, needs none).
   Static (hashable; mark them static in your jit, e.g. with functools.partial):
     config: the target's ModelConfig. drafter: a Drafter or None (plain decoding, K = 0).
-    num_draft: K. capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1.
-    tree: a spec_jax.TreeSpec for tree drafting (spec_jax.tree; num_draft is then ignored and
-      capacity must hold P_max + max_new_tokens + tree.cache_extent + 1), or None (a chain).
+    num_draft: K, or "auto": the governor picks K every round (spec_jax.governor).
+    governor: with num_draft="auto", a `sj.Governor` (None = the defaults).
+    capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1 (K: the largest
+      candidate with "auto"; a tree's cache_extent).
+    tree: a spec_jax.TreeSpec for tree drafting (spec_jax.tree; num_draft is then ignored, and
+      "auto" refused), or None (a chain).
     mesh: optional Mesh ("data", "model") for the sharding annotations (spec_jax.sharding).
     greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
       infers it from concrete sampling values (traced values: False; both paths give the same
@@ -361,13 +398,19 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
                      f"{type(drafter).__name__}")
+  gov = None
   if tree is not None:   # tree drafting: num_draft is ignored, depth bounds the accepted drafts
     from spec_jax import tree as tree_lib
-    tree = tree_lib.check_tree(tree, drafter)
+    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
     k, extent = tree.depth, tree.cache_extent
+  elif is_auto(num_draft):
+    from spec_jax import governor as governor_lib
+    gov = governor_lib.resolve(governor, drafter)
+    k = extent = max(gov.candidates(drafter))
   else:
-    k = check_num_draft(drafter, num_draft)
-    extent = k
+    if governor is not None:
+      raise ValueError("governor= is used only with num_draft='auto'")
+    k = extent = check_num_draft(drafter, num_draft)
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -387,6 +430,47 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
                      f"{capacity!r}")
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  if gov is not None:
+    costs = gov.cost_array(drafter, round_costs)          # ValueError on a bad table
+  env, state = init_loop(target_params, prompt_tokens, prompt_lens, key, config=config,
+                         drafter=drafter, drafter_params=drafter_params,
+                         max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
+                         stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache, width=k,
+                         lazy_drafter=gov is not None)
+  if gov is None:
+    if tree is not None:
+      round_ = functools.partial(tree_lib.tree_round, env, spec=tree)
+    else:
+      round_ = functools.partial(chain_round, env, k=k)
+    final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
+  else:
+    final = governor_lib.governed_loop(env, gov, costs,
+                                       state.replace(governor=gov.init_state(drafter, b)))
+  if gov is None:               # every iteration ran K drafts (a tree: its depth D)
+    k_rounds = jnp.zeros((k + 1,), jnp.int32).at[k].set(final.iterations)
+  else:
+    k_rounds = governor_lib.k_rounds(gov, drafter, final.governor)
+  return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
+                      rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
+                      accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
+                      iterations=final.iterations, k_rounds=k_rounds)
+
+
+def is_auto(num_draft) -> bool:
+  """num_draft="auto": the governor chooses K every round."""
+  return isinstance(num_draft, str) and num_draft == "auto"
+
+
+def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
+              drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
+              sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
+              cache: Optional[KVCache] = None, width: int = 0,
+              lazy_drafter: bool = False) -> tuple:
+  """Everything before the loop (inputs already checked by `decode`): the execution layout of
+  the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
+  with accepted_at [B, width]. lazy_drafter: the loop calls drafter.catch_up before drafting
+  (the governor's loop; PrefillInfo.lazy)."""
+  b, p = prompt_tokens.shape
   if greedy is None:
     greedy = _concretely_greedy(sampling)
   sampling = Sampling(
@@ -427,26 +511,18 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   done = jnp.any(first[:, None] == stop_tokens[None, :], axis=1) | (lengths >= limit)
   drafter_state = drafter.init_state(drafter_params, PrefillInfo(
       tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
-      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling))
+      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
+      lazy=lazy_drafter))
   zeros = jnp.zeros((b,), jnp.int32)
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,
-                      accepted=zeros, accepted_at=jnp.zeros((b, k), jnp.int32),
+                      accepted=zeros, accepted_at=jnp.zeros((b, width), jnp.int32),
                       finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
                       iterations=jnp.zeros((), jnp.int32))
-
   env = LoopEnv(config=config, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
                 limit=limit, greedy=greedy, layers=layers)
-  if tree is not None:
-    round_ = functools.partial(tree_lib.tree_round, env, spec=tree)
-  else:
-    round_ = functools.partial(chain_round, env, k=k)
-  final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
-  return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
-                      rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
-                      accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
-                      iterations=final.iterations)
+  return env, state
 
 
 def _concretely_greedy(sampling: Sampling) -> bool:
@@ -468,7 +544,8 @@ def new_tokens(result) -> list:
   return [tokens[b, prompt_lens[b]:lengths[b]].tolist() for b in range(tokens.shape[0])]
 
 
-_DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy")
+_DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy",
+                  "governor")
 _decode_jit = jax.jit(decode, static_argnames=_DECODE_STATIC)
 _generate_loop = _decode_jit  # the name earlier code and tests use to clear the jit cache
 
@@ -493,8 +570,11 @@ def _as_token_ids(values, what: str) -> list:
   return [int(t) for t in arr.reshape(-1).tolist()]
 
 
-def _prepare_prompts(target, prompts) -> list[list[int]]:
-  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+def _prepare_prompts(target, prompts, allow_empty: bool = False) -> list[list[int]]:
+  """Token ids of every prompt (ValueError on bad ones); allow_empty: a process of a
+  multi-process call may feed no rows."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+      len(prompts) == 0 and not allow_empty):
     raise ValueError("prompts must be a non-empty list of strings or of token-id lists, got "
                      f"{type(prompts).__name__}")
   vocab = target.config.vocab_size
@@ -543,6 +623,34 @@ def _compiled_decode(args, static):
   return _COMPILED[sig]
 
 
+def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
+                         sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
+                         num_draft=4, governor=None, round_costs=None, tree=None) -> tuple:
+  """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
+  mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
+  per shapes and static configuration. The governor's calibration times this same executable.
+
+  prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
+  stop: int32 [N]; round_costs: float32 [len(candidates)] or None; tree: a TreeSpec or None."""
+  drafter_params = None if drafter is None else drafter.params
+  args = (sharding_lib.shard_params(mesh, target.params),
+          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
+          sharding_lib.replicate(mesh, key))
+  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
+                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
+                sampling=sharding_lib.shard_rows(mesh, sampling),
+                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop, jnp.int32)))
+  static = dict(config=target.config, drafter=drafter, num_draft=num_draft, capacity=capacity,
+                mesh=mesh, greedy=greedy)
+  if governor is not None:
+    static["governor"] = governor
+  if tree is not None:
+    static["tree"] = tree
+  if round_costs is not None:
+    kwargs["round_costs"] = sharding_lib.replicate(mesh, jnp.asarray(round_costs, jnp.float32))
+  return _compiled_decode((args, kwargs), static), args, kwargs
+
+
 def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
                   prompt_bucket: int = PROMPT_BUCKET):
   """Host-side prompt preparation shared by generate() and the benchmarks.
@@ -572,10 +680,10 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
   return prompt_tokens, prompt_lens, int(capacity)
 
 
-def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int = 4,
+def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
-             prompt_bucket: int = PROMPT_BUCKET, tree=None) -> GenerateOutput:
+             prompt_bucket: int = PROMPT_BUCKET, governor=None, tree=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -587,7 +695,10 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     prompts: list[str] (needs a tokenizer; BOS added as the tokenizer does) or list[list[int]];
       rows may differ in length.
     drafter: a Drafter (sj.drafters.*) or None for plain decoding (then num_draft is ignored).
-    num_draft: K, draft tokens per round (>= 1 with a drafter).
+    num_draft: K, draft tokens per round (>= 1 with a drafter), or "auto": the governor picks
+      K (0 = a plain step) every round from a cost table (`sj.calibrate`, measured on first
+      use for this batch and capacity, then cached on disk; not part of the timed seconds)
+      and the batch's live acceptance (spec_jax.governor).
     max_new_tokens: new tokens per row at most (>= 1).
     sampling: Sampling, scalars or per-row [B] arrays; temperature 0 = greedy.
     key: jax PRNG key (default key(0)).
@@ -596,8 +707,15 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       up to a multiple of 64).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
+      A mesh over several processes (after spec_jax.distributed.initialize()): every process
+      calls generate() with the same options and its own prompts (possibly none); the batch
+      is every process's rows in process order (spec_jax.global_batch); each process gets its
+      own rows' tokens and text back, and statistics over all rows (stats.processes says how
+      many processes they sum over).
     prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
       length; the padding is masked, so outputs do not depend on it).
+    governor: with num_draft="auto", a `sj.Governor` (or a dict of its options); None = the
+      defaults.
     tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
       verify over N+1 tree nodes per round, lossless); num_draft is then ignored. None: a chain.
 
@@ -608,11 +726,18 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
+  gov = None
   if tree is not None:
     from spec_jax import tree as tree_lib
-    tree = tree_lib.check_tree(tree, drafter)
+    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
     k, extent = tree.depth, tree.cache_extent
+  elif is_auto(num_draft):
+    from spec_jax import governor as governor_lib
+    gov = governor_lib.resolve(governor, drafter)
+    k = extent = max(gov.candidates(drafter))
   else:
+    if governor is not None:
+      raise ValueError("governor= is used only with num_draft='auto'")
     k = extent = check_num_draft(drafter, num_draft)
   if drafter is not None:
     drafter.check_compatible(target)
@@ -620,11 +745,24 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   if key is None:
     key = jax.random.key(0)
-  elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+  elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and key.shape == ()):
     raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}")
   if capacity is not None and (not _is_static_int(capacity) or capacity < 1):
     raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
-  ids = _prepare_prompts(target, prompts)
+  sharding_lib.check_mesh(mesh, 0)
+  spans = sharding_lib.spans_processes(mesh)
+  if not spans:
+    ids = _prepare_prompts(target, prompts)
+    rows, processes = range(len(ids)), 1
+  else:       # each process fed its own rows: every process now gets the whole global batch
+    try:
+      ids, error = _prepare_prompts(target, prompts, allow_empty=True), None
+    except ValueError as e:
+      ids, error = [], str(e)
+    ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
+        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket,
+        tree), error=error)
   sharding_lib.check_mesh(mesh, len(ids))
   prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, extent,
                                                        capacity, prompt_bucket)
@@ -634,26 +772,43 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft: int 
   sampling = sampling.as_arrays(batch)
   stop = _stop_array(target, stop_tokens)
 
-  drafter_params = None if drafter is None else drafter.params
-  args = (sharding_lib.shard_params(mesh, target.params),
-          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
-          sharding_lib.replicate(mesh, key))
-  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
-                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
-                sampling=sharding_lib.shard_rows(mesh, sampling),
-                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop)))
-  static = dict(config=target.config, drafter=drafter, num_draft=k, capacity=capacity,
-                mesh=mesh, greedy=greedy, tree=tree)
-  compiled = _compiled_decode((args, kwargs), static)
+  costs = None
+  if gov is not None:   # the cost table (calibrated on first use, then cached): not timed
+    costs = governor_lib.round_costs_for(gov, target, drafter, batch, capacity, greedy,
+                                         max_new_tokens, prompt_len=prompt_tokens.shape[1],
+                                         stop_count=len(stop), mesh=mesh)
+  compiled, args, kwargs = compiled_decode_call(
+      target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
+      sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
+      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs, tree=tree)
   start = time.perf_counter()
   result = compiled(*args, **kwargs)
   jax.block_until_ready(result.lengths)
   seconds = time.perf_counter() - start
 
-  result = jax.tree.map(np.asarray, result)
-  new = new_tokens(result)
+  result = global_batch.to_host(result, spans)       # every row, on every process
+  new = new_tokens(result)[rows.start:rows.stop]
   text = None
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
-  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, tree=tree)
-  return GenerateOutput(tokens=new, text=text, stats=stats, result=result)
+  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes,
+                                auto=gov is not None, tree=tree)
+  return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
+
+
+def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,
+                    prompt_bucket, tree=None) -> dict:
+  """What every process of a multi-process generate() must pass alike (global_batch.assemble
+  compares fingerprints): all options but the prompts and per-row sampling arrays."""
+  scalar = all(np.ndim(v) == 0 for v in (sampling.temperature, sampling.top_k, sampling.top_p))
+  params = lambda pytree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(pytree)]
+  return {"target": [repr(target.config), params(target.params)],
+          "drafter": None if drafter is None else [type(drafter).__name__,
+                                                   params(drafter.params)],
+          "num_draft": k, "max_new_tokens": max_new_tokens,
+          "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)]
+          if scalar else "per-row",
+          "key": np.asarray(jax.random.key_data(key)).tolist(),
+          "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
+          "capacity": capacity, "prompt_bucket": prompt_bucket,
+          "tree": None if tree is None else tree.label()}

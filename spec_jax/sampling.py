@@ -68,7 +68,11 @@ class Sampling:
 
 
 def _is_concrete(x) -> bool:
+  """Whether x's values can be read on the host here (not a tracer, nor an array spread over
+  other processes' devices, which was checked before it was placed there)."""
   if isinstance(x, jax.core.Tracer):
+    return False
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return False
   return isinstance(x, (numbers.Number, np.ndarray, jax.Array, list, tuple))
 
@@ -102,7 +106,8 @@ def probs(logits, sampling: Sampling):
   greedy = temperature <= 0
   scaled = logits / jnp.where(greedy, 1.0, temperature)
 
-  # The sort behind top-k / top-p is skipped at run time when no row asks for either.
+  # The sort behind top-k / top-p is skipped at run time when no row asks for either; a row
+  # with top_k = 0 and top_p = 1 is left exactly as it is either way (rows are independent).
   needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
   masked = jax.lax.cond(needs_filter, lambda x: _top_k_top_p(x, top_k, top_p), lambda x: x,
                         scaled)
@@ -122,11 +127,15 @@ def _top_k_top_p(scaled, top_k, top_p):
   masked = jnp.where(scaled < kth, -jnp.inf, scaled)
 
   # top-p: keep the smallest prefix of the sorted (top-k filtered) distribution whose mass
-  # reaches top_p, i.e. token i is kept when the mass strictly before it is < top_p.
+  # reaches top_p, i.e. token i is kept when the mass strictly before it is < top_p, or
+  # equivalently when the mass from it onwards (its suffix) is > 1 - top_p. The suffix is
+  # summed from the smallest probability up, so the tail keeps its precision: a float32
+  # running sum from the top reaches 1.0 early and would cut tokens whose exact mass-before is
+  # still below top_p. top_p >= 1 keeps every token of the row exactly (the filter is off).
   sorted_masked = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)
   sorted_probs = jax.nn.softmax(sorted_masked, axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  keep_sorted = mass_before < top_p
+  mass_from = jnp.flip(jnp.cumsum(jnp.flip(sorted_probs, -1), axis=-1), -1)
+  keep_sorted = (mass_from > 1.0 - top_p) | (top_p >= 1.0)
   # The smallest kept logit is the cut-off (keep_sorted is a prefix of the sorted order).
   n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
   cutoff = jnp.take_along_axis(sorted_masked, n_keep - 1, axis=-1)

@@ -9,6 +9,12 @@ features, the KV cache along its kv heads, the vocabulary of the embedding and L
 "model". Rows of the batch live on their "data" shard. XLA inserts the collectives; results are
 the same as on one device (tests/test_sharding.py checks greedy tokens on 8 CPU devices).
 A weight whose split axis does not divide evenly by the "model" size stays replicated.
+
+A mesh may span several processes (a TPU pod slice, several GPU hosts, or
+`python -m spec_jax.launch`): build it after `spec_jax.distributed.initialize()` from all of
+jax.devices(), e.g. with `make_mesh(data=8, model=1)` or `parse_mesh("data=8,model=1")`; the
+placement functions below then take each host's identical copy of an array and keep the slices
+its own devices hold (see spec_jax.global_batch for the rows every process feeds).
 """
 
 from __future__ import annotations
@@ -16,14 +22,16 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 
-# Param leaf name -> which axis (of the leaf, [L] axis included for layers) is split on "model".
+# Param leaf name -> which axis is split on "model", counted from the end, so that stacked [L, ...]
+# layer weights and the single-layer 2-D weights of EAGLE / EAGLE-3 / MTP heads both resolve.
 _MODEL_AXIS = {
-    "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
-    "w_gate": 2, "w_up": 2, "w_down": 1, "embed": 0, "lm_head": 1,
+    "wq": -1, "wk": -1, "wv": -1, "bq": -1, "bk": -1, "bv": -1, "wo": -2,
+    "w_gate": -1, "w_up": -1, "w_down": -2, "embed": -2, "lm_head": -1,
 }
 
 
@@ -42,6 +50,65 @@ def check_mesh(mesh: Optional[Mesh], batch: int) -> None:
                      f"size {mesh.shape[DATA]}: pad the batch or change the mesh")
 
 
+def parse_mesh_spec(text: str) -> dict:
+  """'data=8,model=1' -> {'data': 8, 'model': 1} (a missing axis is 1); ValueError on anything
+  else. Only the syntax is checked here: make_mesh checks the sizes against the devices."""
+  sizes = {}
+  for part in str(text).split(","):
+    name, eq, value = part.strip().partition("=")
+    if not eq or name not in (DATA, MODEL) or name in sizes:
+      raise ValueError(f"a mesh is written data=N,model=M (each at most once, model optional), "
+                       f"got {text!r}")
+    try:
+      sizes[name] = int(value)
+    except ValueError:
+      sizes[name] = 0
+    if sizes[name] < 1 or value.strip() != str(sizes[name]):
+      raise ValueError(f"mesh axis sizes must be integers >= 1, got {name}={value.strip()!r} "
+                       f"in {text!r}")
+  return {DATA: sizes.get(DATA, 1), MODEL: sizes.get(MODEL, 1)}
+
+
+def make_mesh(data: int = 1, model: int = 1) -> Mesh:
+  """A ("data", "model") mesh over every device of every process (jax.devices()), Auto axes.
+
+  data * model must equal jax.device_count() (ValueError otherwise, naming the count)."""
+  for name, n in ((DATA, data), (MODEL, model)):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+      raise ValueError(f"mesh axis {name} must be an integer >= 1, got {n!r}")
+  count = jax.device_count()
+  if data * model != count:
+    raise ValueError(f"a mesh of data={data} x model={model} needs {data * model} devices; "
+                     f"there are {count} ({jax.process_count()} process(es) x "
+                     f"{jax.local_device_count()} local device(s)): make data x model = {count}")
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  return jax.make_mesh((int(data), int(model)), (DATA, MODEL), axis_types=auto)
+
+
+def parse_mesh(text: Optional[str]) -> Optional[Mesh]:
+  """The command lines' --mesh data=N,model=M -> a Mesh over all devices (None -> None)."""
+  if text is None:
+    return None
+  return make_mesh(**parse_mesh_spec(text))
+
+
+def spans_processes(mesh: Optional[Mesh]) -> bool:
+  """Whether the mesh holds devices of more than one process (then every process must make
+  the same calls, in the same order, with its own rows: see spec_jax.global_batch)."""
+  if mesh is None:
+    return False
+  return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def _put(x, sharding: NamedSharding):
+  """device_put that also takes typed PRNG keys onto a multi-process sharding (jax refuses a
+  key array there; its raw key data is fine)."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    data = jax.device_put(np.asarray(jax.random.key_data(x)), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+  return jax.device_put(x, sharding)
+
+
 def as_auto(mesh: Optional[Mesh]) -> Optional[Mesh]:
   """The same devices and axis names with Auto axis types: the engine annotates shardings for
   GSPMD to propagate (jax.make_mesh defaults to Explicit axes, which ask for explicit reshards)."""
@@ -55,7 +122,7 @@ def as_auto(mesh: Optional[Mesh]) -> Optional[Mesh]:
 
 def _spec_for(name: str, shape, model_size: int) -> P:
   axis = _MODEL_AXIS.get(name)
-  if axis is None or shape[axis] % model_size:
+  if axis is None or len(shape) < -axis or shape[axis] % model_size:
     return P()
   spec = [None] * len(shape)
   spec[axis] = MODEL
@@ -85,14 +152,16 @@ def shard_rows(mesh: Optional[Mesh], tree):
 
   def leaf(x):
     spec = P(DATA) if getattr(x, "ndim", 0) >= 1 else P()
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    return _put(x, NamedSharding(mesh, spec))
   return jax.tree.map(leaf, tree)
 
 
 def replicate(mesh: Optional[Mesh], tree):
+  """Every leaf whole on every device of the mesh (PRNG keys included)."""
   if mesh is None:
     return tree
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  sharding = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: _put(x, sharding), tree)
 
 
 def constrain_cache(mesh: Optional[Mesh], cache):

@@ -12,25 +12,46 @@ import numpy as np
 class SpecStats:
   """Counts over every row and round of one generate() call.
 
+  Every count is of what was emitted: a round whose block was cut by max_new_tokens or a stop
+  token after e tokens (e <= the drafts it accepted) counts e drafted and e accepted drafts; the
+  accepted drafts it threw away count nowhere, like the drafts after a round's first rejection.
+
   rounds: target verify passes, summed over rows (rows that finished are not counted).
-  drafted: draft tokens proposed (valid ones only; an n-gram miss proposes fewer than K).
-  accepted: draft tokens accepted by the rejection sampler.
-  acceptance_rate: accepted / drafted (alpha, the per-token acceptance).
-  mean_accepted_length: tokens emitted per target forward, bonus included: (accepted + rounds)
-    / rounds, the tau of the papers (1.0 for plain decoding).
-  accepted_at: [K] fraction of rounds in which draft position i was accepted.
+  drafted: draft tokens proposed (valid ones only; an n-gram miss proposes fewer than K; a cut
+    round counts the drafts it emitted).
+  accepted: accepted draft tokens that were emitted.
+  acceptance_rate: accepted / drafted (alpha, per drafted token); 0.0 when nothing was drafted.
+  alpha_token: the per-token acceptance alpha of the i.i.d. model, the root in [0, 1] of
+    tau = (1 - alpha^(K+1)) / (1 - alpha) for the measured tau (acceptance_rate also counts
+    the drafts after a round's first rejection, which were never judged, so it falls with K;
+    alpha_token does not). 0.0 when K = 0 or there were no rounds.
+  mean_accepted_length: tokens emitted per target forward, bonus included: emitted / rounds,
+    the tau of the papers (= (accepted + rounds) / rounds when no round was cut). 1.0 when
+    there were no rounds (max_new_tokens = 1: the prefill's forward emitted the one token) and
+    for plain decoding.
+  accepted_at: [K] fraction of rounds in which draft position i was accepted and emitted (0.0
+    each when there were no rounds).
   seconds: wall time of the compiled generation (prefill + decode loop; compile excluded).
   tokens_per_second: new tokens / seconds, over all rows.
-  new_tokens: new tokens emitted over all rows (stop tokens included).
+  new_tokens: new tokens emitted over all rows (stop tokens included; the prefill's included).
   iterations: decode-loop iterations (target forwards after the prefill).
-  num_draft: K.
+  num_draft: K (with num_draft="auto": the largest candidate K, the width of accepted_at).
+  emitted: tokens emitted by the rounds (new_tokens less the one token per row the prefill
+    sampled).
+  k_histogram: {K: decode-loop iterations that ran with K drafts} (K with at least one).
+  auto: the governor chose K (num_draft="auto"); alpha_token is then 0 (rounds mixed several K,
+    so no single K inverts tau; acceptance_rate = accepted / drafted still holds).
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
     ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
     row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
+  processes: how many processes fed rows to the generation; every count above sums over all of
+    their rows (a multi-process generate() reports global statistics on every process), and
+    seconds is this process's wall time of the one collective call.
   tree: None for chains; for tree drafting (depth, top_k, num_nodes, candidates). Then
     num_draft is the depth D, drafted counts the tree nodes verified (so acceptance_rate is
     accepted nodes / verified nodes), accepted_at[d] the rounds whose accepted path reached
-    depth d+1, and mean_accepted_length is tau, tokens emitted per verify, as for chains.
+    depth d+1, mean_accepted_length is tau, tokens emitted per verify, as for chains, and
+    alpha_token is 0 (no chain of K i.i.d. drafts describes a tree round).
   """
   rounds: int
   drafted: int
@@ -44,62 +65,114 @@ class SpecStats:
   iterations: int = 0
   num_draft: int = 0
   row_counts: Optional[dict] = None
+  processes: int = 1
+  emitted: int = 0
+  alpha_token: float = 0.0
+  k_histogram: Optional[dict] = None
+  auto: bool = False
   tree: Optional[tuple] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
-                  num_draft) -> "SpecStats":
+                  num_draft, emitted=None, processes: int = 1) -> "SpecStats":
     """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
-    totals; the per-row counts are kept in row_counts."""
+    totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
+    ([B] or a total); None means no round was cut (accepted + rounds)."""
     row_counts = {name: np.asarray(x, np.int64).reshape(-1).tolist()
                   for name, x in (("rounds", rounds), ("drafted", drafted), ("accepted", accepted))}
     n_rows = len(row_counts["rounds"])
     row_counts["accepted_at"] = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist()
                                  if num_draft else [[] for _ in range(n_rows)])
     rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
+    emitted = accepted + rounds if emitted is None else int(np.sum(emitted))
+    tau = emitted / rounds if rounds else 1.0
     accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
     return cls(
         rounds=rounds,
         drafted=drafted,
         accepted=accepted,
         acceptance_rate=accepted / drafted if drafted else 0.0,
-        mean_accepted_length=(accepted + rounds) / rounds if rounds else 0.0,
+        mean_accepted_length=tau,
         accepted_at=tuple(float(a) / rounds if rounds else 0.0 for a in accepted_at),
         seconds=float(seconds),
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
         new_tokens=int(new_tokens),
         iterations=int(iterations),
         num_draft=int(num_draft),
-        row_counts=row_counts)
+        row_counts=row_counts,
+        processes=int(processes),
+        emitted=emitted,
+        alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft else 0.0)
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
-                  tree=None) -> "SpecStats":
+                  processes: int = 1, auto: bool = False, tree=None) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
-    rounds emitted (every row's first token comes from the prefill, not from a round)."""
+    rounds emitted (every row's first token comes from the prefill, not from a round).
+    auto: the result came from num_draft="auto" (the governor). tree: the TreeSpec of a tree
+    decode (num_draft is then its depth), or None."""
     accepted_at = np.asarray(result.accepted_at)
     k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
     new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
     stats = cls.from_counts(
         rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
         accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
-        new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k)
-    rounds = stats.rounds
-    from_rounds = int(new.sum()) - int(np.sum(new > 0))
-    tau = from_rounds / rounds if rounds else 1.0
-    tree = None if tree is None else (tree.depth, tree.top_k, tree.num_nodes, tree.candidates)
-    return dataclasses.replace(stats, mean_accepted_length=tau, tree=tree)
+        new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k,
+        emitted=np.maximum(new - 1, 0), processes=processes)
+    hist = getattr(result, "k_rounds", None)
+    if hist is not None:
+      hist = {k: int(n) for k, n in enumerate(np.asarray(hist).reshape(-1)) if n}
+    if tree is not None:
+      tree = (tree.depth, tree.top_k, tree.num_nodes, tree.candidates)
+      return dataclasses.replace(stats, k_histogram=hist, tree=tree, alpha_token=0.0)
+    if not auto:
+      return dataclasses.replace(stats, k_histogram=hist)
+    return dataclasses.replace(stats, k_histogram=hist, auto=True, alpha_token=0.0)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
-    shape = (f"K={self.num_draft}" if self.tree is None else
+    k = f"auto(<={self.num_draft})" if self.auto else str(self.num_draft)
+    hist = ""
+    if self.auto and self.k_histogram is not None:
+      hist = " K_rounds={" + ", ".join(f"{kk}: {n}" for kk, n in
+                                       sorted(self.k_histogram.items())) + "}"
+    shape = (f"K={k}{hist}" if self.tree is None else
              "tree D={},k={},N={}{}".format(*self.tree[:3],
                                             "" if self.tree[3] == "topk" else ",sampled"))
     return (f"{shape} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
+            f"alpha_token={self.alpha_token:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "
             f"new_tokens={self.new_tokens} seconds={self.seconds:.3f} "
-            f"tokens/s={self.tokens_per_second:.1f}")
+            f"tokens/s={self.tokens_per_second:.1f}" +
+            (f" (global: summed over {self.processes} processes)" if self.processes > 1 else ""))
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def tau_of_alpha(alpha: float, num_draft: int) -> float:
+  """Expected tokens per round, (1 - alpha^(K+1)) / (1 - alpha) = 1 + alpha + ... + alpha^K."""
+  return float(sum(alpha ** i for i in range(num_draft + 1)))
+
+
+def alpha_from_tau(tau: float, num_draft: int) -> float:
+  """The alpha in [0, 1] with tau_of_alpha(alpha, K) = tau (tau clipped to [1, K+1]).
+
+  tau_of_alpha is strictly increasing on [0, 1] from 1 to K+1, so the root is unique; found by
+  bisection to float64 precision (60 halvings)."""
+  if num_draft < 1:
+    raise ValueError(f"alpha_from_tau needs K >= 1, got {num_draft}")
+  tau = float(tau)
+  if tau <= 1.0:
+    return 0.0
+  if tau >= num_draft + 1.0:
+    return 1.0
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = 0.5 * (lo + hi)
+    if tau_of_alpha(mid, num_draft) < tau:
+      lo = mid
+    else:
+      hi = mid
+  return 0.5 * (lo + hi)

@@ -185,17 +185,24 @@ def parse_tree_spec(text: str) -> TreeSpec:
   return TreeSpec(d, k, n, parts[3] if len(parts) == 4 else "topk")
 
 
-def check_tree(tree, drafter) -> TreeSpec:
-  """The TreeSpec a (tree, drafter) pair runs with; ValueError naming what is allowed."""
+def check_tree(tree, drafter, num_draft=None, governor=None) -> TreeSpec:
+  """The TreeSpec a (tree, drafter) pair runs with; ValueError naming what is allowed.
+  num_draft is ignored beside a tree, except "auto" (the governor picks a chain's K per round
+  from a cost table of chains; it has no tree shapes to choose from), refused with governor=."""
   if not isinstance(tree, TreeSpec):
     raise ValueError(f"tree must be a spec_jax.TreeSpec(depth=, top_k=, num_nodes=) for tree "
                      f"drafting, or None; got {type(tree).__name__}")
   if drafter is None:
-    raise ValueError("tree drafting needs a drafter (DraftModel, NGram, EAGLE, EAGLE3 or MTP); "
-                     "got drafter=None")
+    raise ValueError("tree drafting needs a drafter (DraftModel, NGram, EAGLE, EAGLE3, "
+                     "EAGLE3Fused or MTP); got drafter=None")
+  if (isinstance(num_draft, str) and num_draft == "auto") or governor is not None:
+    raise ValueError("tree drafting does not combine with num_draft='auto' or governor= (the "
+                     "governor chooses among chain lengths K); allowed: tree=TreeSpec(...) with "
+                     "an integer num_draft (ignored), or num_draft='auto' with tree=None")
   if not getattr(drafter, "supports_tree", False):
     raise ValueError(f"{type(drafter).__name__} cannot build draft trees; drafters that can: "
-                     "DraftModel, NGram, EAGLE, EAGLE3, MTP (or pass tree=None for a chain)")
+                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a "
+                     "chain)")
   return tree
 
 
@@ -284,7 +291,9 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       logp = jnp.minimum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), 0.0)
       lp, toks = jax.lax.top_k(logp, m)
       score = f_score[:, :, None] + lp
-      valid = jnp.broadcast_to(f_valid[:, :, None], score.shape)
+      # A token the drafter gives probability 0 (outside an EAGLE-3 draft vocabulary, when k
+      # exceeds it) is no candidate.
+      valid = f_valid[:, :, None] & (lp > -jnp.inf)
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
     q = sampling_lib.probs(logits, sampling)
     logq = jnp.log(jnp.maximum(q, 0.0))

@@ -73,6 +73,42 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   assert again["rows"] == rows and again["partial"] is False
 
 
+def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, capsys):
+  """-K 1 auto: the governor is one more row per drafter, with its K histogram, cost table and
+  share of the best fixed K; --prompts mixed gives half random-token rows. The cost table's
+  timing is replaced by fixed numbers (calibration is tested in tests/test_governor.py)."""
+  from spec_jax import governor as governor_lib
+  from spec_jax.bench.prompts import prompt_token_lists
+  from spec_jax.bench.specs import load_model
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  governor_lib.clear_memory()
+  monkeypatch.setattr(governor_lib, "measure_round_costs", lambda target, drafter, batch,
+                      capacity, greedy, ks, repeats=3, **kw: {
+                          k: {"per_iter_s": 1e-3 * (1 + 0.2 * k), "spread_pct": 0.0}
+                          for k in ks})
+  out = tmp_path / "gov.json"
+  rc = cli.main(["--pairs", "random:tiny@ngram", "-K", "1", "auto", "-B", "2",
+                 "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                 "--temperatures", "0", "--prompts", "mixed", "--out", str(out)])
+  assert rc == 0
+  data = json.loads(out.read_text())
+  rows = {r["K"]: r for r in data["rows"]}
+  assert set(rows) == {0, 1, "auto"}
+  auto = rows["auto"]
+  assert sum(auto["k_histogram"].values()) == auto["iterations"] > 0
+  assert auto["best_fixed_K"] == 1 and auto["share_of_best_fixed"] == pytest.approx(
+      auto["speedup"] / rows[1]["speedup"])
+  assert auto["governor_costs"]["ks"] == [0, 1, 2, 4, 6, 8]
+  assert auto["bound"] is None and auto["c_verify"] is None
+  (g,) = data["governor"]
+  assert g["batch"] == 2 and g["k_histogram"] == auto["k_histogram"]
+  assert "governor random:tiny + ngram T=0 B=2" in capsys.readouterr().out
+  ids, _ = prompt_token_lists(load_model("random:tiny"), "mixed", 4, 8, 128, 0)
+  assert len(ids) == 4 and ids[0] != ids[1] and len(ids[0]) == len(ids[1])
+  assert cli.parse_args(["-K", "2", "auto"]).num_draft == [2, "auto"]
+  governor_lib.clear_memory()
+
+
 def test_plain_suite_tiny(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
@@ -241,3 +277,73 @@ def test_tables():
   assert report.table(["x", "y"], rows) == "   x   y\n----  --\n   a   1\nbb|c  22"
   assert report.table(["x", "y"], rows, markdown=True) == (
       "| x | y |\n| --- | --- |\n| a | 1 |\n| bb\\|c | 22 |")
+
+
+def test_widened_model_spec_has_the_source_logits():
+  import jax.numpy as jnp
+  import spec_jax as sj
+  from spec_jax.bench import specs
+  src = specs.load_model("../shared/models/stories260K")
+  spec = "widened:../shared/models/stories260K:128,256,6,16"
+  assert specs.parse_widened(spec) == ("../shared/models/stories260K", (128, 256, 6, 16))
+  assert specs.model_label(spec) == "stories260K-wide-128x256x6x16"
+  wide = specs.load_model(spec)
+  assert wide.config.hidden_size == 128 and wide.config.num_layers == 6
+  toks = jnp.asarray([[1, 403, 407, 261, 378, 10]])
+  a = sj.forward(src.params, src.config, toks, sj.KVCache.zeros(src.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  b = sj.forward(wide.params, wide.config, toks, sj.KVCache.zeros(wide.config, 1, 8),
+                 jnp.zeros((1,), jnp.int32)).logits
+  assert float(jnp.max(jnp.abs(a - b))) < 1e-4
+  with pytest.raises(ValueError, match="H,F,L"):
+    specs.parse_widened("widened:../shared/models/stories260K:128,256")
+
+
+def test_decode_roofline_counts_weights_once_and_kv_per_row():
+  import spec_jax as sj
+  cfg = sj.ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2,
+                       num_heads=2, num_kv_heads=1)
+  weight_bytes = cfg.num_params * 4
+  kv_bytes_per_row = 2 * 2 * 10 * 1 * 4 * 4            # k and v, L=2, fill 10, Hkv=1, Dh=4
+  bw = 1e9
+  assert math.isclose(timing.decode_roofline(cfg, 1, 10, bw), bw / (weight_bytes + kv_bytes_per_row))
+  assert math.isclose(timing.decode_roofline(cfg, 4, 10, bw),
+                      4 * bw / (weight_bytes + 4 * kv_bytes_per_row))
+
+
+@pytest.mark.slow
+def test_peer_suite_compares_with_transformers(tmp_path):
+  out = tmp_path / "peer.json"
+  rc = cli.main(["--suite", "peer", "--pairs",
+                 "../shared/models/stories260K@draft:../shared/models/salty279K",
+                 "../shared/models/stories260K@ngram", "-K", "2", "--peer-batch", "1",
+                 "--peer-prompts", "1", "--max-new-tokens", "8", "--repeats", "1",
+                 "--peer-rounds", "1", "--hf-threads", "1", "--out", str(out)])
+  assert rc == 0
+  res = json.loads(out.read_text())
+  configs = {(r["library"], r["config"]) for r in res["rows"]}
+  assert configs == {("spec_jax", "plain"), ("spec_jax", "draft:salty279K K=2"),
+                     ("spec_jax", "ngram K=2"), ("transformers", "plain"),
+                     ("transformers", "assisted"), ("transformers", "prompt lookup 10")}
+  # Greedy: every configuration of both libraries emits spec_jax plain decoding's tokens.
+  assert all(r["greedy_match"] for r in res["rows"]), res["notes"]
+  s = res["summary"][0]
+  assert s["ours_over_hf_draft"] > 0 and 0 < s["ours_plain_vs_roofline"]
+
+
+def test_spec_stats_alpha_token_inverts_tau():
+  """SpecStats.alpha_token solves tau = (1 - a^(K+1)) / (1 - a): hand values and edges."""
+  from spec_jax.stats import SpecStats, alpha_from_tau
+  assert alpha_from_tau(1.75, 2) == pytest.approx(0.5, abs=1e-12)       # 1 + .5 + .25
+  assert alpha_from_tau(1.0, 4) == 0.0 and alpha_from_tau(5.0, 4) == 1.0
+  assert alpha_from_tau(2.0, 1) == 1.0 and alpha_from_tau(1.5, 1) == pytest.approx(0.5)
+  # 10 rounds of K = 2 that emitted 17 tokens: tau 1.7, a solves 1 + a + a^2 = 1.7.
+  s = SpecStats.from_counts(rounds=[10], drafted=[20], accepted=[7], accepted_at=[[5, 2]],
+                            seconds=1.0, new_tokens=18, iterations=10, num_draft=2,
+                            emitted=[17])
+  assert s.mean_accepted_length == pytest.approx(1.7)
+  assert s.alpha_token == pytest.approx((-1 + math.sqrt(1 + 4 * 0.7)) / 2)
+  assert "alpha_token=0." in s.summary()
+  none = SpecStats.from_counts(rounds=[0], drafted=[0], accepted=[0], accepted_at=[[0, 0]],
+                               seconds=1.0, new_tokens=1, iterations=0, num_draft=2, emitted=[0])
+  assert (none.mean_accepted_length, none.acceptance_rate, none.alpha_token) == (1.0, 0.0, 0.0)

@@ -1,5 +1,6 @@
 """The engine on small random models: greedy equality, ragged batches, stops, limits, errors."""
 
+import dataclasses
 import functools
 
 import jax
@@ -77,35 +78,173 @@ def test_greedy_speculative_equals_plain(make, k):
   assert all(len(t) == 24 for t in spec.tokens)
 
 
+def self_draft_stats(new_tokens, k):
+  """What SpecStats must say for a self-drafting greedy run (every draft accepted) that emitted
+  `new_tokens` (lists per row): the prefill emits token 0, each round a block of K+1 (K drafts
+  + bonus), and a last round cut after rem = emitted % (K+1) tokens emitted rem drafts."""
+  rounds = accepted = emitted = 0
+  for toks in new_tokens:
+    e = len(toks) - 1
+    full, rem = divmod(e, k + 1)
+    rounds += full + (rem > 0)
+    accepted += full * k + rem
+    emitted += e
+  return rounds, accepted, emitted
+
+
 def test_self_draft_accepts_everything_and_stats_add_up():
   target, _ = models()
   out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=3,
                     max_new_tokens=25, sampling=GREEDY, stop_tokens=[])
   s = out.stats
-  assert s.acceptance_rate == 1.0 and s.mean_accepted_length == 4.0
+  assert s.acceptance_rate == 1.0 and s.mean_accepted_length == 4.0 and s.alpha_token == 1.0
   assert s.accepted_at == (1.0, 1.0, 1.0)
   # 25 new tokens = 1 from the prefill + 6 rounds of 4 per row.
-  assert s.rounds == 3 * 6 and s.new_tokens == 75 and s.iterations == 6
+  assert s.rounds == 3 * 6 and s.new_tokens == 75 and s.iterations == 6 and s.emitted == 72
+  assert "alpha_token=1.000" in s.summary()
+
+
+def test_stats_count_only_what_a_cut_block_emitted():
+  """max_new_tokens = 23 with K = 3: 1 + 5 full blocks of 4 + a last round cut after 2 tokens.
+  The 2 drafts thrown away there count neither as accepted nor as drafted."""
+  target, _ = models()
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=3,
+                    max_new_tokens=23, sampling=GREEDY, stop_tokens=[])
+  s = out.stats
+  assert out.tokens == [t[:23] for t in plain_greedy().tokens]
+  assert (s.rounds, s.accepted, s.drafted, s.emitted) == (3 * 6, 3 * 17, 3 * 17, 3 * 22)
+  assert s.mean_accepted_length == pytest.approx(22 / 6)
+  assert s.accepted_at == pytest.approx((1.0, 1.0, 5 / 6))
+  assert s.acceptance_rate == 1.0
 
 
 def test_stop_token_inside_an_accepted_block_ends_the_row():
+  """The stop token is an accepted draft in the middle of a self-drafted block (not its bonus
+  token): the block must be cut right after it, and the drafts after it not counted."""
   target, _ = models()
   ref = plain_greedy().tokens
-  stop = ref[0][5]           # a token that row 0 emits at its 6th step
-  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=4,
+  k = 4
+  # Index 0 is the prefill's token; round r emits indices 5r-4 .. 5r, the last one the bonus.
+  stop, where = next((t, i) for i, t in enumerate(ref[0])
+                     if ref[0].index(t) == i and i % (k + 1) in (1, 2, 3))
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=k,
                     max_new_tokens=24, sampling=GREEDY, stop_tokens=[stop])
-  for r, o in zip(ref, out.tokens):
-    cut = r.index(stop) + 1 if stop in r else len(r)
-    assert o == r[:cut]
+  want = [r[:r.index(stop) + 1] if stop in r else r for r in ref]
+  assert out.tokens == want
+  assert out.tokens[0][-1] == stop and len(out.tokens[0]) == where + 1
+  s = out.stats
+  rounds, accepted, emitted = self_draft_stats(out.tokens, k)
+  assert (s.rounds, s.accepted, s.drafted, s.emitted) == (rounds, accepted, accepted, emitted)
+  assert s.mean_accepted_length == pytest.approx(emitted / rounds)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7])
 def test_never_more_than_max_new_tokens(max_new):
   target, _ = models()
-  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=4,
+  k = 4
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=k,
                     max_new_tokens=max_new, sampling=GREEDY, stop_tokens=[])
   assert [len(t) for t in out.tokens] == [max_new] * 3
   assert out.tokens == [t[:max_new] for t in plain_greedy().tokens]
+  # Statistics of what was emitted: max_new = 2 is one forward per emitted token (tau 1, not
+  # K+1); max_new = 1 has no rounds at all (tau 1 by definition, no NaN).
+  s = out.stats
+  rounds, accepted, emitted = self_draft_stats(out.tokens, k)
+  assert (s.rounds, s.accepted, s.drafted, s.emitted) == (rounds, accepted, accepted, emitted)
+  tau = {1: 1.0, 2: 1.0, 7: 3.0}[max_new]
+  assert s.mean_accepted_length == tau
+  if max_new == 1:
+    assert s.acceptance_rate == 0.0 and s.alpha_token == 0.0 and s.accepted_at == (0.0,) * k
+  else:
+    assert s.acceptance_rate == 1.0
+
+
+def test_capacity_exactly_what_is_needed(monkeypatch):
+  """At the least capacity generate() accepts (found by probing its validation, which runs
+  before anything is compiled; documented as longest prompt + max_new_tokens + K + 1, not a
+  multiple of 64), the output is right: the longest row's last round writes its block up to
+  the end of the buffers, so a bound one short would corrupt it (KV writes past the end are
+  dropped and the token write is clamped back onto committed tokens)."""
+  target, _ = models()
+  k, max_new = 4, 22
+  kw = dict(drafter=sj.drafters.DraftModel(target), num_draft=k, max_new_tokens=max_new,
+            sampling=GREEDY, stop_tokens=[])
+
+  class Accepted(Exception):
+    pass
+
+  def accepted(capacity):
+    with monkeypatch.context() as m:
+      m.setattr(engine, "_compiled_decode", lambda *a: (_ for _ in ()).throw(Accepted()))
+      try:
+        sj.generate(target, PROMPTS, capacity=capacity, **kw)
+      except ValueError as e:
+        assert "too small" in str(e)
+        return False
+      except Accepted:
+        return True
+
+  longest = max(map(len, PROMPTS))
+  least = next(c for c in range(longest, longest + max_new + 2 * k + 8) if accepted(c))
+  out = sj.generate(target, PROMPTS, capacity=least, **kw)
+  assert out.tokens == [t[:max_new] for t in plain_greedy().tokens]
+  assert least == longest + max_new + k + 1
+
+
+def test_several_stop_tokens_and_a_stop_sampled_at_prefill():
+  """Two stop tokens: one that row 1's prefill samples (row 1 ends with one token, no round),
+  one inside row 0's text before any occurrence of the other. Every row ends at its first
+  occurrence of either."""
+  target, _ = models()
+  ref = plain_greedy().tokens
+  at_prefill = ref[1][0]
+  first_other = ref[0].index(at_prefill) if at_prefill in ref[0] else len(ref[0])
+  inner = next(t for i, t in enumerate(ref[0][1:first_other], 1)
+               if ref[0].index(t) == i and t != at_prefill)
+  stops = [inner, at_prefill]
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(target), num_draft=4,
+                    max_new_tokens=24, sampling=GREEDY, stop_tokens=stops)
+  want = []
+  for r in ref:
+    hits = [i for i, t in enumerate(r) if t in stops]
+    want.append(r[:hits[0] + 1] if hits else r)
+  assert out.tokens == want
+  assert out.tokens[1] == [at_prefill] and out.tokens[0][-1] == inner
+
+
+def test_default_stop_tokens_are_the_models_eos():
+  """stop_tokens=None stops at config.eos_token_ids; [] does not."""
+  target, _ = models()
+  ref = plain_greedy().tokens
+  eos = ref[2][6]
+  with_eos = dataclasses.replace(target, config=target.config.replace(eos_token_ids=(eos,)))
+  out = sj.generate(with_eos, PROMPTS, max_new_tokens=24, sampling=GREEDY)
+  assert out.tokens == [r[:r.index(eos) + 1] if eos in r else r for r in ref]
+  assert len(out.tokens[2]) <= 7
+  assert sj.generate(with_eos, PROMPTS, max_new_tokens=24, sampling=GREEDY,
+                     stop_tokens=[]).tokens == ref
+
+
+def test_per_row_top_k_and_top_p_through_the_engine():
+  """Row 0: top_k = 1, row 1: top_p = 1e-6 (both the argmax: equal to greedy), row 2: top_k = 2
+  at T = 1.5 (every token among the target's top 2, and not the greedy path). A sampled draft
+  model drafts with the same per-row settings."""
+  target, draft = models()
+  sampling = sj.Sampling(temperature=np.float32([1.0, 1.0, 1.5]), top_k=np.int32([1, 0, 2]),
+                         top_p=np.float32([1.0, 1e-6, 1.0]))
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(draft), num_draft=3,
+                    max_new_tokens=24, sampling=sampling, key=jax.random.key(2), stop_tokens=[])
+  ref = plain_greedy().tokens
+  assert out.tokens[0] == ref[0] and out.tokens[1] == ref[1]
+  assert out.tokens[2] != ref[2]
+  seq = PROMPTS[2] + out.tokens[2]
+  cache = sj.KVCache.zeros(CFG, 1, 64)
+  logits = np.asarray(sj.forward(target.params, CFG, jnp.asarray([seq], jnp.int32), cache,
+                                 jnp.zeros(1, jnp.int32)).logits[0])
+  n = len(PROMPTS[2])
+  for i, tok in enumerate(out.tokens[2]):
+    row = logits[n - 1 + i]
+    assert np.sum(row > row[tok]) < 2, (i, tok)         # tok is among the top 2
 
 
 def test_results_do_not_depend_on_batch_composition():
@@ -165,6 +304,37 @@ def test_bad_arguments_raise_value_error():
     sj.drafters.NGram(max_ngram=0)
   with pytest.raises(ValueError, match="min_ngram"):
     sj.drafters.NGram(max_ngram=2, min_ngram=3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(capacity="64"), "capacity must be"),
+    (dict(capacity=64.0), "capacity must be"),
+    (dict(stop_tokens=5), "stop_tokens"),
+    (dict(stop_tokens=[1.5]), "stop_tokens.*non-integral"),
+    (dict(stop_tokens="2"), "stop_tokens"),
+    (dict(key=0), "key must be a jax PRNG key"),
+    (dict(key=jax.random.split(jax.random.key(0))), "key must be a jax PRNG key"),
+    (dict(sampling=None), "sampling must be a spec_jax.Sampling"),
+    (dict(prompts=[[1.7, 2.2]]), "prompt 0 .*non-integral"),
+    (dict(prompts=[[1, 2], [True, False]]), "prompt 1 .*integer"),
+])
+def test_more_bad_arguments_raise_value_error_before_compiling(kwargs, match, monkeypatch):
+  """Each is refused with a ValueError (not a TypeError / AttributeError, not a silent
+  truncation) before anything is compiled."""
+  target, _ = models()
+  monkeypatch.setattr(engine, "_compiled_decode", lambda *a: pytest.fail("compiled bad input"))
+  prompts = kwargs.pop("prompts", PROMPTS)
+  with pytest.raises(ValueError, match=match):
+    sj.generate(target, prompts, max_new_tokens=4, **kwargs)
+
+
+def test_integral_float_ids_are_accepted():
+  """Token ids that are floats with integral values (a float array) are the same ids."""
+  target, _ = models()
+  a = sj.generate(target, [np.float32([1, 3])], max_new_tokens=3, sampling=GREEDY,
+                  stop_tokens=np.float64([]))
+  b = sj.generate(target, [[1, 3]], max_new_tokens=3, sampling=GREEDY, stop_tokens=[])
+  assert a.tokens == b.tokens
 
 
 def test_draft_model_with_another_vocabulary_is_refused():

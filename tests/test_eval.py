@@ -98,6 +98,25 @@ def test_eval_writes_results_report_plots_and_resumes(tmp_path, prompt_file, cap
   assert "other options (temperature: 0.0 there, 1.0 now)" in capsys.readouterr().err
 
 
+def test_eval_num_draft_auto(tmp_path, prompt_file, monkeypatch):
+  """--num-draft auto runs the governor (its cost table replaced by a flat one: calibration is
+  tested in tests/test_governor.py) and passes the greedy check against plain decoding."""
+  import numpy as np
+  from spec_jax import governor as governor_lib
+  model = need_shared("models", TINY)
+  assert auto_supported()
+  monkeypatch.setattr(governor_lib, "round_costs_for",
+                      lambda gov, target, drafter, *a, **kw: np.ones(
+                          len(gov.candidates(drafter)), np.float32))
+  out = tmp_path / "auto"
+  assert cli.main(_argv(model, prompt_file, out, "--batch", "2", "--num-draft", "auto")) == 0
+  res = json.loads((out / "results.json").read_text())
+  assert res["options"]["num_draft"] == "auto" and res["greedy_check"]["checked"]
+  unit = json.loads(next((out / "units").glob("turn1-B2-*.json")).read_text())
+  hist = unit["configs"]["ngram"]["k_histogram"]
+  assert sum(hist.values()) == unit["configs"]["ngram"]["iterations"] > 0
+
+
 def test_greedy_mismatch_is_an_error(tmp_path, prompt_file, monkeypatch, capsys):
   model = need_shared("models", TINY)
   real = runner.generate_call

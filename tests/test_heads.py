@@ -16,7 +16,8 @@ import pytest
 
 import spec_jax as sj
 from spec_jax.drafters import heads_io
-from spec_jax.drafters.eagle import EAGLE, EAGLE3
+from spec_jax.drafters.base import PrefillInfo
+from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from tests.stats_helpers import assert_same_distribution
@@ -35,12 +36,19 @@ def make_head(kind, target, greedy_drafts=False, scale=0.5):
   key = jax.random.key(5)
   if kind == "medusa":
     return Medusa.init(target, num_heads=3, key=key, init_scale=4.0, greedy_drafts=greedy_drafts)
-  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind]
+  if kind == "eagle3-reduced":
+    # A draft vocabulary without some tokens the target emits: q is 0 there, p is not.
+    v = target.config.vocab_size
+    ids = [i for i in range(v) if i % 3 != 1]
+    return EAGLE3.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts,
+                       draft_tokens=ids)
+  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused, "mtp": MTP}[kind]
   return cls.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts)
 
 
 LOSSLESS_CASES = [("medusa", False), ("eagle", False), ("eagle3", False), ("mtp", False),
-                  ("eagle", True)]
+                  ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True),
+                  ("eagle3_fused", False)]
 
 
 @pytest.mark.slow   # ~20-40 s each on a shared 2-core CPU (40k rows)
@@ -50,6 +58,10 @@ def test_heads_are_lossless(kind, greedy_drafts):
   target = small_target()
   drafter = make_head(kind, target, greedy_drafts)
   sampling = sj.Sampling(temperature=1.0)
+  if kind == "eagle3-reduced":      # the excluded tokens carry real target mass
+    joint = exact_joint(target, PROMPT, sampling)
+    excluded = np.setdiff1d(np.arange(target.config.vocab_size), drafter.draft_tokens)
+    assert joint[excluded].sum() > 0.1 and joint[:, :, excluded].sum() > 0.1
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=NEW,
                     sampling=sampling, key=jax.random.key(7), stop_tokens=[], capacity=16)
   toks = np.asarray(out.tokens)
@@ -77,7 +89,8 @@ def plain_greedy():
   return sj.generate(greedy_target(), PROMPTS, max_new_tokens=20, sampling=GREEDY, stop_tokens=[])
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp", "eagle3-reduced",
+                                  "eagle3_fused"])
 def test_greedy_with_heads_equals_plain(kind):
   target = greedy_target()
   drafter = make_head(kind, target, scale=0.3)
@@ -87,28 +100,30 @@ def test_greedy_with_heads_equals_plain(kind):
   assert spec.stats.drafted > 0
 
 
-def test_feature_head_state_matches_a_fresh_unroll():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_feature_head_state_matches_a_fresh_unroll(kind):
   """The cached drafting path (init_state / commit / propose) and the training forward
   (unroll, step 1) compute the same head outputs: the training loss trains what drafts."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:12]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
                    return_layers=head.target_layers)
   feats = head.target_feature(head.params, out.hidden, out.layer_hidden)
   o_train = head.unroll(head.params, target.params, toks, feats, steps=1)[0]       # [1, 11, D]
-  x = head.combine(head.params, target.params, toks[:, 1:], feats[:, :-1])
   k, v = head._empty_cache(1, 32)
-  o_cached, _, _ = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o_cached, _, _ = head._step(head.params, target.params, toks[:, 1:], feats[:, :-1], k, v,
+                              jnp.zeros(1, jnp.int32))
   np.testing.assert_allclose(np.asarray(o_train), np.asarray(o_cached), atol=1e-4, rtol=1e-4)
 
 
-def test_training_time_test_unroll_matches_drafting():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
+def test_training_time_test_unroll_matches_drafting(kind):
   """Step s of the unroll at slot j equals the s-th draft when the real prefix ends at slot
   j-s+1 and the data tokens are the drafted ones."""
   target = greedy_target()
-  head = make_head("eagle3", target, scale=0.3)
+  head = make_head(kind, target, scale=0.3)
   toks = jnp.asarray([PROMPTS[2][:10]], jnp.int32)
   cache = sj.KVCache.zeros(CFG, 1, 32)
   out = sj.forward(target.params, CFG, toks, cache, jnp.zeros(1, jnp.int32),
@@ -117,22 +132,201 @@ def test_training_time_test_unroll_matches_drafting():
   outs = head.unroll(head.params, target.params, toks, feats, steps=3)
   j = 7
   real_end = j - 2                              # slots <= real_end hold target features
-  x = head.combine(head.params, target.params, toks[:, 1:real_end + 2], feats[:, :real_end + 1])
   k, v = head._empty_cache(1, 32)
-  o, k, v = head._layer(head.params, x, k, v, jnp.zeros(1, jnp.int32))
+  o, k, v = head._step(head.params, target.params, toks[:, 1:real_end + 2],
+                       feats[:, :real_end + 1], k, v, jnp.zeros(1, jnp.int32))
   feature = o[:, -1]
   for step in (2, 3):
     slot = real_end + step - 1
-    x = head.combine(head.params, target.params, toks[:, slot + 1:slot + 2], feature[:, None])
-    o, k, v = head._layer(head.params, x, k, v, jnp.full((1,), slot, jnp.int32))
+    o, k, v = head._step(head.params, target.params, toks[:, slot + 1:slot + 2],
+                         feature[:, None], k, v, jnp.full((1,), slot, jnp.int32))
     feature = o[:, 0]
   np.testing.assert_allclose(np.asarray(outs[2][0, j]), np.asarray(feature[0]), atol=1e-4,
                              rtol=1e-4)
 
 
+# ----------------------------------------------------------------------------- heads that agree
+
+# A one-layer target whose decoder layer a head can copy. Embedding rows have unit RMS (so MTP's
+# enorm is the identity on them) and the layer's weights are large enough that attention
+# matters, so a head that copies the layer (but, by the slot convention, never sees token 0)
+# agrees with the target often but not always: rounds run through partial and full acceptance.
+CFG1 = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=256,
+                      tie_embeddings=False)
+AGREE_K, AGREE_NEW = 3, 24
+
+
+@functools.lru_cache(None)
+def agreeing_target():
+  target = sj.init_model(CFG1, jax.random.key(1))
+  e = target.params["embed"]
+  target.params["embed"] = e / jnp.sqrt(jnp.mean(e ** 2, axis=-1, keepdims=True))
+  target.params["layers"] = jax.tree.map(lambda w: w * 15 if w.ndim == 3 else w,
+                                         target.params["layers"])
+  target.params["lm_head"] = target.params["lm_head"] * 40
+  return target
+
+
+@functools.lru_cache(None)
+def agreeing_plain():
+  return sj.generate(agreeing_target(), PROMPTS, max_new_tokens=AGREE_NEW, sampling=GREEDY,
+                     stop_tokens=[])
+
+
+def _copy_layer_head(kind, target):
+  """EAGLE / EAGLE-3 / MTP built to act as the target: fc selects the next token's embedding
+  (the feature is ignored), the head's layer is the target's layer, its output norm the
+  target's final norm. o at slot j then approximates the target's state after token j+1."""
+  d = CFG1.hidden_size
+  head = make_head(kind, target)
+  params = dict(head.params)
+  params["fc"] = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
+  params["layer"] = jax.tree.map(lambda w: w[0], target.params["layers"])
+  if "fc_b" in params:
+    params["fc_b"] = jnp.zeros((d,))
+  if "out_norm" in params:
+    params["out_norm"] = target.params["final_norm"]
+  return head.with_params(params)
+
+
+def _trained_medusa(target):
+  """Medusa heads fitted in a few seconds to the target's greedy continuations of PROMPTS (the
+  text the test then generates): heads 1 and 2 on every row, head 3 on row 0 only, so the third
+  draft is right on some rounds and wrong on others."""
+  import optax
+  from spec_jax.drafters.medusa import medusa_logits
+  k = AGREE_K
+  seqs = [p + t for p, t in zip(PROMPTS, agreeing_plain().tokens)]
+  width = max(map(len, seqs))
+  toks = np.zeros((len(seqs), width), np.int32)
+  mask = np.zeros((len(seqs), width), bool)
+  for i, s in enumerate(seqs):
+    toks[i, :len(s)], mask[i, :len(s)] = s, True
+  hidden = sj.forward(target.params, CFG1, jnp.asarray(toks), sj.KVCache.zeros(CFG1, 3, 64),
+                      jnp.zeros(3, jnp.int32)).hidden
+  # Head i at position j predicts token j + i + 2 (position j's own logits predict j + 1).
+  labels = np.stack([np.pad(toks[:, i + 2:], ((0, 0), (0, i + 2))) for i in range(k)], -1)
+  weight = np.stack([np.pad(mask[:, i + 2:], ((0, 0), (0, i + 2))) for i in range(k)], -1)
+  weight[1:, :, k - 1] = False
+  opt = optax.adam(3e-2)
+
+  def loss_fn(p):
+    logp = jax.nn.log_softmax(medusa_logits(p, hidden), -1)
+    nll = -jnp.take_along_axis(logp, jnp.asarray(labels)[..., None], -1)[..., 0]
+    return jnp.sum(nll * weight) / weight.sum()
+
+  @jax.jit
+  def step(p, s):
+    loss, g = jax.value_and_grad(loss_fn)(p)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss
+
+  head = Medusa.init(target, num_heads=k, key=jax.random.key(0))
+  params, state = head.params, opt.init(head.params)
+  for _ in range(150):
+    params, state, loss = step(params, state)
+  assert float(loss) < 0.2, float(loss)
+  return head.with_params(params)
+
+
+_COMMITS: list = []
+
+
+def recording(drafter):
+  """The same drafter, recording (lengths before, lengths after, n_accepted, state) after every commit
+  through a host callback inside the engine's jitted loop."""
+  base = type(drafter)
+
+  class Recording(base):
+    def _static_key(self):
+      return ("Recording",) + super()._static_key()
+
+    def commit(self, params, state, tokens, n_accepted, verify):
+      state = super().commit(params, state, tokens, n_accepted, verify)
+      jax.debug.callback(lambda *a: _COMMITS.append(jax.tree.map(np.asarray, a)),
+                         verify.lengths_before, verify.lengths, n_accepted, state)
+      return state
+
+  out = Recording.__new__(Recording)
+  out.__dict__.update(drafter.__dict__)
+  return out
+
+
+def state_from_scratch(drafter, target, seqs, lengths, capacity):
+  """The drafter's state for committed rows seqs[b][:lengths[b]], computed by init_state from a
+  fresh target forward over all but the last committed token (what a prefill of that prompt
+  would give): no commit involved."""
+  b = len(seqs)
+  prompt = np.zeros((b, capacity), np.int32)
+  buf = np.zeros((b, capacity), np.int32)
+  for i, (s, n) in enumerate(zip(seqs, lengths)):
+    prompt[i, :n - 1] = s[:n - 1]
+    buf[i, :n] = s[:n]
+  return _init_from_prompt(drafter, target.config, drafter.params, target.params,
+                           jnp.asarray(prompt), jnp.asarray(buf),
+                           jnp.asarray(lengths, jnp.int32) - 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _init_from_prompt(drafter, config, params, target_params, prompt, buf, prompt_lens):
+  b, p = prompt.shape
+  out = sj.forward(target_params, config, prompt, sj.KVCache.zeros(config, b, p),
+                   jnp.zeros(b, jnp.int32), return_layers=drafter.target_layers)
+  info = PrefillInfo(tokens=buf, prompt_tokens=prompt, prompt_lens=prompt_lens, hidden=out.hidden,
+                     layer_hidden=out.layer_hidden, target_params=target_params,
+                     sampling=GREEDY.as_arrays(b))
+  return drafter.init_state(params, info)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3_fused", "mtp"])
+def test_agreeing_heads_through_the_engine(kind):
+  """Greedy output equals plain greedy with heads that are right most of the time (mean
+  acceptance >= 0.5, some rounds fully and some partly accepted), and after every round the
+  state commit() produced equals the state recomputed from scratch for the committed text.
+
+  (The public EAGLE-3 architecture cannot copy a target layer — its residual starts from the
+  fused feature, not the embedding —; tests/test_eagle3.py checks it against an independent
+  PyTorch forward and through the engine instead.)"""
+  target = agreeing_target()
+  head = _trained_medusa(target) if kind == "medusa" else _copy_layer_head(kind, target)
+  _COMMITS.clear()
+  out = sj.generate(target, PROMPTS, drafter=recording(head), num_draft=AGREE_K,
+                    max_new_tokens=AGREE_NEW, sampling=GREEDY, stop_tokens=[])
+  assert out.tokens == agreeing_plain().tokens
+  s = out.stats
+  assert s.acceptance_rate >= 0.5, s.summary()
+  assert s.accepted_at[-1] > 0 and s.accepted < s.drafted, s.summary()  # full and partial
+  seqs = [p + t for p, t in zip(PROMPTS, out.tokens)]
+  checked = 0
+  for before, after, n_accepted, state in _COMMITS:
+    # Rows that emitted their whole block this round (finished rows emit nothing and a block
+    # cut by max_new_tokens ends its row: neither state is used again).
+    rows = np.flatnonzero(after - before == n_accepted + 1)
+    if rows.size == 0:
+      continue
+    leaves = jax.tree.leaves(state)
+    capacity = leaves[0].shape[1] if kind != "medusa" else 64
+    want = jax.tree.leaves(state_from_scratch(head, target, seqs, after, capacity))
+    for got_leaf, want_leaf in zip(leaves, want):
+      for r in rows:
+        g, w = np.asarray(got_leaf[r]), np.asarray(want_leaf[r])
+        if g.ndim == 3:                                # head KV cache: slots < lengths - 1
+          g, w = g[:after[r] - 1], w[:after[r] - 1]
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"{kind} row {r}")
+    checked += rows.size
+  assert checked >= s.rounds - len(PROMPTS), (checked, s.rounds)   # one cut round per row at most
+
+
+def test_medusa_with_more_drafts_than_heads_is_refused():
+  target = greedy_target()
+  with pytest.raises(ValueError, match="at most 3 tokens per round"):
+    sj.generate(target, PROMPTS, drafter=make_head("medusa", target), num_draft=4)
+
+
 # ----------------------------------------------------------------------------- save / load
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "eagle3-reduced", "eagle3_fused"])
 def test_feature_heads_save_and_reload(tmp_path, kind):
   target = greedy_target()
   head = make_head(kind, target)
@@ -231,6 +425,148 @@ def test_native_mtp_weights_load_and_draft(tmp_path, layout):
   assert spec.tokens == plain.tokens and spec.stats.drafted > 0
 
 
+def torch_mtp_logits(tensors, cfg, layout, tokens):
+  """An independent PyTorch forward of the checkpoint's MTP module, written from vLLM's
+  deepseek_mtp.py / qwen3_next_mtp.py (and transformers' Qwen3 decoder layer for the block).
+
+  The target's hidden states come from transformers' Qwen3ForCausalLM (the output of its last
+  decoder layer, before the final norm). MTP slot j reads (h_j, token_{j+1}) at position j:
+    x_j = fc(concat(enorm(embed(token_{j+1})), hnorm(h_j)))    (eh_proj for DeepSeek)
+    o_j = decoder_block(x)_j  (causal over slots, RoPE at position j)
+    logits_j = lm_head(norm(o_j))                               (shared_head.norm for DeepSeek)
+  Every norm is RMSNorm; Qwen3-Next's (the mtp.* layout) are zero-centred: x/rms(x) * (1 + w).
+  vLLM's DeepSeek module also zeroes the embedding at position 0; that is a serving detail of
+  theirs that the architecture does not have, and it is not reproduced here or in spec_jax.
+
+  tokens: int [T] -> logits [T-1, V] for slots 0..T-2.
+  """
+  import torch
+  t = {k: torch.tensor(np.asarray(v)) for k, v in tensors.items()}
+  eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+  hq, hkv, dh = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+  n = cfg["num_hidden_layers"]
+  zero_centred = layout == "qwen3_next"
+  if layout == "qwen3_next":
+    pre, fc, enorm, hnorm, norm = ("mtp.layers.0.", "mtp.fc.weight", "mtp.pre_fc_norm_embedding",
+                                   "mtp.pre_fc_norm_hidden", "mtp.norm")
+  else:
+    pre = f"model.layers.{n}."
+    fc, enorm, hnorm, norm = (pre + "eh_proj.weight", pre + "enorm", pre + "hnorm",
+                              pre + "shared_head.norm")
+
+  def rms(x, name):
+    w = t[name + ".weight"] if not name.endswith(".weight") else t[name]
+    w = 1.0 + w if zero_centred else w
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+  # The target's last-layer output (pre-norm), from transformers.
+  folder_model = _torch_target(tensors, cfg)
+  captured = {}
+  hook = folder_model.model.layers[-1].register_forward_hook(
+      lambda m, i, o: captured.setdefault("h", o[0] if isinstance(o, tuple) else o))
+  ids = torch.tensor(np.asarray(tokens, np.int64))[None]
+  with torch.no_grad():
+    folder_model(ids)
+  hook.remove()
+  h = captured["h"][0]                                              # [T, D]
+
+  with torch.no_grad():
+    e = t["model.embed_tokens.weight"][ids[0, 1:]]                  # token j+1 for slot j
+    x = torch.cat([rms(e, enorm), rms(h[:-1], hnorm)], -1) @ t[fc].T
+    steps = x.shape[0]
+    a = rms(x, pre + "input_layernorm")
+    q = (a @ t[pre + "self_attn.q_proj.weight"].T).view(steps, hq, dh)
+    k = (a @ t[pre + "self_attn.k_proj.weight"].T).view(steps, hkv, dh)
+    v = (a @ t[pre + "self_attn.v_proj.weight"].T).view(steps, hkv, dh)
+    q, k = rms(q, pre + "self_attn.q_norm"), rms(k, pre + "self_attn.k_norm")
+    inv_freq = 1.0 / theta ** (torch.arange(0, dh, 2, dtype=torch.float32) / dh)
+    angles = torch.arange(steps, dtype=torch.float32)[:, None] * inv_freq[None]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+
+    def rope(u):
+      u1, u2 = u[..., :dh // 2], u[..., dh // 2:]
+      return u * cos + torch.cat([-u2, u1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / dh ** 0.5
+    causal = torch.ones(steps, steps, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(steps, hq * dh)
+    x = x + attn @ t[pre + "self_attn.o_proj.weight"].T
+    m = rms(x, pre + "post_attention_layernorm")
+    mlp = torch.nn.functional.silu(m @ t[pre + "mlp.gate_proj.weight"].T) * (
+        m @ t[pre + "mlp.up_proj.weight"].T)
+    x = x + mlp @ t[pre + "mlp.down_proj.weight"].T
+    return (rms(x, norm) @ t["lm_head.weight"].T).numpy()
+
+
+def _torch_target(tensors, cfg):
+  """transformers' Qwen3ForCausalLM with the checkpoint's main-model weights."""
+  import torch
+  transformers = pytest.importorskip("transformers")
+  config = transformers.Qwen3Config(**{k: v for k, v in cfg.items()
+                                       if k not in ("architectures", "torch_dtype")})
+  model = transformers.Qwen3ForCausalLM(config).eval()
+  state = {k: torch.tensor(np.asarray(v)) for k, v in tensors.items()
+           if k in model.state_dict()}
+  missing = set(model.state_dict()) - set(state)
+  assert not missing, missing
+  model.load_state_dict(state)
+  return model
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "deepseek"])
+def test_native_mtp_matches_an_independent_torch_forward(tmp_path, layout):
+  """The MTP drafter loaded from a synthetic checkpoint computes, for every slot of a sequence,
+  the logits of the torch reference above (<= 1e-5): through the training unroll (all slots at
+  once) and through the drafting path (init_state's first draft distribution)."""
+  torch = pytest.importorskip("torch")
+  folder = tmp_path / "ckpt"
+  tensors = _write_qwen3_with_mtp(folder, layout)
+  cfg = json.loads((folder / "config.json").read_text())
+  target = sj.load(folder)
+  drafter = sj.drafters.MTP.from_model(target)
+  tokens = np.asarray([1, 5, 9, 3, 17, 42, 8, 8, 30, 2, 61, 7], np.int32)
+  want = torch_mtp_logits(tensors, cfg, layout, tokens)                # [T-1, V]
+  assert want.shape == (len(tokens) - 1, cfg["vocab_size"]) and np.std(want) > 0.1
+
+  toks = jnp.asarray(tokens[None])
+  out = sj.forward(target.params, target.config, toks, sj.KVCache.zeros(target.config, 1, 16),
+                   jnp.zeros(1, jnp.int32), return_layers=drafter.target_layers)
+  feats = drafter.target_feature(drafter.params, out.hidden, out.layer_hidden)
+  o = drafter.unroll(drafter.params, target.params, toks, feats, steps=1)[0]
+  got = np.asarray(drafter.logits(drafter.params, target.params, o))[0]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  # Drafting path: a prefill of tokens[:-1] (last committed token tokens[-1]); the first draft's
+  # logits are the last slot's.
+  p = len(tokens) - 1
+  pre = sj.forward(target.params, target.config, toks[:, :p], sj.KVCache.zeros(target.config, 1, p),
+                   jnp.zeros(1, jnp.int32), return_layers=drafter.target_layers)
+  buf = jnp.zeros((1, 32), jnp.int32).at[0, :len(tokens)].set(toks[0])
+  state = drafter.init_state(drafter.params, PrefillInfo(
+      tokens=buf, prompt_tokens=toks[:, :p], prompt_lens=jnp.asarray([p], jnp.int32),
+      hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=target.params,
+      sampling=GREEDY.as_arrays(1)))
+  first = np.asarray(drafter.logits(drafter.params, target.params, state.next_feature))[0]
+  np.testing.assert_allclose(first, want[-1], rtol=1e-5, atol=1e-5)
+
+
 def test_model_without_mtp_weights_is_refused():
   with pytest.raises(ValueError, match="carries no MTP weights"):
     MTP.from_model(greedy_target())
+
+
+def test_eagle3_heads_saved_before_the_public_architecture_load_as_eagle3_fused(tmp_path):
+  target = greedy_target()
+  head = make_head("eagle3_fused", target)
+  heads_io.save(tmp_path / "h", head, target, num_draft=3)
+  meta_path = tmp_path / "h" / "heads.json"
+  meta = json.loads(meta_path.read_text())
+  meta["kind"] = "eagle3"                       # what such a folder says
+  meta_path.write_text(json.dumps(meta))
+  back = sj.drafters.load(tmp_path / "h", target)
+  assert back == head and back.kind == "eagle3_fused"

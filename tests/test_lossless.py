@@ -149,3 +149,78 @@ def test_the_check_catches_a_lossy_sampler(monkeypatch):
     engine._COMPILED.clear()
   stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
+
+
+# ----------------------------------------------------------------------------- longer, ragged
+
+NEW6 = 6
+PROMPT_B = [1, 6, 3, 5, 2, 7]
+
+
+def exact_joint6(model, prompt, sampling):
+  """P(x1..x6) [V]*6 of plain sampling: one forward over every prompt + x1..x5 (V^5 rows)."""
+  n = len(prompt)
+  seqs = np.stack(np.meshgrid(*[np.arange(V)] * 5, indexing="ij"), -1).reshape(-1, 5)
+  tokens = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1).astype(np.int32)
+  cache = KVCache.zeros(model.config, len(seqs), 16)
+  logits = jax.jit(forward, static_argnums=1)(model.params, model.config, jnp.asarray(tokens),
+                                              cache, jnp.zeros(len(seqs), jnp.int32)).logits
+  p = np.asarray(sj.sampling.probs(logits, sampling), np.float64)      # [V^5, n+5, V]
+  joint = np.ones([1] * 6)
+  for j in range(6):                 # x_{j+1} given x_1..x_j: rows that vary x_1..x_j only
+    cond = p[::V ** (5 - j), n - 1 + j].reshape([V] * (j + 1))
+    joint = joint * cond.reshape([V] * (j + 1) + [1] * (5 - j))
+  return joint / joint.sum()
+
+
+def counts3(toks):
+  return np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
+
+
+@pytest.mark.slow   # one 40k-row generate of 6 tokens (~20-40 s on a shared 2-core CPU)
+def test_lossless_past_the_first_three_tokens_with_ragged_prompts():
+  """Rows alternate a 3-token and a 6-token prompt in one batch (ragged: padding, per-row
+  offsets); 6 new tokens each. Per prompt, both the joint of tokens 1-3 and the joint of tokens
+  4-6 (reached through several rounds: rejections, corrections and bonus tokens at every
+  block offset) match the exact target distribution."""
+  target, draft = _models()
+  sampling = SETTINGS["T1"]
+  prompts = [PROMPT if i % 2 == 0 else PROMPT_B for i in range(N)]
+  out = sj.generate(target, prompts, drafter=sj.drafters.DraftModel(draft), num_draft=2,
+                    max_new_tokens=NEW6, sampling=sampling, key=jax.random.key(21),
+                    stop_tokens=[], capacity=16)
+  toks = np.asarray(out.tokens)
+  assert toks.shape == (N, NEW6)
+  assert 0.05 < out.stats.acceptance_rate < 0.98, out.stats.summary()
+  for parity, prompt in ((0, PROMPT), (1, PROMPT_B)):
+    joint = exact_joint6(target, prompt, sampling)
+    rows = toks[parity::2]
+    assert_same_distribution(counts3(rows[:, :3]), joint.sum(axis=(3, 4, 5)), alpha=1e-3,
+                             label=f"tokens 1-3 after {prompt}")
+    assert_same_distribution(counts3(rows[:, 3:]), joint.sum(axis=(0, 1, 2)), alpha=1e-3,
+                             label=f"tokens 4-6 after {prompt}")
+
+
+class ShortDrafts(sj.drafters.DraftModel):
+  """A sampling draft model that keeps only a random prefix of its K drafts (0..K per row and
+  round, -1 after it) but still returns all K distributions: the q at invalid positions is real
+  and differs from p, so a verifier that looked at it would be lossy."""
+
+  def _static_key(self):
+    return ("ShortDrafts",) + super()._static_key()
+
+  def propose(self, params, cache, ctx):
+    drafts, q, cache = super().propose(params, cache, ctx)
+    b, k = drafts.shape
+    keep = jax.random.randint(jax.random.fold_in(ctx.key, 7), (b, 1), 0, k + 1)
+    return jnp.where(jnp.arange(k)[None] < keep, drafts, -1), q, cache
+
+
+@pytest.mark.slow   # one 40k-row generate (~20-30 s on a shared 2-core CPU)
+def test_lossless_when_the_drafter_proposes_fewer_than_k_with_draft_probs():
+  target, draft = _models()
+  sampling = SETTINGS["T1"]
+  toks, stats = sample_joint(target, ShortDrafts(draft), sampling, 3, seed=4)
+  assert 0 < stats.drafted < 3 * stats.rounds, stats.summary()      # fewer than K drafted
+  assert 0.05 < stats.acceptance_rate < 0.98, stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling), alpha=1e-3)

@@ -88,10 +88,7 @@ def test_stats_helpers():
     assert_same_distribution(c, probs)
   with pytest.raises(AssertionError):
     assert_same_samples(a, c)
-  try:
-    import scipy.stats
-  except ImportError:
-    return
+  import scipy.stats    # the test extra installs it: the exact survival function's oracle
   for dof in (1, 3, 10, 57):
     for x in (0.3, dof, 2.5 * dof + 5):
       assert chi2_sf(x, dof) == pytest.approx(scipy.stats.chi2.sf(x, dof), rel=1e-9)
@@ -236,15 +233,45 @@ def test_draft_lengths_cap_acceptance_and_padding_is_safe():
     assert np.array_equal(np.asarray(n_acc), lengths)
 
 
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_bonus_after_fewer_than_k_drafts_follows_p_there(with_draft_probs):
+  """Rows with draft_lengths 1 or 2 of K = 3 whose valid drafts are all accepted (q = p there,
+  drafts drawn from it) get the bonus token from p at position draft_lengths, whatever the
+  invalid positions hold: here valid in-vocabulary tokens, and a q that differs from p. A
+  sampler that took n == draft_lengths < K for a rejection (and drew from the residual of
+  that invalid q) fails the chi-square."""
+  k = 3
+  lengths = np.where(np.arange(N) % 2 == 0, 1, 2).astype(np.int32)
+  valid = np.arange(k)[None] < lengths[:, None]
+  q = np.where(valid[..., None], P[None, :k], Q[None, :k]).astype(np.float32)
+  drafts = np.asarray(draw_drafts(jax.random.key(80), jnp.asarray(q)))
+  tokens, n_acc = rejection_sample(jax.random.key(81), jnp.asarray(drafts),
+                                   jnp.asarray(q) if with_draft_probs else None, tile(P),
+                                   jnp.asarray(lengths))
+  check_format(tokens, n_acc, drafts, lengths)
+  tokens, n_acc = np.asarray(tokens), np.asarray(n_acc)
+  for length in (1, 2):
+    done = (lengths == length) & (n_acc == length)
+    if with_draft_probs:
+      assert np.array_equal(done, lengths == length)      # q = p: every valid draft accepted
+    assert done.sum() > N // 50
+    assert_same_distribution(counts_of(tokens[done, length], V), P[length], ALPHA,
+                             label=f"bonus at draft_lengths = {length}")
+
+
 def test_draft_length_zero_samples_from_p0():
+  """draft_lengths 0: the first token is plain p_0, whatever q_0 and the draft say (here
+  q_0 = Q_0, which p_0's residual would differ from)."""
   k = 2
-  q = tile(P[:k])                       # q == p: every valid draft would be accepted
+  q = tile(Q[:k])
   drafts = draw_drafts(jax.random.key(40), q)
-  tokens, n_acc = rejection_sample(jax.random.key(41), drafts, q, tile(P[:k + 1]),
-                                   jnp.zeros((N,), jnp.int32))
-  check_format(tokens, n_acc, drafts, np.zeros(N))
-  assert np.all(np.asarray(n_acc) == 0)
-  assert_same_distribution(counts_of(np.asarray(tokens)[:, 0], V), P[0], ALPHA, label="dl = 0")
+  for q_arg in (q, None):
+    tokens, n_acc = rejection_sample(jax.random.key(41), drafts, q_arg, tile(P[:k + 1]),
+                                     jnp.zeros((N,), jnp.int32))
+    check_format(tokens, n_acc, drafts, np.zeros(N))
+    assert np.all(np.asarray(n_acc) == 0)
+    assert_same_distribution(counts_of(np.asarray(tokens)[:, 0], V), P[0], ALPHA,
+                             label="dl = 0")
 
 
 # ---------------------------------------------------------------- 5. p == q

@@ -84,3 +84,46 @@ def test_bad_sampling_values_raise(kwargs, match):
 def test_wrong_number_of_rows_raises():
   with pytest.raises(ValueError, match="2 entries but the batch has 3"):
     sj.Sampling(temperature=np.array([1.0, 0.5])).as_arrays(3)
+
+
+# ----------------------------------------------------------------------------- top-p edges
+
+def _long_tail_logits(lo, hi):
+  """[1, 512] logits: one head token at 0, then 511 tail tokens from lo down to hi (e^-22 ..
+  e^-30 is ~1e-10 .. 1e-13 of mass each: no exp underflow, but tiny next to the head)."""
+  return np.concatenate([[0.0], np.linspace(lo, hi, 511)]).astype(np.float32)[None]
+
+
+def test_top_p_one_keeps_every_token_whatever_the_neighbours():
+  """top_p = 1 disables the nucleus filter per row, exactly: alone, beside a row that asks for
+  top_p = 0.5, and together with a top_k that keeps 400 tokens."""
+  # The tail's total mass (~2e-8) is below float32's resolution at 1: a running sum from the
+  # top reaches 1.0 at the head token.
+  logits = jnp.asarray(_long_tail_logits(-22.0, -30.0))
+  plain = np.asarray(jax.nn.softmax(logits, axis=-1))[0]
+  assert np.count_nonzero(plain) == 512
+  alone = np.asarray(sj.sampling.probs(logits, sj.Sampling(1.0, 0, 1.0)))[0]
+  np.testing.assert_array_equal(alone, plain)
+  pair = jnp.concatenate([logits, logits])
+  beside = np.asarray(sj.sampling.probs(pair, sj.Sampling(np.float32([1, 1]), np.int32([0, 0]),
+                                                          np.float32([1.0, 0.5]))))
+  np.testing.assert_array_equal(beside[0], plain)            # untouched by its neighbour
+  assert np.count_nonzero(beside[1]) == 1                    # the neighbour did filter
+  k400 = np.asarray(sj.sampling.probs(logits, sj.Sampling(1.0, 400, 1.0)))[0]
+  assert np.count_nonzero(k400) == 400
+  np.testing.assert_allclose(k400, oracle(np.asarray(logits)[0], 1.0, 400, 1.0), rtol=1e-5,
+                             atol=0)
+
+
+def test_top_p_below_one_is_exact_in_a_long_float32_tail():
+  """0.9999999 (float32 0.99999988) keeps exactly the tokens whose exact mass-before is below
+  it (a float64 oracle): here most, not all, of a tail of 511 tokens of ~1e-9 each, whose
+  increments a float32 running sum from the top (stuck near 1 - 7e-7) cannot resolve."""
+  logits = _long_tail_logits(-20.0, -21.0)
+  top_p = float(np.float32(0.9999999))
+  want = oracle(logits[0], 1.0, 0, top_p)
+  kept = np.count_nonzero(want)
+  assert 100 < kept < 500, kept
+  got = np.asarray(sj.sampling.probs(jnp.asarray(logits), sj.Sampling(1.0, 0, top_p)))[0]
+  assert np.count_nonzero(got) == kept
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)

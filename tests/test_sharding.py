@@ -24,15 +24,31 @@ SCRIPT = textwrap.dedent("""
     prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5], [1, 9, 9], [1, 4, 4, 4, 2, 1, 4, 4],
                [1], [1, 6, 6], [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
     mesh = jax.make_mesh((4, 2), ("data", "model"))
+    plain = None
     for drafter, k in [(None, 0), (sj.drafters.NGram(), 3), (sj.drafters.DraftModel(draft), 3)]:
       kw = dict(drafter=drafter, num_draft=k, max_new_tokens=16, stop_tokens=[])
       one = sj.generate(target, prompts, sampling=sj.Sampling(0.0), **kw)
+      plain = plain or one
       many = sj.generate(target, prompts, sampling=sj.Sampling(0.0), mesh=mesh, **kw)
       assert many.tokens == one.tokens, (k, many.tokens, one.tokens)
       s1 = sj.generate(target, prompts, sampling=sj.Sampling(1.0), key=jax.random.key(3), **kw)
       s8 = sj.generate(target, prompts, sampling=sj.Sampling(1.0), key=jax.random.key(3),
                        mesh=mesh, **kw)
       assert s8.tokens == s1.tokens, k
+    # Every head kind (single-layer 2-D weights, Medusa's per-head LM heads) on the mesh: greedy
+    # speculative output equals plain greedy output on one device (lossless), so that is the
+    # reference (no extra one-device compile per head).
+    from spec_jax.drafters import EAGLE, EAGLE3, MTP, Medusa
+    heads = [Medusa.init(target, num_heads=3, key=jax.random.key(4), init_scale=4.0),
+             EAGLE.init(target, key=jax.random.key(4), init_std=0.3),
+             EAGLE3.init(target, key=jax.random.key(4), init_std=0.3),
+             MTP.init(target, key=jax.random.key(4), init_std=0.3)]
+    for head in heads:
+      kw = dict(drafter=head, num_draft=3, max_new_tokens=16, stop_tokens=[],
+                sampling=sj.Sampling(0.0))
+      many = sj.generate(target, prompts, mesh=mesh, **kw)
+      assert many.tokens == plain.tokens, (type(head).__name__, many.tokens, plain.tokens)
+      assert many.stats.drafted > 0
     try:
       sj.generate(target, prompts[:3], mesh=mesh)
     except ValueError as e:
@@ -50,6 +66,23 @@ def test_generate_on_eight_cpu_devices_matches_one_device():
   res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                        timeout=600)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_param_partition_specs_for_stacked_and_single_layers():
+  """The "model" axis of a leaf is found from the end of its shape: the target's stacked
+  [L, D, H*Dh] layers, a head's single [D, H*Dh] layer and Medusa's [K, D, V] LM heads."""
+  from jax.sharding import PartitionSpec as P
+  from spec_jax.sharding import MODEL, _spec_for
+  assert _spec_for("wq", (2, 32, 64), 2) == P(None, None, MODEL)
+  assert _spec_for("wq", (32, 64), 2) == P(None, MODEL)
+  assert _spec_for("wo", (2, 64, 32), 2) == P(None, MODEL, None)
+  assert _spec_for("wo", (64, 32), 2) == P(MODEL, None)
+  assert _spec_for("bq", (64,), 2) == P(MODEL)
+  assert _spec_for("lm_head", (3, 32, 64), 2) == P(None, None, MODEL)
+  assert _spec_for("embed", (64, 32), 2) == P(MODEL, None)
+  assert _spec_for("wq", (32, 63), 2) == P()               # does not divide: replicated
+  assert _spec_for("w_down", (7,), 2) == P()               # unexpected rank: replicated
+  assert _spec_for("fc", (64, 32), 2) == P()               # not in the table
 
 
 def test_mesh_without_the_named_axes_is_refused():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import spec_jax as sj
-from tests.conftest import ROOT, need_shared
+from tests.conftest import SHARED, need_shared
 from train import distill_heads
 from train.config import load_config, parse_set
 
@@ -20,16 +20,16 @@ from train.config import load_config, parse_set
 def write_config(tmp_path, **sections) -> pathlib.Path:
   need_shared("models", "stories260K")
   cfg = {
-      "target": str(ROOT.parent / "shared" / "models" / "stories260K"),
+      "target": str(SHARED / "models" / "stories260K"),
       "out_dir": str(tmp_path / "run"),
       "seed": 0,
       "head": {"kind": "medusa", "num_draft": 2},
-      "data": {"sources": ["text"], "dev_path": str(ROOT.parent / "shared" / "data" /
-                                                    "tinystories" / "dev.txt"),
+      "data": {"sources": ["text"], "dev_path": str(SHARED / "data" / "tinystories" / "dev.txt"),
                "text_paragraphs": 40, "window": 16, "cache_dir": str(tmp_path / "cache")},
       "train": {"steps": 30, "batch_size": 8, "lr": 1e-2, "warmup_steps": 2,
                 "checkpoint_every": 10, "log_every": 10},
-      "eval": {"enabled": False, "num_prompts": 2, "prompt_tokens": 6, "max_new_tokens": 8,
+      "eval": {"enabled": False, "path": str(SHARED / "data" / "tinystories" / "heldout.txt"),
+               "num_prompts": 2, "prompt_tokens": 6, "max_new_tokens": 8,
                "temperatures": [0.0]},
   }
   for name, values in sections.items():
@@ -44,7 +44,8 @@ def write_config(tmp_path, **sections) -> pathlib.Path:
 
 
 def test_short_training_lowers_loss_and_raises_agreement(tmp_path, capsys):
-  path = write_config(tmp_path, eval={"enabled": True})
+  path = write_config(tmp_path, eval={"enabled": True, "num_prompts": 4, "max_new_tokens": 16},
+                      train={"steps": 80, "checkpoint_every": 40})
   out = distill_heads.main(["--config", str(path)])
   assert out["final"]["loss"] < out["initial"]["loss"] - 0.3, (out["initial"], out["final"])
   assert np.mean(out["final"]["agree"]) > np.mean(out["initial"]["agree"]) + 0.05
@@ -52,7 +53,12 @@ def test_short_training_lowers_loss_and_raises_agreement(tmp_path, capsys):
   assert "before" in printed and "after" in printed and "tau" in printed
   report = json.loads((tmp_path / "run" / "eval.json").read_text())
   assert set(report["eval"]) == {"before", "after"}
-  target = sj.load(ROOT.parent / "shared" / "models" / "stories260K")
+  # The measured acceptance on held-out prompts rises (measured: tau 1.02 -> 1.33 greedy).
+  before, after = report["eval"]["before"]["0.0"], report["eval"]["after"]["0.0"]
+  assert after["tau"] > before["tau"] + 0.15, (before, after)
+  assert after["alpha"] > before["alpha"] + 0.07, (before, after)
+  assert f"{after['tau']:.2f}" in printed
+  target = sj.load(SHARED / "models" / "stories260K")
   drafter = sj.drafters.load(tmp_path / "run", target)
   assert isinstance(drafter, sj.drafters.Medusa) and drafter.num_heads == 2
   for a, b in zip(jax.tree.leaves(drafter.params), jax.tree.leaves(out["params"])):
@@ -85,7 +91,46 @@ def test_feature_head_losses_train(tmp_path, kind):
                       train={"steps": 12, "feature_weight": 1.0 if kind == "eagle" else 0.0,
                              "ttt_steps": 2, "checkpoint_every": 12})
   out = distill_heads.main(["--config", str(path)])
+  # Measured: eagle 22.3 -> 13.2, mtp 12.3 -> 8.0 after 12 steps.
+  assert out["final"]["loss"] < 0.8 * out["initial"]["loss"], (out["initial"], out["final"])
+  assert np.mean(out["final"]["agree"]) > np.mean(out["initial"]["agree"]) + 0.02
+
+
+def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
+  """head.draft_vocab_size: the most frequent tokens of the training windows, saved with the
+  heads; the loss over that vocabulary falls; train.frozen keeps the LM head at its init (the
+  target's rows for those tokens)."""
+  from train import data as data_lib
+  path = write_config(tmp_path, head={"kind": "eagle3", "num_draft": 2, "draft_vocab_size": 48,
+                                      "target_layers": [1, 2, 4]},
+                      train={"steps": 12, "ttt_steps": 2, "checkpoint_every": 12,
+                             "frozen": ["lm_head"]})
+  out = distill_heads.main(["--config", str(path)])
   assert out["final"]["loss"] < out["initial"]["loss"]
+  target = sj.load(SHARED / "models" / "stories260K")
+  drafter = sj.drafters.load(tmp_path / "run", target)
+  assert drafter.kind == "eagle3" and drafter.draft_vocab_size == 48
+  cfg = load_config(path)
+  windows = data_lib.build_windows(target, cfg["data"], "unused", 0, lambda m: None)
+  counts = np.bincount(windows.ravel(), minlength=512)
+  np.testing.assert_array_equal(drafter.draft_tokens, np.sort(np.argsort(-counts, kind="stable")[:48]))
+  assert np.asarray(drafter.params["lm_head"]).shape == (64, 48)
+  np.testing.assert_array_equal(np.asarray(drafter.params["lm_head"]),
+                                np.asarray(target.params["embed"]).T[:, drafter.draft_tokens])
+  with pytest.raises(ValueError, match=r"train.frozen names \['lm_hed'\], which these heads do "
+                                       r"not have; allowed: embed_norm, fc"):
+    distill_heads.main(["--config", str(path), "--set", "train.frozen=[lm_hed]",
+                        "--set", f"out_dir={tmp_path / 'other'}"])
+
+
+def test_frequent_tokens_fill_with_unused_ids():
+  from train.data import frequent_tokens
+  windows = np.array([[5, 5, 5, 9, 9, 2], [9, 7, 7, 7, 7, 5]])
+  assert frequent_tokens(windows, 2, 10).tolist() == [5, 7]        # 7 x4, 5 x4 (lower id), 9 x3
+  assert frequent_tokens(windows, 3, 10).tolist() == [5, 7, 9]
+  assert frequent_tokens(windows, 6, 10).tolist() == [0, 1, 2, 5, 7, 9]   # four seen; 0, 1 fill
+  with pytest.raises(ValueError, match=r"draft_vocab_size=11 must lie in \[1, 10\]"):
+    frequent_tokens(windows, 11, 10)
 
 
 def test_config_errors(tmp_path):
@@ -108,6 +153,10 @@ def test_config_errors(tmp_path):
     load_config(path, ["train=3"])
   with pytest.raises(ValueError, match="ttt_steps applies to EAGLE"):
     load_config(path, ["train.ttt_steps=2"])
+  with pytest.raises(ValueError, match="draft_vocab_size applies to EAGLE-3 heads, not medusa"):
+    load_config(path, ["head.draft_vocab_size=64"])
+  with pytest.raises(ValueError, match="draft_vocab_size must be None or an integer >= 1"):
+    load_config(path, ["head.kind=eagle3", "head.draft_vocab_size=0"])
   with pytest.raises(SystemExit):
     distill_heads.main([])                     # argparse: --config is required
   assert parse_set("eval.temperatures=[0, 1]") == (["eval", "temperatures"], [0, 1])

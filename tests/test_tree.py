@@ -66,6 +66,18 @@ def test_tree_refuses_drafters_that_cannot_build_trees():
                 capacity=8)
   with pytest.raises(ValueError, match="cannot build draft trees"):
     sj.drafters.Drafter().propose_tree(None, None, None, spec)
+  # The governor picks among chain lengths: a tree with num_draft="auto" is refused.
+  auto = "tree drafting does not combine with num_draft='auto'"
+  with pytest.raises(ValueError, match=auto):
+    sj.generate(target, [PROMPT], drafter=sj.drafters.NGram(), tree=spec, num_draft="auto",
+                max_new_tokens=2)
+  with pytest.raises(ValueError, match=auto):
+    sj.generate(target, [PROMPT], drafter=sj.drafters.NGram(), tree=spec,
+                governor=sj.Governor(), max_new_tokens=2)
+  with pytest.raises(ValueError, match=auto):
+    sj.decode(target.params, [PROMPT], [3], jax.random.key(0), config=target.config,
+              drafter=sj.drafters.NGram(), tree=spec, num_draft="auto", max_new_tokens=2,
+              capacity=16, sampling=sj.Sampling(1.0))
 
 
 def test_parse_tree_spec():
@@ -318,6 +330,23 @@ def test_dynamic_tree_is_eagle2s_top_n():
   got = {tuple(int(x) for x in paths[0, i] if x >= 0) for i in range(1, 6)}
   assert got == {c[0] for c in best}
   assert (parents[1:] < np.arange(1, 6)).all() and (depths[1:] == depths[parents[1:]] + 1).all()
+
+
+def test_topk_trees_skip_tokens_the_drafter_cannot_draw():
+  """Top-k children of probability 0 (an EAGLE-3 draft vocabulary smaller than k: -inf logits
+  outside it) are invalid nodes, never proposed."""
+  allowed = [1, 5]
+  logits = jnp.full((1, V), -jnp.inf).at[:, jnp.asarray(allowed)].set(jnp.asarray([0.3, 0.1]))
+
+  def expand(tokens, parents, depths, start, carry):
+    return jnp.broadcast_to(logits[:, None], (1, tokens.shape[1] - start, V)), carry
+
+  # 3 + 9 candidates, 2 + 4 of them drawable; N = 8 keeps two undrawable ones.
+  tree, _ = tree_lib.build_dynamic_tree(logits, expand, (), sj.TreeSpec(2, 3, 8),
+                                        key=jax.random.key(0), sampling=GREEDY)
+  valid = np.asarray(tree.valid)[0, 1:]
+  assert valid.sum() == 6
+  assert set(np.asarray(tree.tokens)[0, 1:][valid].tolist()) <= set(allowed)
 
 
 def test_ngram_trie_merges_equal_prefixes():

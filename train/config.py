@@ -14,18 +14,25 @@ from typing import Optional, Sequence
 
 import yaml
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "mtp")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp")
 
 DEFAULTS = {
     "target": None,            # path of the frozen target (sj.load)
     "out_dir": None,           # checkpoints/, heads/, eval.json go here
     "seed": 0,
+    "mesh": {                  # data parallelism (and the target's tensor parallelism)
+        "data": None,          # batch rows over this many devices (None and model None: no mesh)
+        "model": None,         # the frozen target's heads / MLP / vocabulary over this many
+    },                         # data x model = every device of every process
     "head": {
-        "kind": "eagle",       # medusa | eagle | eagle3 | mtp
+        "kind": "eagle",       # medusa | eagle | eagle3 | eagle3_fused | mtp
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
         "intermediate_size": None,   # EAGLE/EAGLE-3/MTP layer MLP width (None: the target's)
         "num_heads": None,     # attention heads of the head's layer (None: the target's)
-        "target_layers": None,  # EAGLE-3 fused layers (None: (1, L//2, L-1))
+        "target_layers": None,  # EAGLE-3 captured layers, as layer-output indices (None: the
+                               # public default (1, L//2-1, L-4) = inputs of (2, L//2, L-3))
+        "draft_vocab_size": None,  # EAGLE-3 draft vocabulary: the N most frequent target tokens
+                                   # of the training data (None: the whole vocabulary)
         "init_std": 0.02,      # random init scale of the head's layer
         "medusa_layers": 1,    # residual SiLU blocks per Medusa head
     },
@@ -55,6 +62,7 @@ DEFAULTS = {
         "feature_weight": 0.0,  # smooth-L1 on predicted features (EAGLE: 1.0 in the paper)
         "ce_weight": 1.0,      # soft cross-entropy against the target (EAGLE: 0.1)
         "feature_noise": 0.0,  # uniform noise on teacher features (EAGLE's robustness trick)
+        "frozen": [],          # top-level head params kept at their init (e.g. [lm_head])
         "checkpoint_every": 200,
         "log_every": 25,
         "stop_after": None,    # test hook: stop (as if killed) after this step's checkpoint
@@ -154,14 +162,41 @@ def validate(cfg: dict) -> dict:
   for name in ("steps", "batch_size", "checkpoint_every", "log_every", "ttt_steps"):
     if isinstance(t[name], bool) or not isinstance(t[name], int) or t[name] < 1:
       raise ValueError(f"train.{name} must be an integer >= 1, got {t[name]!r}")
+  if isinstance(t["frozen"], str):
+    t["frozen"] = [t["frozen"]]
+  if not isinstance(t["frozen"], list) or not all(isinstance(x, str) for x in t["frozen"]):
+    raise ValueError(f"train.frozen must be a list of head param names, got {t['frozen']!r}")
   if t["dtype"] not in ("float32", "bfloat16"):
     raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
+  n = cfg["head"]["draft_vocab_size"]
+  if n is not None:
+    if kind != "eagle3":
+      raise ValueError(f"head.draft_vocab_size applies to EAGLE-3 heads, not {kind}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"head.draft_vocab_size must be None or an integer >= 1, got {n!r}")
   if kind == "medusa" and t["ttt_steps"] != 1:
     raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
+  _check_mesh(cfg)
   w = cfg["data"]["window"]
   if not isinstance(w, int) or w < cfg["head"]["num_draft"] + 3:
     raise ValueError(f"data.window must be an integer >= num_draft + 3, got {w!r}")
   return cfg
+
+
+def _check_mesh(cfg: dict) -> None:
+  """mesh.data / mesh.model: both None (no mesh) or integers >= 1 (a None beside an integer is
+  1); the batch must divide over mesh.data."""
+  mesh = cfg["mesh"]
+  if mesh["data"] is None and mesh["model"] is None:
+    return
+  for name in ("data", "model"):
+    n = mesh[name] = 1 if mesh[name] is None else mesh[name]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"mesh.{name} must be an integer >= 1 (or null), got {n!r}")
+  b = cfg["train"]["batch_size"]
+  if b % mesh["data"]:
+    raise ValueError(f"train.batch_size {b} does not divide over mesh.data={mesh['data']}: make "
+                     f"the batch a multiple of {mesh['data']}")
 
 
 def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:

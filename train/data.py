@@ -9,7 +9,11 @@ generated tokens are cached on disk (npz, written atomically) under a key that h
 target's fingerprint and the data config, so a restart reuses them. The held-out split is never
 read here (it is for evaluation only).
 
-Batch order is a pure function of (seed, step): a restarted run sees the same batches.
+Batch order is a pure function of (seed, step): a restarted run sees the same batches. On a
+mesh (train.distill_heads' `mesh:`) that global batch is split over the "data" axis, and each
+process places the rows its own devices hold (spec_jax.sharding.shard_rows): a process's rows
+are a function of (seed, step, process), and a run resumed on another mesh or another number
+of processes trains on the same global batches.
 """
 
 from __future__ import annotations
@@ -120,3 +124,22 @@ def batch_indices(num_windows: int, batch_size: int, seed: int, step: int) -> np
   if len(idx) < batch_size:  # fewer windows than one batch: sample with replacement
     idx = np.random.default_rng([seed, epoch, step]).integers(0, num_windows, batch_size)
   return idx
+
+
+def frequent_tokens(windows: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+  """The n most frequent token ids of the training windows, sorted ascending: an EAGLE-3 draft
+  vocabulary (SpecForge `process_token_dict_to_mappings`: top-n by count; when fewer than n
+  distinct ids occur, the lowest unused ids fill it). Ties go to the lower id.
+
+  Returns int32 [n]; d2t = ids - arange(n) and t2d = isin(arange(V), ids) are derived from it.
+  """
+  if not 1 <= n <= vocab_size:
+    raise ValueError(f"head.draft_vocab_size={n} must lie in [1, {vocab_size}] (the target's "
+                     f"vocabulary)")
+  counts = np.bincount(np.asarray(windows, np.int64).ravel(), minlength=vocab_size)[:vocab_size]
+  order = np.lexsort((np.arange(vocab_size), -counts))      # by count desc, then id asc
+  seen = order[counts[order] > 0][:n]
+  if len(seen) < n:
+    unused = np.setdiff1d(np.arange(vocab_size), seen)[:n - len(seen)]
+    seen = np.concatenate([seen, unused])
+  return np.sort(seen).astype(np.int32)

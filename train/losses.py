@@ -6,8 +6,13 @@ the target would sample; greedy acceptance needs the argmax, which the soft labe
 
   Medusa     sum_i decay^i  CE(p_{j+1+i}, head_i(h_j))                     (head i: token j+2+i)
   EAGLE      sum_s decay^(s-1) [ w_f smoothL1(o^s_j, f_{j+1}) + w_ce CE(p_{j+1}, lm_head(o^s_j)) ]
-  EAGLE-3    the same with w_f = 0 and ttt_steps > 1 (training-time test: o^(s-1) fed back)
-  MTP        as EAGLE-3 (feature = the target's pre-norm last layer output)
+  EAGLE-3    the same with w_f = 0 and ttt_steps > 1 (training-time test: o^(s-1) fed back),
+             over its draft vocabulary: p restricted to the draft tokens and renormalised
+             (softmax of the target's logits at those ids), positions whose target argmax is
+             outside the draft vocabulary masked out (EAGLE `eagle/traineagle3/cnets.py`,
+             Model.forward: target_head[..., t2d], position_mask = t2d[argmax] * loss_mask)
+  MTP        as EAGLE-3 with the full vocabulary (feature = the target's pre-norm last layer
+             output)
 
 Each returns (loss, metrics) with metrics["agree"] [steps or heads] = top-1 agreement with the
 target's argmax per draft position.
@@ -59,7 +64,7 @@ def feature_head_loss(head, params, target_params, tokens, hidden, layer_hidden,
   """EAGLE / EAGLE-3 / MTP: the unrolled head against the target's features and p."""
   feats = head.target_feature(params, hidden, layer_hidden)              # [B, T, D]
   teacher = jax.lax.stop_gradient(head.target_feature(params, hidden, layer_hidden)) \
-      if head.kind != "eagle3" else None
+      if head.kind not in ("eagle3", "eagle3_fused") else None
   noise = cfg["feature_noise"]
   fed = feats
   if noise:
@@ -68,13 +73,27 @@ def feature_head_loss(head, params, target_params, tokens, hidden, layer_hidden,
   t1 = tokens.shape[1] - 1
   slot = jnp.arange(t1)
   p = target_probs[:, 1:]
+  draft_tokens = getattr(head, "draft_tokens", None)     # EAGLE-3's reduced vocabulary
+  if draft_tokens is not None:
+    ids = jnp.asarray(draft_tokens)
+    in_vocab = jnp.zeros((p.shape[-1],), bool).at[ids].set(True)[jnp.argmax(p, -1)]
+    p_draft = p[..., ids]
+    p_draft = p_draft / jnp.maximum(jnp.sum(p_draft, -1, keepdims=True), 1e-30)
   loss, agree = 0.0, []
   for s, o in enumerate(outs, start=1):
     mask = jnp.broadcast_to((slot >= s - 1).astype(jnp.float32)[None], o.shape[:2])
-    logits = head.logits(params, target_params, o)
-    step_loss = cfg["ce_weight"] * soft_cross_entropy(logits, p, mask)
+    if draft_tokens is None:
+      logits = head.logits(params, target_params, o)
+      step_loss = cfg["ce_weight"] * soft_cross_entropy(logits, p, mask)
+      agree.append(top1_agreement(logits, p, mask))
+    else:
+      logits = head.draft_logits(params, o)                            # [B, T-1, V_draft]
+      step_loss = cfg["ce_weight"] * soft_cross_entropy(logits, p_draft, mask * in_vocab)
+      # Agreement with the target's argmax over the full vocabulary (out-of-vocabulary
+      # positions count as misses: what drafting would see).
+      same = ids[jnp.argmax(logits, -1)] == jnp.argmax(p, -1)
+      agree.append(jnp.sum(same * mask) / jnp.maximum(jnp.sum(mask), 1.0))
     if cfg["feature_weight"] and teacher is not None:
       step_loss = step_loss + cfg["feature_weight"] * smooth_l1(o, teacher[:, 1:], mask)
     loss = loss + cfg["step_decay"] ** (s - 1) * step_loss
-    agree.append(top1_agreement(logits, p, mask))
   return loss, {"agree": jnp.stack(agree)}

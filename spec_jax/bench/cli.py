@@ -21,6 +21,16 @@ DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinyst
 QUICK = dict(num_draft=[2, 4], batch=[1, 4], max_new_tokens=32, repeats=2, cost_repeats=5)
 
 
+def k_or_auto(value):
+  """A --num-draft value: an integer K or 'auto' (the governor)."""
+  if isinstance(value, str) and value.strip().lower() == "auto":
+    return "auto"
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise argparse.ArgumentTypeError(f"K must be an integer or 'auto', got {value!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The flags of python -m spec_jax.bench (the --config file's keys are the same names)."""
   import spec_jax.bench
@@ -29,13 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
                  "underscores); flags given on the command line win")
-  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "all"), default="spec",
-                 help="spec (default) | plain | breakdown (where a round's time goes) | all "
-                 "(plain then spec)")
+  p.add_argument("--suite", choices=("spec", "plain", "breakdown", "peer", "all"),
+                 default="spec",
+                 help="spec (default) | plain | breakdown (where a round's time goes) | peer "
+                 "(against transformers' plain, assisted and prompt-lookup generation, each "
+                 "library in its own process) | all (plain then spec)")
   p.add_argument("--pairs", nargs="+", default=["default"],
                  help="TARGET@DRAFTER ... or 'default' (%s)" % ", ".join(DEFAULT_PAIRS))
-  p.add_argument("--num-draft", "-K", type=int, nargs="+", default=[1, 2, 4, 6, 8],
-                 help="K values (plain K=0 is always measured)")
+  p.add_argument("--num-draft", "-K", type=k_or_auto, nargs="+", default=[1, 2, 4, 6, 8],
+                 help="K values, and 'auto' for the governor as one more column (plain K=0 is "
+                 "always measured)")
   p.add_argument("--tree", action="append", default=None, metavar="D,k,N[,sampled]",
                  help="also run tree drafting (sj.TreeSpec(depth=D, top_k=k, num_nodes=N); "
                  "',sampled' for i.i.d. candidates) for every drafter that builds trees; "
@@ -48,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
   p.add_argument("--cost-repeats", type=int, default=20, help="timed calls per cost ratio")
   p.add_argument("--prompts", default="tinystories",
-                 help=f"{' | '.join(PROMPT_SETS)} | a .txt / .jsonl / .jsonl.gz path")
+                 help=f"{' | '.join(PROMPT_SETS)} | mixed (even rows tinystories, odd rows "
+                 "random token ids the drafter cannot predict) | a .txt / .jsonl / .jsonl.gz "
+                 "path")
   p.add_argument("--prompt-words", type=int, default=8,
                  help="words of each paragraph used as a prompt (.txt sources)")
   p.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -66,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hf-threads", type=int, nargs="+", default=[0, 1],
                  help="torch thread counts for transformers (0 = the CPU core count); the first "
                  "is the headline, the others are extra columns")
+  p.add_argument("--peer-batch", type=int, nargs="+", default=[1, 8],
+                 help="peer suite: batch sizes (transformers' assisted generation and prompt "
+                 "lookup run at batch 1 only)")
+  p.add_argument("--peer-prompts", type=int, default=4,
+                 help="peer suite: prompts per timed call (decoded B at a time)")
+  p.add_argument("--peer-rounds", type=int, default=2,
+                 help="peer suite: how many times the library processes alternate")
+  p.add_argument("--peer-lookup-tokens", type=int, default=10,
+                 help="peer suite: transformers' prompt_lookup_num_tokens")
   p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
   p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
   return p
@@ -104,6 +128,11 @@ def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
           value if isinstance(value, list) else [value])
       if action.type is int:
         value = [int(x) for x in value]
+      elif action.type is k_or_auto:
+        try:
+          value = [k_or_auto(x) for x in value]
+        except argparse.ArgumentTypeError as e:
+          raise ValueError(f"{path}: {key}: {e}") from None
     elif action.type is int:
       value = int(value)
     defaults[dest] = value
@@ -122,10 +151,11 @@ def parse_args(argv) -> argparse.Namespace:
   if args.quick:
     for k, v in QUICK.items():
       setattr(args, k, v)
-  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens"):
+  for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
+               "peer_prompts", "peer_rounds", "peer_lookup_tokens"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-  if any(b < 1 for b in args.batch) or any(b < 1 for b in args.plain_batch):
+  if any(b < 1 for b in args.batch + args.plain_batch + args.peer_batch):
     raise ValueError("batch sizes must be >= 1")
   if any(t < 0 for t in args.temperatures):
     raise ValueError("temperatures must be >= 0")
@@ -166,11 +196,13 @@ def previous_partial(args, out_path: pathlib.Path):
 def run_suite(suite: str, args, checkpoint, previous) -> dict:
   """Runs one suite -> its result dict (ValueError for bad options)."""
   from spec_jax.bench.suites.breakdown import run_breakdown_suite
+  from spec_jax.bench.suites.peer import run_peer_suite
   from spec_jax.bench.suites.plain import run_plain_suite
   from spec_jax.bench.suites.spec import run_spec_suite
   if suite == "spec":
     return run_spec_suite(args, checkpoint=checkpoint, previous=previous)
-  return {"plain": run_plain_suite, "breakdown": run_breakdown_suite}[suite](args)
+  return {"plain": run_plain_suite, "breakdown": run_breakdown_suite,
+          "peer": run_peer_suite}[suite](args)
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,16 @@ SPEC_DEFINITIONS = {
         "same as c_draft) / K / t_target_1, and the bound with it: what drafting really costs",
     "noise_pct": "(max - min) / median of all plain-decoding repeats of a cell, in percent: the "
                  "machine's noise during that cell",
+    "K = auto": "the governor (generate(num_draft='auto'), spec_jax.governor): K chosen every "
+                "round from the cost table and the live alpha; its row has k_histogram (loop "
+                "iterations per K, last repeat), k_share (their fractions), governor_costs (the "
+                "cost table: seconds per round per K, t(K)/t(0), whether it came from the cache "
+                "and how long calibrate() took in the warm-up), best_fixed_K / "
+                "best_fixed_speedup / share_of_best_fixed (its speedup / the best fixed K's of "
+                "the same drafter in the same cell, hindsight); c_draft, c_verify, bound and "
+                "efficiency are null (K varies)",
+    "governor": "one entry per governor row: speedup, share of the best fixed K, K histogram and "
+                "issue 9's goals (>= 0.97x plain at B >= 16; >= 0.95x the best fixed K at B = 1)",
 }
 
 PLAIN_DEFINITIONS = {

@@ -119,6 +119,31 @@ def read_prompt_texts(source: str, words: int = 8) -> list:
   return texts
 
 
+MIXED = "mixed"
+MIXED_STORIES = "tinystories"
+
+
+def _mixed_prompts(model, n: int, words: int, max_prompt_tokens: int, seed: int) -> tuple:
+  """--prompts mixed: even rows are tinystories openings, odd rows seeded random token ids
+  (ids >= 3, as long as the story prompts): half a batch the drafter can follow, half it
+  cannot. Any batch prefix of even size is half and half."""
+  import numpy as np
+  stories, texts = prompt_token_lists(model, MIXED_STORIES, (n + 1) // 2, words,
+                                      max_prompt_tokens, seed)
+  rng = np.random.default_rng(seed + 1)
+  v = model.config.vocab_size
+  ids, out_texts = [], []
+  for i in range(n):
+    if i % 2 == 0:
+      ids.append(stories[i // 2])
+      out_texts.append(texts[i // 2] if texts else None)
+    else:
+      length = len(stories[(i // 2) % len(stories)])
+      ids.append(rng.integers(3, v, size=length).tolist())
+      out_texts.append(None)
+  return ids, (out_texts if texts else None)
+
+
 def prompt_token_lists(model, source: str, n: int, words: int, max_prompt_tokens: int,
                        seed: int) -> tuple:
   """n prompts as token-id lists for `model` -> (ids, texts or None).
@@ -128,6 +153,8 @@ def prompt_token_lists(model, source: str, n: int, words: int, max_prompt_tokens
   8..15 tokens (the same for a given seed).
   """
   import numpy as np
+  if source == MIXED:
+    return _mixed_prompts(model, n, words, max_prompt_tokens, seed)
   if model.tokenizer is None:
     rng = np.random.default_rng(seed)
     v = model.config.vocab_size

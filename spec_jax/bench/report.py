@@ -28,9 +28,12 @@ def table(headers, rows, markdown: bool = False) -> str:
 
 def format_spec(result: dict) -> str:
   """The spec suite's table, legend, noise line, notes and one verdict line per pair."""
+  def k_order(k):                        # plain, then fixed K, then the governor
+    return (2, 0) if k == "auto" else (int(k > 0), k)
   rows = sorted(result["rows"], key=lambda r: (r["target"], r["temperature"], r["batch"],
-                                               r["K"] > 0, r["drafter"], bool(r.get("tree")),
-                                               r["K"], r.get("tree") or ""))
+                                               k_order(r["K"])[0], r["drafter"],
+                                               bool(r.get("tree")), k_order(r["K"])[1],
+                                               r.get("tree") or ""))
   cells_rows = []
   for r in rows:
     t = r["tokens_per_s"]
@@ -41,7 +44,7 @@ def format_spec(result: dict) -> str:
                        f"{r['speedup']:.2f}x", flag, fmt(r["alpha"]), fmt(r.get("alpha_token")),
                        fmt(r["tau"]),
                        fmt(r["c_draft"], 3), fmt(r["c_verify"]), fmt(r["bound"]),
-                       f"{100 * r['efficiency']:.0f}%"])
+                       "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"])
   out = [table(["target", "drafter", "T", "B", "K", "tok/s", "min-max", "speedup", "",
                 "alpha", "a_tok", "tau", "c_draft", "c_verify", "bound", "eff"], cells_rows)]
   out.append("")
@@ -68,6 +71,9 @@ def format_spec(result: dict) -> str:
                f"{statistics.median(noise):.0f}%, range {min(noise):.0f}%-{max(noise):.0f}% "
                f"over {len(noise)} cells ({result['baselines'][0]['tokens_per_s']['n']} plain "
                f"runs each, interleaved)")
+  if result.get("governor"):
+    out.append("  K=auto: the governor (num_draft='auto') picks K per round from its cost table "
+               "and live alpha; c_draft/c_verify/bound do not apply (K varies).")
   for n in result.get("notes", []):
     out.append("  note: " + n)
   out.append("")
@@ -91,6 +97,21 @@ def format_spec(result: dict) -> str:
       tail += f"; slower than plain at B in {losses}"
     out.append(f"verdict {v['target']} + {v['drafter']} T={v['temperature']:g}: "
                + "; ".join(parts) + f" -> {tail}")
+  gov = result.get("governor") or []
+  if gov:
+    out.append("")
+    out.append("governor (K=auto) per cell: speedup over plain; share of the best fixed K's "
+               "speedup in the same cell; K histogram (loop iterations per K); goals of issue 9")
+    for g in gov:
+      share = ("-" if g["share_of_best_fixed"] is None else
+               f"{g['share_of_best_fixed']:.2f} of K={g['best_fixed_K']} "
+               f"({g['best_fixed_speedup']:.2f}x)")
+      hist = "{" + ", ".join(f"{k}: {n}" for k, n in g["k_histogram"].items()) + "}"
+      goals = ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in
+                        g["goals"].items()) or "-"
+      out.append(f"governor {g['target']} + {g['drafter']} T={g['temperature']:g} "
+                 f"B={g['batch']}: {g['speedup']:.2f}x plain; {share}; K {hist}; goals: "
+                 f"{goals} (noise {g['noise_pct']:.0f}%)")
   return "\n".join(out)
 
 
@@ -179,4 +200,10 @@ def format_breakdown(result: dict) -> str:
   return "\n".join(out)
 
 
-FORMATTERS = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown}
+def format_peer(result: dict) -> str:
+  from spec_jax.bench.suites.peer import format_peer as fmt_peer
+  return fmt_peer(result)
+
+
+FORMATTERS = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown,
+              "peer": format_peer}

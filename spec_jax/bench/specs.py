@@ -1,8 +1,11 @@
 """Model, drafter and pair specs as the command lines write them, and the objects they name.
 
-Models: a Hugging Face folder, a llama2.c folder or .bin (anything `sj.load` reads), or
+Models: a Hugging Face folder, a llama2.c folder or .bin (anything `sj.load` reads),
 `random:100m` / `random:tiny` / `random:tiny-draft` (random weights, see RANDOM_MODELS; no
-tokenizer). Drafters: `none`, `ngram`, `ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel),
+tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.models.widen` to
+hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
+exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
+heads of MODEL (`heads:PATH`) are widened with it. Drafters: `none`, `ngram`, `ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel),
 `heads:PATH` (trained heads). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
 """
 
@@ -35,6 +38,8 @@ RANDOM_MODELS = {
 }
 
 DRAFTER_SPECS = "none, ngram, ngram:MAX[:MIN], draft:MODEL or heads:PATH"
+WIDENED_DEFAULT = (768, 2048, 12)
+_WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
 
 
 def resolve_path(p: str) -> pathlib.Path:
@@ -52,9 +57,14 @@ def resolve_path(p: str) -> pathlib.Path:
 
 
 def model_label(spec: str) -> str:
-  """A short name for tables: the folder or file name, or the random:NAME spec itself."""
+  """A short name for tables: the folder or file name, or the random:NAME spec itself;
+  widened:MODEL[:H,F,L] -> 'MODEL-wide' (plus the sizes when not the default)."""
   if spec.startswith("random:"):
     return spec
+  if spec.startswith("widened:"):
+    source, sizes = parse_widened(spec)
+    suffix = "" if sizes == WIDENED_DEFAULT else "-" + "x".join(map(str, sizes))
+    return f"{model_label(source)}-wide{suffix}"
   return pathlib.Path(spec).name or spec
 
 
@@ -85,11 +95,38 @@ def load_model(spec: str, seed: int = 0):
     config = sj.ModelConfig(**RANDOM_MODELS[name])
     # Distinct seeds per shape so a random draft is not a copy of the target.
     return sj.init_model(config, jax.random.key(seed + sorted(RANDOM_MODELS).index(name)))
+  if spec.startswith("widened:"):
+    return _load_widened(spec, seed)
   path = resolve_path(spec)
   if not path.exists():
     raise ValueError(f"model {spec!r} not found (tried {path}); give a HF folder, a llama2.c "
-                     f"folder or .bin, or random:NAME")
+                     f"folder or .bin, random:NAME or widened:MODEL[:H,F,L]")
   return sj.load(path)
+
+
+def parse_widened(spec: str) -> tuple:
+  """'widened:MODEL[:H,F,L[,Dh]]' -> (MODEL, sizes); ValueError for a malformed spec."""
+  rest = spec[len("widened:"):]
+  source, sizes = rest, WIDENED_DEFAULT
+  head, _, tail = rest.rpartition(":")
+  if head and tail and all(x.strip().isdigit() for x in tail.split(",")):
+    source = head
+    sizes = tuple(int(x) for x in tail.split(","))
+    if len(sizes) not in (3, 4):
+      raise ValueError(f"{spec!r}: the sizes are H,F,L[,Dh] (hidden, MLP, layers, head_dim "
+                       f"64 by default), e.g. widened:MODEL:768,2048,12")
+  if not source:
+    raise ValueError(f"{spec!r}: widened:MODEL[:H,F,L] needs a MODEL")
+  return source, sizes
+
+
+def _load_widened(spec: str, seed: int):
+  from spec_jax.models import widen
+  source_spec, sizes = parse_widened(spec)
+  source = load_model(source_spec, seed)
+  wide = widen(source, *sizes[:3], **({"head_dim": sizes[3]} if len(sizes) == 4 else {}))
+  _WIDENED_SOURCES[id(wide)] = (source, wide)
+  return wide
 
 
 def check_drafter_spec(spec: str) -> None:
@@ -124,6 +161,13 @@ def make_drafter(spec: str, target, seed: int = 0):
     return sj.drafters.DraftModel(load_model(arg, seed))
   if not hasattr(sj.drafters, "load"):
     raise ValueError("this spec_jax has no sj.drafters.load for trained heads")
+  widened = _WIDENED_SOURCES.get(id(target))
+  if widened is not None and widened[1] is target:
+    # Heads trained on the source of a widened:... target: load them for the source, then
+    # widen them with it (the same drafts, exactly).
+    source = widened[0]
+    heads = sj.drafters.load(str(resolve_path(arg)), source)
+    return sj.drafters.widen_heads(heads, source, target)
   return sj.drafters.load(str(resolve_path(arg)), target)
 
 

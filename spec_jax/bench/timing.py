@@ -137,3 +137,46 @@ def interleaved_rounds(runs: dict, repeats: int, baseline: Hashable = None,
     if on_round is not None:
       on_round(rep, results)
   return results
+
+
+def memory_bandwidth(n_bytes: int = 512 << 20, repeats: int = 7) -> dict:
+  """The machine's measured memory bandwidth in bytes/s, the denominator of a decode roofline.
+
+  read: a jitted sum over an n_bytes float32 array (reads every byte once, writes nothing: what
+  streaming the weights does); copy: an in-place update of it (donated, so no fresh pages are
+  touched), counted as 2 n_bytes moved (read + write). Medians of `repeats` calls after a
+  warm-up; the array is far larger than any cache.
+  """
+  import jax
+  import jax.numpy as jnp
+  x = jnp.arange(n_bytes // 4, dtype=jnp.float32)
+  read = jax.jit(jnp.sum)
+  update = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+  out = {}
+  jax.block_until_ready(read(x))
+  secs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(read(x))
+    secs.append(time.perf_counter() - t0)
+  out["read_bytes_per_s"] = n_bytes / statistics.median(secs)
+  x = jax.block_until_ready(update(x))
+  secs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    x = jax.block_until_ready(update(x))
+    secs.append(time.perf_counter() - t0)
+  out["copy_bytes_per_s"] = 2 * n_bytes / statistics.median(secs)
+  out["n_bytes"] = n_bytes
+  return out
+
+
+def decode_roofline(config, batch: int, fill: int, bandwidth: float) -> float:
+  """Tokens/s of plain decoding if a step took only the time to read its bytes: every weight
+  once (the step's batch shares them) plus each row's KV cache up to `fill` positions, at
+  `bandwidth` bytes/s. Everything else (compute, overheads) is assumed free: an upper bound."""
+  import numpy as np
+  itemsize = np.dtype(config.dtype).itemsize
+  weight_bytes = config.num_params * itemsize
+  kv_bytes = 2 * config.num_layers * batch * fill * config.num_kv_heads * config.head_dim * itemsize
+  return batch * bandwidth / (weight_bytes + kv_bytes)

@@ -18,6 +18,12 @@ Tree drafting (spec_jax.tree; drafters with `supports_tree`):
   matches proposes fewer).
 - draft_probs float32 [B, K, V], the distribution each draft was sampled from (the real q), or
   None for deterministic proposals (q one-hot at the draft token). Both are lossless.
+- With num_draft="auto" the governor may run plain rounds (K = 0) in between: they do not call
+  propose, but they do call commit with tokens [B, 1] (the one emitted token, n_accepted 0) and
+  the verify of the last committed token. A drafter with state must stay in sync across them
+  (Medusa and the feature heads read the verified feature there; DraftModel skips them and
+  catches up lazily in `catch_up`, which the governor calls before the next propose; K is
+  static in commit as tokens.shape[1] - 1).
 
 Drafter objects are static arguments of the jitted engine: they must be hashable by their
 static configuration (not by their params, which travel separately as `drafter.params`).
@@ -46,6 +52,9 @@ class PrefillInfo:
   layer_hidden: tuple of [B, P, D], the layers the drafter asked for (`target_layers`).
   target_params: the target model's params (heads reuse its embedding and LM head).
   sampling: per-row Sampling arrays [B].
+  lazy: (static) the engine calls `catch_up` before the first propose (the governor does): a
+    drafter may leave work to it that drafting would need (DraftModel: the prompt's prefill,
+    wasted when the governor never drafts).
   """
   tokens: jax.Array
   prompt_tokens: jax.Array
@@ -54,6 +63,7 @@ class PrefillInfo:
   layer_hidden: tuple
   target_params: Any
   sampling: Sampling
+  lazy: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -69,6 +79,9 @@ class DraftContext:
   num_draft: K (static).
   greedy: every row is greedy (static): propose argmax drafts deterministically (draft_probs
     None); the engine verifies by exact matching without random draws.
+  rolled: (static) a hint that autoregressive drafters should run their K-1 later steps as a
+    loop (lax.fori_loop) instead of unrolling them: the same drafts, a smaller program (the
+    governor compiles a round for every candidate K). Drafters may ignore it.
   """
   key: jax.Array
   tokens: jax.Array
@@ -77,6 +90,7 @@ class DraftContext:
   target_params: Any
   num_draft: int = flax.struct.field(pytree_node=False)
   greedy: bool = flax.struct.field(pytree_node=False, default=False)
+  rolled: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -135,13 +149,19 @@ class Drafter:
     """A draft tree for tree drafting -> (spec_jax.tree.DraftTree with spec.num_nodes + 1
     nodes, state). ctx.num_draft is spec.depth. Drafters that cannot build trees refuse."""
     raise ValueError(f"{type(self).__name__} cannot build draft trees; drafters that can: "
-                     "DraftModel, NGram, EAGLE, EAGLE3, MTP (or pass tree=None for a chain)")
+                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a chain)")
 
   def commit_tree(self, params, state, tokens, n_accepted, verify: VerifyInfo):
     """After a tree round: `verify` is the target's verify output gathered along the accepted
     path (input_tokens [B, D+1] = the root then the path's nodes; hidden, layer_hidden alike),
     tokens the emitted [B, D+1], exactly what `commit` gets after a chain of D drafts."""
     return self.commit(params, state, tokens, n_accepted, verify)
+
+  def catch_up(self, params, state, tokens, lengths):
+    """Brings the state up to date with the committed tokens (tokens int32 [B, S], lengths
+    [B]) before a propose that follows plain (K = 0) rounds; the governor calls it (once,
+    outside its per-K rounds). Default: nothing to do (commit already kept the state)."""
+    return state
 
   # Static identity: subclasses override with their static configuration.
   def _static_key(self):

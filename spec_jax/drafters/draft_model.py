@@ -1,33 +1,56 @@
 """A separate small draft model with its own KV cache (Leviathan et al. 2023).
 
-The draft model keeps a KV cache aligned with the target's positions. At each propose, its
-cache is valid for positions < lengths-2 at least (after a round whose drafts were all
-accepted, the last draft was never fed to it), so the first draft step always feeds the two
-last committed tokens at positions lengths-2, lengths-1; rewriting the slot at lengths-2 with
-the same token is harmless. Then K-1 single-token steps. No extra state is needed.
+The draft model keeps a KV cache aligned with the target's positions, and `synced` [B]: slots
+< synced hold the right entries. At each propose the cache must be valid for positions
+< lengths-2; the first draft step then feeds the two last committed tokens at positions
+lengths-2, lengths-1 (after a round whose drafts were all accepted the last draft was never
+fed, so lengths-2 may be missing; rewriting a valid slot with the same token is harmless),
+then K-1 single-token steps. After a round of K >= 1 drafts with n accepted, slots
+< lengths_before + min(n, K-1) are valid (the fed drafts that were accepted), which is
+>= the new lengths - 2: a chain of K >= 1 rounds never needs more.
+
+A K = 0 round (the governor's plain step) does not run the draft model: commit leaves the
+state as it is, so the cache falls behind by one token per such round. Before the next
+propose the governor calls `catch_up` (Drafter.catch_up): while a row has synced < lengths-2,
+it feeds that row's next `catch_up_chunk` committed tokens (one [B, chunk] forward per
+iteration of a lax.while_loop; rows already in sync rewrite valid slots or slots past their
+length, which are never read before they are written again). Catching up g tokens costs
+ceil(g / chunk) batched forwards, paid only when drafting resumes, instead of one draft step
+in every plain round. Under the governor (PrefillInfo.lazy) even the prompt's prefill is left
+to catch_up: a batch that never drafts never runs the draft model.
 
 Trees (spec_jax.tree, EAGLE-2's dynamic tree on the draft model): a tree round writes its
-frontier nodes into the draft cache past the last committed token, so the cache is only known
-valid below the old lengths, and a round commits at most D+1 tokens: each propose_tree
-re-feeds the last D+1 committed tokens (a causal block; the root's logits give depth 1), then
-one forward per further depth over the new frontier nodes, placed after the block and the
-earlier frontiers, each seeing the block up to the root and its ancestors (a tree mask over
-those slots).
+frontier nodes into the draft cache past the last committed token, so after it the cache is
+only known valid below the old lengths (synced = lengths_before), and a round commits at most
+D+1 tokens: each propose_tree re-feeds the last D+1 committed tokens (a causal block; the
+root's logits give depth 1), then one forward per further depth over the new frontier nodes,
+placed after the block and the earlier frontiers, each seeing the block up to the root and its
+ancestors (a tree mask over those slots). Trees do not run under the governor (no K = 0
+rounds, no catch_up).
 """
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
+from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.transformer import KVCache, forward, prepare_params
 
 
 def _row_keys(key, batch):
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+
+@flax.struct.dataclass
+class DraftModelState:
+  """cache: the draft model's KVCache [L, B, S, Hkv, Dh]; synced: int32 [B], slots < synced
+  hold the right entries (see the module docstring)."""
+  cache: KVCache
+  synced: jax.Array
 
 
 def check_same_vocabulary(draft, target, what="draft model"):
@@ -54,18 +77,24 @@ class DraftModel(Drafter):
   By default each draft is sampled from the same `sampling.probs` transform as the target, so
   draft_probs are the real q. With greedy_drafts=True the drafts are the draft model's argmax,
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
+  catch_up_chunk: tokens per forward when the cache catches up after plain (K = 0) rounds.
   """
 
   supports_tree = True
 
-  def __init__(self, model, greedy_drafts: bool = False):
+  def __init__(self, model, greedy_drafts: bool = False, catch_up_chunk: int = 16):
+    if isinstance(catch_up_chunk, bool) or not isinstance(catch_up_chunk, int) \
+        or catch_up_chunk < 1:
+      raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got "
+                       f"{catch_up_chunk!r}")
     self.model = model
     self.config = model.config
     self.params = model.params
     self.greedy_drafts = bool(greedy_drafts)
+    self.catch_up_chunk = catch_up_chunk
 
   def _static_key(self):
-    return ("DraftModel", self.config, self.greedy_drafts)
+    return ("DraftModel", self.config, self.greedy_drafts, self.catch_up_chunk)
 
   def check_compatible(self, target) -> None:
     check_same_vocabulary(self.model, target)
@@ -76,33 +105,86 @@ class DraftModel(Drafter):
   def init_state(self, params, prefill: PrefillInfo):
     b, s = prefill.tokens.shape
     cache = KVCache.zeros(self.config, b, s)
+    if prefill.lazy:                        # catch_up prefills when (if) drafting starts
+      return DraftModelState(cache=cache, synced=jnp.zeros((b,), jnp.int32))
     out = forward(params, self.config, prefill.prompt_tokens, cache, jnp.zeros((b,), jnp.int32))
-    return out.cache
+    return DraftModelState(cache=out.cache, synced=prefill.prompt_lens)
 
-  def propose(self, params, cache, ctx: DraftContext):
+  def catch_up(self, params, state: DraftModelState, tokens, lengths) -> DraftModelState:
+    """Feeds committed tokens until every row has synced >= lengths - 2 (no work when none
+    is behind; see the module docstring). tokens int32 [B, S]; lengths int32 [B]."""
+    s = tokens.shape[1]
+    chunk = min(self.catch_up_chunk, s)
+    need = lengths - 2
+
+    def behind(st):
+      return jnp.any(st.synced < need)
+
+    def step(st):
+      start = jnp.clip(jnp.minimum(st.synced, need), 0, s - chunk)
+      idx = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]
+      out = forward(params, self.config, jnp.take_along_axis(tokens, idx, axis=1), st.cache,
+                    start)
+      synced = jnp.maximum(st.synced, jnp.minimum(start + chunk, lengths))
+      return DraftModelState(cache=out.cache, synced=synced)
+
+    return jax.lax.while_loop(behind, step, state)
+
+  def propose(self, params, state: DraftModelState, ctx: DraftContext):
     b, k = ctx.tokens.shape[0], ctx.num_draft
+    cache = state.cache                     # in sync: the governor calls catch_up first
     keys = jax.random.split(ctx.key, k)
     idx = jnp.stack([ctx.lengths - 2, ctx.lengths - 1], axis=1)
     inputs = jnp.take_along_axis(ctx.tokens, idx, axis=1)
     out = forward(params, self.config, inputs, cache, ctx.lengths - 2)
     cache, logits = out.cache, out.logits[:, -1]
     greedy = self.greedy_drafts or ctx.greedy
+
+    def draw(logits, key):
+      if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+      q = sampling_lib.probs(logits, ctx.sampling)
+      return jax.vmap(sampling_lib.sample)(_row_keys(key, b), q), q
+
+    if ctx.rolled and k > 2:                # steps 1..K-2 as a loop: the same drafts
+      v = logits.shape[-1]
+
+      def step(i, carry):
+        cache, logits, drafts, qs = carry
+        tok, q = draw(logits, keys[i])
+        drafts = drafts.at[:, i].set(tok)
+        if not greedy:
+          qs = qs.at[:, i].set(q)
+        out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
+        return out.cache, out.logits[:, 0], drafts, qs
+
+      qs0 = jnp.zeros((b, k, v), jnp.float32) if not greedy else jnp.zeros((0,), jnp.float32)
+      cache, logits, drafts, qs = jax.lax.fori_loop(
+          0, k - 1, step, (cache, logits, jnp.zeros((b, k), jnp.int32), qs0))
+      tok, q = draw(logits, keys[k - 1])
+      drafts = drafts.at[:, k - 1].set(tok)
+      draft_probs = None if greedy else qs.at[:, k - 1].set(q)
+      return drafts, draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
     drafts, qs = [], []
     for i in range(k):
-      if greedy:
-        tok, q = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-      else:
-        q = sampling_lib.probs(logits, ctx.sampling)
-        tok = jax.vmap(sampling_lib.sample)(_row_keys(keys[i], b), q)
+      tok, q = draw(logits, keys[i])
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k:
         out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
         cache, logits = out.cache, out.logits[:, 0]
     draft_probs = None if greedy else jnp.stack(qs, 1)
-    return jnp.stack(drafts, 1), draft_probs, cache
+    return jnp.stack(drafts, 1), draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
 
-  def propose_tree(self, params, cache, ctx: DraftContext, spec):
+  def commit(self, params, state: DraftModelState, tokens, n_accepted, verify: VerifyInfo):
+    k = tokens.shape[1] - 1                 # this round's K (static)
+    if k == 0:                              # a plain round: nothing fed, catch up later
+      return state
+    synced = verify.lengths_before + jnp.minimum(n_accepted, k - 1)
+    return state.replace(synced=jnp.minimum(synced, verify.lengths))
+
+  def propose_tree(self, params, state: DraftModelState, ctx: DraftContext, spec):
+    """EAGLE-2's dynamic tree on the draft model (module docstring) -> (DraftTree, state)."""
     b, s = ctx.tokens.shape
     w = spec.depth + 1
     lengths = ctx.lengths
@@ -110,7 +192,7 @@ class DraftModel(Drafter):
     idx = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
     block = jnp.take_along_axis(ctx.tokens, jnp.minimum(idx, s - 1), axis=1)
     root_at = lengths - 1 - start
-    out = forward(params, self.config, block, cache, start)
+    out = forward(params, self.config, block, state.cache, start)
     root_logits = jnp.take_along_axis(out.logits, root_at[:, None, None], axis=1)[:, 0]
     sees_block = jnp.arange(w)[None, None, :] <= root_at[:, None, None]     # [B, 1, w]
 
@@ -126,5 +208,13 @@ class DraftModel(Drafter):
       return out.logits, out.cache
 
     candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
-    return tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
-                                       sampling=ctx.sampling, candidates=candidates)
+    tree, cache = tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
+                                              sampling=ctx.sampling, candidates=candidates)
+    # The block made slots < lengths right; the nodes past them are out of place.
+    return tree, DraftModelState(cache=cache, synced=lengths)
+
+  def commit_tree(self, params, state: DraftModelState, tokens, n_accepted, verify: VerifyInfo):
+    # The accepted path's nodes sit at their list slots, not at their positions: nothing past
+    # lengths_before (= synced after propose_tree) is known valid; the next propose_tree
+    # re-feeds the last D+1 committed tokens.
+    return state

@@ -7,13 +7,17 @@ autoregressively by feeding its own predicted feature back in. They differ only 
   kind     feature f_j the head reads                   input x_j                     logits
   eagle    target hidden after the final norm (what     fc(concat(emb, f)) + fc_b     lm_head(o)
            the LM head reads; EAGLE-1's convention)
-  eagle3   fuse(concat(low, mid, high layer outputs))   fc(concat(emb, f)) + fc_b     lm_head(norm(o))
-           (pre-norm residual streams, target_layers)
+  eagle3   fc(concat(low, mid, high)): three target     residual f, attention over    own lm_head(norm(o))
+           layers' residual streams (target_layers)     concat(enorm(emb), hnorm(f))  (draft vocabulary)
+  eagle3_  concat(low, mid, high) @ fuse                fc(concat(emb, f)) + fc_b     lm_head(norm(o))
+  fused
   mtp      the target's last layer output before the    fc(concat(enorm(emb),         lm_head(norm(o)))
            final norm (DeepSeek-V3 / Qwen3-Next)         hnorm(f)))
 
 where emb is the target's embedding of the NEXT token, o the output of the head's decoder
-layer (the residual stream), norm the head's own RMSNorm, lm_head the target's.
+layer (the residual stream), norm the head's own RMSNorm, lm_head the target's (EAGLE-3 has its
+own, see `spec_jax.drafters.eagle`). A kind changes how one step is computed by overriding
+`_step` (cached drafting), `_pre_attention` (the training unroll) and `_propose_token`.
 
 Positions and the head's KV cache (capacity S = the engine's), one convention for all kinds:
 
@@ -61,7 +65,7 @@ from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
                                          rope_inv_freq)
 
-KINDS = ("eagle", "eagle3", "mtp")
+KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
 
 @flax.struct.dataclass
@@ -166,9 +170,6 @@ class FeatureHead(Drafter):
     """The feature f [..., T, D] (float32) the head reads, from a target forward's outputs."""
     if self.kind == "eagle":
       return hidden.astype(jnp.float32)
-    if self.kind == "eagle3":
-      cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-      return cat @ params["fuse"]
     return layer_hidden[-1].astype(jnp.float32)                        # mtp
 
   def combine(self, params, target_params, tokens, feature):
@@ -205,10 +206,22 @@ class FeatureHead(Drafter):
   def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
             tree_mask=None):
     """One cached head forward over T new pairs: next tokens int32 [B, T] and features
-    [B, T, D] at slots offsets[b] .. offsets[b]+T-1 -> (o [B, T, D], k, v). positions (default
-    the slots) and tree_mask [B, T, T] (default causal) are for draft trees."""
+    [B, T, D] at slots offsets[b] .. offsets[b]+T-1 -> (o [B, T, D], k, v). positions int32
+    [B, T] (default the slots) and tree_mask bool [B, T, W] (default causal; W >= T: over the
+    last W slots, which end with the new ones) are for draft trees. Subclasses that override
+    it (EAGLE3) keep both arguments."""
     x = self.combine(params, target_params, tokens, feature)
     return self._layer(params, x, k, v, offsets, positions, tree_mask)
+
+  def _pre_attention(self, params, target_params, tokens, feature):
+    """(residual [B, T, D], attention input [B, T, D_in]) of the head's layer, for `unroll`."""
+    x = self.combine(params, target_params, tokens, feature)
+    return x, rms_norm(x, params["layer"]["attn_norm"], self.layer_config.rms_norm_eps)
+
+  def _propose_token(self, params, target_params, feature, key, sampling, greedy):
+    """One draft from the head's output `feature` [B, D] -> (tokens int32 [B], q [B, V] or
+    None when drafting deterministically)."""
+    return self._draw(self.logits(params, target_params, feature), key, sampling, greedy)
 
   # ----------------------------------------------------------------------- drafter interface
 
@@ -217,9 +230,9 @@ class FeatureHead(Drafter):
     p = prefill.prompt_tokens.shape[1]
     feats = self.target_feature(params, prefill.hidden, prefill.layer_hidden)      # [B, P, D]
     nxt = jnp.pad(prefill.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]                    # token j+1
-    x = self.combine(params, prefill.target_params, nxt, feats)
     k, v = self._empty_cache(b, s)
-    o, k, v = self._layer(params, x, k, v, jnp.zeros((b,), jnp.int32))
+    o, k, v = self._step(params, prefill.target_params, nxt, feats, k, v,
+                         jnp.zeros((b,), jnp.int32))
     last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     return FeatureHeadState(k=k, v=v, next_feature=last)
 
@@ -234,15 +247,39 @@ class FeatureHead(Drafter):
     k_draft = ctx.num_draft
     keys = jax.random.split(ctx.key, k_draft)
     feature, kc, vc = state.next_feature, state.k, state.v
+    greedy = self.greedy_drafts or ctx.greedy
+    if ctx.rolled and k_draft > 2:          # steps 1..K-2 as a loop: the same drafts
+      b = feature.shape[0]
+      v = self.target_config.vocab_size
+
+      def step(i, carry):
+        feature, kc, vc, drafts, qs = carry
+        tok, q = self._propose_token(params, ctx.target_params, feature, keys[i],
+                                     ctx.sampling, ctx.greedy)
+        drafts = drafts.at[:, i].set(tok)
+        if not greedy:
+          qs = qs.at[:, i].set(q)
+        o, kc, vc = self._step(params, ctx.target_params, tok[:, None], feature[:, None], kc, vc,
+                               ctx.lengths - 1 + i)
+        return o[:, 0], kc, vc, drafts, qs
+
+      qs0 = jnp.zeros((b, k_draft, v), jnp.float32) if not greedy else jnp.zeros((0,))
+      feature, kc, vc, drafts, qs = jax.lax.fori_loop(
+          0, k_draft - 1, step, (feature, kc, vc, jnp.zeros((b, k_draft), jnp.int32), qs0))
+      tok, q = self._propose_token(params, ctx.target_params, feature, keys[k_draft - 1],
+                                   ctx.sampling, ctx.greedy)
+      drafts = drafts.at[:, k_draft - 1].set(tok)
+      probs = None if greedy else qs.at[:, k_draft - 1].set(q)
+      return drafts, probs, state.replace(k=kc, v=vc)
     drafts, qs = [], []
     for i in range(k_draft):
-      tok, q = self._draw(self.logits(params, ctx.target_params, feature), keys[i], ctx.sampling,
-                          ctx.greedy)
+      tok, q = self._propose_token(params, ctx.target_params, feature, keys[i], ctx.sampling,
+                                   ctx.greedy)
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k_draft:
-        x = self.combine(params, ctx.target_params, tok[:, None], feature[:, None])
-        o, kc, vc = self._layer(params, x, kc, vc, ctx.lengths - 2 + i + 1)
+        o, kc, vc = self._step(params, ctx.target_params, tok[:, None], feature[:, None], kc, vc,
+                               ctx.lengths - 2 + i + 1)
         feature = o[:, 0]
     probs = None if (self.greedy_drafts or ctx.greedy) else jnp.stack(qs, 1)
     # The speculative slots are rewritten by commit; keep the cache buffers, not the feature.
@@ -253,8 +290,8 @@ class FeatureHead(Drafter):
       raise ValueError(f"{self.kind} heads need VerifyInfo.target_params (the target's "
                        "embedding) in commit")
     feats = self.target_feature(params, verify.hidden, verify.layer_hidden)       # [B, K+1, D]
-    x = self.combine(params, verify.target_params, jnp.maximum(tokens, 0), feats)
-    o, k, v = self._layer(params, x, state.k, state.v, verify.lengths_before - 1)
+    o, k, v = self._step(params, verify.target_params, jnp.maximum(tokens, 0), feats, state.k,
+                         state.v, verify.lengths_before - 1)
     last = jnp.take_along_axis(o, n_accepted[:, None, None], axis=1)[:, 0]
     return FeatureHeadState(k=k, v=v, next_feature=last)
 
@@ -323,8 +360,7 @@ class FeatureHead(Drafter):
     for s in range(1, steps + 1):
       if s > 1:
         feature = _shift_right(outs[-1], 1)
-      x = self.combine(params, target_params, nxt, feature)
-      h = rms_norm(x, lp["attn_norm"], eps)
+      x, h = self._pre_attention(params, target_params, nxt, feature)
       q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
       if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]

@@ -8,8 +8,10 @@ A saved head is a folder:
     params/        the head's params (an orbax StandardCheckpointer checkpoint)
 
 `load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
-that says what differs (the config, and which fields, or the weights). `load` on a Hugging Face
-folder whose checkpoint carries MTP weights returns that native MTP head.
+that says what differs (the config, and which fields, or the weights). `load` on a public
+EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
+(`spec_jax.drafters.eagle3_format`); on a Hugging Face folder whose checkpoint carries MTP
+weights, that native MTP head.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ _IGNORED_FIELDS = ("attention_impl",)
 
 
 def _kinds():
-  from spec_jax.drafters.eagle import EAGLE, EAGLE3
+  from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
   from spec_jax.drafters.medusa import Medusa
   from spec_jax.drafters.mtp import MTP
-  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}
+  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused,
+          "mtp": MTP}
 
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "mtp")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp")
 
 
 def config_fields(config) -> dict:
@@ -91,8 +94,17 @@ def _write_json_atomic(path: pathlib.Path, obj) -> None:
   os.replace(tmp, path)
 
 
+def _this_process_only(ocp):
+  """Heads are small host copies: each process reads them on its own, and process 0 alone
+  writes them (train.distill_heads), with no barrier with the other processes of a
+  multi-process run (which orbax would otherwise wait for)."""
+  import jax
+  me = jax.process_index()
+  return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+
+
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
-  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / MTP) trained for `target` into folder `path`."""
+  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / EAGLE3Fused / MTP) trained for `target` into folder `path`."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -100,7 +112,7 @@ def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) ->
   tmp_dir = path / (PARAMS + f".tmp{os.getpid()}")
   if tmp_dir.exists():
     shutil.rmtree(tmp_dir)
-  with ocp.StandardCheckpointer() as ckpt:
+  with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     ckpt.save(tmp_dir, jax.tree.map(np.asarray, drafter.params))
     ckpt.wait_until_finished()
   if params_dir.exists():
@@ -120,6 +132,8 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   if kind not in kinds:
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
   hp = dict(hyper_params)
+  if kind == "eagle3":     # rebuilt from every saved shape option (EAGLE3.init checks them)
+    return kinds[kind].init(target, key=key, **hp, **options)
   if kind == "medusa":
     return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")),
                             num_layers=int(hp.pop("num_layers", 1)), key=key, **options)
@@ -128,7 +142,7 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   hp.pop("qk_norm", None)
   kv = hp.pop("num_kv_heads", None)
   layers = hp.pop("target_layers", None)
-  if kind == "eagle3":
+  if kind == "eagle3_fused":
     hp["target_layers"] = layers
   drafter = kinds[kind].init(target, key=key, **hp, **options)
   if kv is not None and drafter.layer_config.num_kv_heads != kv:
@@ -141,7 +155,9 @@ def load(path, target, greedy_drafts: bool = False):
   """The drafter saved at `path` by train.distill_heads, for `target` (a Model).
 
   `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
-  `heads/`; or a Hugging Face folder whose checkpoint carries MTP weights (its native head).
+  `heads/`; or a public EAGLE-3 folder (config.json with architectures
+  ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a Hugging Face folder
+  whose checkpoint carries MTP weights (its native head).
   Raises ValueError when `target` differs from the model the heads were trained on.
   """
   import orbax.checkpoint as ocp
@@ -150,9 +166,13 @@ def load(path, target, greedy_drafts: bool = False):
     path = path / "heads"
   if not (path / META).is_file():
     if (path / "config.json").is_file():
+      from spec_jax.drafters import eagle3_format
+      if eagle3_format.is_eagle3_folder(path):
+        return eagle3_format.load_eagle3(path, target, greedy_drafts=greedy_drafts)
       return _load_native_mtp(path, target, greedy_drafts)
     raise ValueError(f"{path}: no {META} (not a folder saved by train.distill_heads) and no "
-                     "config.json (not a Hugging Face folder with MTP weights)")
+                     "config.json (not a public EAGLE-3 folder nor a Hugging Face folder with "
+                     "MTP weights)")
   try:
     meta = json.loads((path / META).read_text())
   except (OSError, json.JSONDecodeError) as e:
@@ -160,10 +180,15 @@ def load(path, target, greedy_drafts: bool = False):
   if meta.get("format") != FORMAT:
     raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
   check_fingerprint(meta["target"], target, what=f"the {meta['kind']} heads at {path}")
-  skeleton = build(meta["kind"], target, meta["hyper_params"])
+  kind = meta["kind"]
+  if kind == "eagle3" and "draft_tokens" not in meta["hyper_params"]:
+    # Saved before the public EAGLE-3 architecture took the name "eagle3" (every EAGLE3 since
+    # writes draft_tokens): those heads are today's eagle3_fused.
+    kind = "eagle3_fused"
+  skeleton = build(kind, target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
-  with ocp.StandardCheckpointer() as ckpt:
+  with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     params = ckpt.restore(path / PARAMS, abstract)
   params = jax.tree.map(jax.numpy.asarray, params)
   drafter = skeleton.with_params(params, greedy_drafts=greedy_drafts)

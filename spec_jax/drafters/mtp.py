@@ -14,7 +14,11 @@ A checkpoint that carries MTP weights wakes its dormant head with one call:
     drafter = sj.drafters.MTP.from_model(target)     # mtp_num_hidden_layers > 0
 
 Layouts read (HF [out, in] weights are transposed; the block uses the target's attention
-flags, e.g. q/k norms for qwen3; norms are plain RMSNorm with the stored weight):
+flags, e.g. q/k norms for qwen3). DeepSeek's norms are plain RMSNorm with the stored weight w;
+Qwen3-Next's are zero-centred, x / rms(x) * (1 + w) (vLLM: GemmaRMSNorm as Qwen3NextRMSNorm),
+so every norm weight of the `mtp.*` layout (the four below and the block's input, post-attention
+and q/k norms) is read as 1 + w. Only dense blocks are read: Qwen3-Next's gated attention and
+MoE MLP have other shapes and are refused.
 
   Qwen3-Next                         DeepSeek-V3 (N = num_hidden_layers)    ours
   mtp.fc.weight                      model.layers.N.eh_proj.weight          fc [2D, D]
@@ -78,12 +82,14 @@ class MTP(FeatureHead):
 
 
 _LAYER_SUFFIX = hf._LAYER_NAMES  # one HF -> ours name table, shared with the loader
+_NORM_LEAVES = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 
 
 def params_from_hf(raw: dict, target_config: ModelConfig, layer_config: ModelConfig) -> dict:
   """Raw MTP tensors {HF name: array} (either layout above) -> our MTP params (float32)."""
   n = target_config.num_layers
-  if any(name.startswith("mtp.") for name in raw):
+  zero_centred = any(name.startswith("mtp.") for name in raw)   # Qwen3-Next: norm = 1 + w
+  if zero_centred:
     top = {"fc": "mtp.fc.weight", "enorm": "mtp.pre_fc_norm_embedding.weight",
            "hnorm": "mtp.pre_fc_norm_hidden.weight", "out_norm": "mtp.norm.weight"}
     layer_re = re.compile(r"^mtp\.layers\.0\.(.+)$")
@@ -106,6 +112,8 @@ def params_from_hf(raw: dict, target_config: ModelConfig, layer_config: ModelCon
     if value.shape != want_top[leaf]:
       raise ValueError(f"MTP tensor {name} has shape {np.asarray(raw[name]).shape}; the target "
                        f"(hidden size {d}) needs {tuple(reversed(want_top[leaf])) if leaf == 'fc' else want_top[leaf]}")
+    if zero_centred and leaf != "fc":
+      value = 1.0 + value
     params[leaf] = jnp.asarray(value)
   prefix = next(iter(top.values())).rsplit(".", 2)[0]
   for name, value in raw.items():
@@ -120,6 +128,8 @@ def params_from_hf(raw: dict, target_config: ModelConfig, layer_config: ModelCon
     if value.shape != tuple(expected[leaf].shape):
       raise ValueError(f"MTP tensor {name} has shape {value.shape} (after transposing HF's "
                        f"[out, in]); expected {tuple(expected[leaf].shape)}")
+    if zero_centred and leaf in _NORM_LEAVES:
+      value = 1.0 + value
     params["layer"][leaf] = jnp.asarray(value)
   for leaf in expected:
     if leaf not in params["layer"]:

@@ -49,6 +49,19 @@ HEAD_RULES = {
         "layer": LAYER_AXES,
     },
     "eagle3": {
+        "fc": _CONCAT_IN,                          # concat(low, mid, high) -> D
+        "embed_norm": NORM,                        # the midlayer's input_layernorm
+        "hidden_norm": NORM,
+        "layer": {**{k: LAYER_AXES[k] for k in ("wo", "mlp_norm", "w_gate", "w_up", "w_down")},
+                  # q/k/v read concat(normed embedding, normed feature): two residual blocks
+                  "wq": Rule(("res_blocks", "q"), "q"),
+                  "wk": Rule(("res_blocks", "kv")),
+                  "wv": Rule(("res_blocks", "kv"))},
+        "norm": NORM,
+        "lm_head": Rule(("res", None)),            # [D, V_draft], its own
+        "embed": Rule((None, "res")),              # a loaded checkpoint's own embedding
+    },
+    "eagle3_fused": {
         "fuse": _CONCAT_IN,                        # concat(low, mid, high) -> D
         "fc": _CONCAT_IN,
         "fc_b": _RES,
@@ -79,6 +92,8 @@ def _wide_hyper_params(drafter, source, widened) -> dict:
       else layer_config.intermediate_size
   for name in ("num_kv_heads", "head_dim"):   # derived by head_layer_config when rebuilt
     hp.pop(name, None)
+  if hp.get("rms_norm_eps") is not None:       # a head's own eps scales like the target's
+    hp["rms_norm_eps"] = hp["rms_norm_eps"] * src.hidden_size / new.hidden_size
   return hp
 
 

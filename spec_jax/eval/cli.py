@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="pad prompts to a multiple of N tokens: one compile per padded length "
                  "(default 64; the engine's own is 16)")
   p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
+  p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                 help="run every batch sharded over all devices of all processes; needed "
+                 "under spec_jax.launch or on a pod (only process 0 writes DIR)")
   return p
 
 
@@ -48,7 +51,7 @@ def options_from(args) -> EvalOptions:
                      temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      limit_per_category=args.limit_per_category, strict=args.strict,
                      repeats=args.repeats, seed=args.seed, prompt_bucket=args.prompt_bucket,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, mesh=args.mesh)
 
 
 def summary_text(res: dict) -> str:
@@ -79,10 +82,12 @@ def summary_text(res: dict) -> str:
 def main(argv=None) -> int:
   """0 on success; 2 with an `error:` line for bad options or inputs; 1 when greedy outputs
   of a drafter differ from plain decoding's."""
+  from spec_jax import distributed
   from spec_jax.eval.evaluate import evaluate
   from spec_jax.eval.runner import LossyOutputError
   args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
   try:
+    distributed.initialize()          # a multi-process run (spec_jax.launch, a pod) or nothing
     res = evaluate(options_from(args))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -90,5 +95,6 @@ def main(argv=None) -> int:
   except LossyOutputError as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
-  print(summary_text(res))
+  if distributed.is_main():
+    print(summary_text(res))
   return 0

@@ -1,5 +1,10 @@
 """evaluate(options): the whole evaluation, turn by turn, batch size by batch size, unit by
-unit, resumable from its directory; then results.json, report.md and the plots."""
+unit, resumable from its directory; then results.json, report.md and the plots.
+
+Several processes (spec_jax.launch, a pod; options.mesh is then required) run the same
+evaluation: every process makes the same generate() calls, each feeding its share of every
+batch, and gets every row back; only process 0 reads and writes DIR, and what it reads (a
+stored unit, the manifest check) is sent to the others (spec_jax.distributed.on_main)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import datetime
 import os
 import time
 
+from spec_jax import distributed, sharding
 from spec_jax.bench.prompts import read_prompt_records, source_path
 from spec_jax.bench.results import (SCHEMA_VERSION, atomic_write_json, atomic_write_text, log,
                                     machine_info)
@@ -48,7 +54,7 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
           "prompt_format": fmt}
 
 
-def _warn_skipped(skipped, turn: int, strict: bool) -> None:
+def _warn_skipped(skipped, turn: int, strict: bool, main: bool = True) -> None:
   if not skipped:
     return
   ids = ", ".join(s["id"] for s in skipped[:20]) + (" ..." if len(skipped) > 20 else "")
@@ -56,19 +62,22 @@ def _warn_skipped(skipped, turn: int, strict: bool) -> None:
          f"tokens) and are skipped: {ids}")
   if strict:
     raise ValueError(f"--strict: {msg}")
-  log(f"[eval] warning: {msg}")
+  if main:
+    log(f"[eval] warning: {msg}")
 
 
 def _measure_turn(run_dir, runner, requests, batches, turn, progress, counters) -> list:
   units = []
   for b in batches:
     for unit in plan_units(requests, b, turn):
-      stored = run_dir.load_unit(unit.key, prompt_hash(unit.prompts()),
-                                 [c.key for c in runner.configs])
+      phash = prompt_hash(unit.prompts())
+      stored = distributed.on_main(lambda: run_dir.load_unit(
+          unit.key, phash, [c.key for c in runner.configs]))
       reused = stored is not None
       if not reused:
         stored = runner.measure(unit)
-        run_dir.save_unit(unit.key, stored)
+        if distributed.is_main():
+          run_dir.save_unit(unit.key, stored)
       counters["reused" if reused else "measured"] += 1
       progress.advance(reused=reused)
       units.append(stored)
@@ -92,6 +101,12 @@ def evaluate(opts: EvalOptions) -> dict:
   runner.LossyOutputError when greedy outputs differ."""
   opts = opts.validate()
   started = time.time()
+  distributed.agree(dataclasses.asdict(opts), "the evaluation's options")
+  if distributed.process_count() > 1 and opts.mesh is None:
+    raise ValueError(f"this evaluation runs on {distributed.process_count()} processes: give "
+                     "--mesh data=N,model=M over all their devices")
+  mesh = sharding.parse_mesh(opts.mesh)
+  main = distributed.is_main()
   target = load_model(opts.target, opts.seed)
   if target.tokenizer is None:
     raise ValueError(f"{opts.target} has no tokenizer: the evaluation reads text prompts")
@@ -102,22 +117,23 @@ def evaluate(opts: EvalOptions) -> dict:
   records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category)
   fmt = prompt_format(target)
   run_dir = RunDir(opts.out)
-  run_dir.open(fingerprint(opts, fmt))
+  distributed.on_main(lambda: run_dir.open(fingerprint(opts, fmt)))
   info = machine_info()
+  info["processes"] = distributed.process_count()
   runner = None
-  progress = Progress(enabled=opts.progress)
+  progress = Progress(enabled=opts.progress, silent=not main)
   units, skipped, answers = [], [], {}
   counters = {"measured": 0, "reused": 0}
   try:
     for turn in range(1, max(len(r.turns) for r in records) + 1):
       requests, sk = build_requests(target, records, turn, answers, context, opts.max_new_tokens)
       skipped += sk
-      _warn_skipped(sk, turn, opts.strict)
+      _warn_skipped(sk, turn, opts.strict, main)
       if not requests:
         continue
       progress.add_total(sum(-(-len(requests) // b) for b in opts.batch))
       runner = runner or UnitRunner(target, configs, opts.max_new_tokens, opts.temperature,
-                                    opts.seed, opts.repeats, opts.prompt_bucket, progress)
+                                    opts.seed, opts.repeats, opts.prompt_bucket, progress, mesh)
       turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters)
       units += turn_units
       answers.update(_answers_from(turn_units, turn))
@@ -128,9 +144,10 @@ def evaluate(opts: EvalOptions) -> dict:
                      f"with {opts.max_new_tokens} new tokens; lower --max-new-tokens")
   res = results_of(opts, target, configs, records, units, skipped, fmt, info, counters)
   res["wall_seconds"] = time.time() - started
-  res["plots"] = write_plots(res, run_dir.path)
-  atomic_write_json(run_dir.path / "results.json", res)
-  atomic_write_text(run_dir.path / "report.md", render_markdown(res))
+  res["plots"] = write_plots(res, run_dir.path) if main else []
+  if main:
+    atomic_write_json(run_dir.path / "results.json", res)
+    atomic_write_text(run_dir.path / "report.md", render_markdown(res))
   return res
 
 

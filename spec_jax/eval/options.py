@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 from spec_jax.bench.prompts import PROMPT_SETS, source_path
 from spec_jax.bench.specs import check_drafter_spec
+from spec_jax.sharding import parse_mesh_spec
 
 
 def auto_supported() -> bool:
@@ -37,7 +38,10 @@ class EvalOptions:
   first N questions of every category (None = all); strict: prompts that do not fit the
   context are an error instead of being skipped (turn t > 1 prompts are known only once turn
   t - 1 has run; what ran is kept in DIR); repeats: timed rounds per batch;
-  prompt_bucket: prompts are padded to a multiple of this many tokens (fewer compiles)."""
+  prompt_bucket: prompts are padded to a multiple of this many tokens (fewer compiles);
+  mesh: None or 'data=N,model=M' (spec_jax.sharding.parse_mesh): every generate() call on that
+  mesh; needed when several processes run the evaluation (spec_jax.launch, a pod), and then
+  every batch size must divide over N."""
   target: str
   drafters: tuple
   out: str
@@ -52,6 +56,7 @@ class EvalOptions:
   seed: int = 0
   prompt_bucket: int = 64
   progress: bool = True
+  mesh: Optional[str] = None
 
   def validate(self) -> "EvalOptions":
     """The options with batch sorted and num_draft parsed; ValueError saying what is wrong
@@ -87,6 +92,13 @@ class EvalOptions:
       raise ValueError(f"--prompt-bucket must be >= 1, got {self.prompt_bucket}")
     if not self.out:
       raise ValueError("--out DIR is required")
+    if self.mesh is not None:
+      data = parse_mesh_spec(self.mesh)["data"]
+      bad = [b for b in batch if b % data]
+      if bad:
+        raise ValueError(f"--batch {' '.join(map(str, bad))} does not divide over --mesh "
+                         f"{self.mesh}'s data axis of {data}: give batch sizes that are "
+                         f"multiples of {data}")
     source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
     return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft)
 

@@ -8,11 +8,13 @@ from spec_jax.bench.results import log
 
 class Progress:
   """total: batches to do. describe(text) shows what runs now (turn, category, drafter, batch);
-  advance(reused) moves on by one batch."""
+  advance(reused) moves on by one batch. silent: show nothing at all (the processes other than
+  process 0 of a multi-process run)."""
 
-  def __init__(self, total: int = 0, enabled: bool = True):
+  def __init__(self, total: int = 0, enabled: bool = True, silent: bool = False):
     self.done, self.total, self._bar = 0, 0, None
-    self._tqdm = None
+    self._tqdm, self.silent = None, silent
+    enabled = enabled and not silent
     if enabled:
       try:
         from tqdm.auto import tqdm
@@ -33,7 +35,7 @@ class Progress:
   def describe(self, text: str) -> None:
     if self._bar is not None:
       self._bar.set_description_str(text, refresh=True)
-    else:
+    elif not self.silent:
       log(f"[eval] {self.done + 1}/{self.total} {text}")
 
   def advance(self, reused: bool = False) -> None:

@@ -69,18 +69,33 @@ def _round_up(x: int, m: int) -> int:
 
 
 def generate_call(target, prompts, config: Config, max_new_tokens: int, temperature: float,
-                  key, capacity, prompt_bucket: int):
+                  key, capacity, prompt_bucket: int, mesh=None):
   """The one generate() call of the harness (stop at the model's end-of-text tokens).
 
   Prompts are padded to multiples of `prompt_bucket` (one compile per padded length; the
   padding is masked, so outputs do not change, and the prefill pays for it in plain and
   speculative decoding alike): hundreds of prompts of every length would otherwise mean
-  dozens of compiles."""
+  dozens of compiles. With a mesh over several processes, each process feeds its share of
+  `prompts` (spec_jax.distributed.share); every_row() gives every row back."""
   import spec_jax as sj
+  from spec_jax import distributed, sharding
+  if sharding.spans_processes(mesh):
+    prompts = distributed.share(prompts)
   return sj.generate(target, prompts, drafter=config.drafter,
                      num_draft=config.num_draft if config.drafter is not None else 1,
                      max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature),
-                     key=key, stop_tokens=None, capacity=capacity, prompt_bucket=prompt_bucket)
+                     key=key, stop_tokens=None, capacity=capacity, prompt_bucket=prompt_bucket,
+                     mesh=mesh)
+
+
+def every_row(out, tokenizer=None):
+  """(tokens, text) of every row of a generate() output: its own on one process, every
+  process's (from out.result, in prompt order) when the call spanned several."""
+  if out.stats.processes == 1:
+    return out.tokens, out.text
+  import spec_jax as sj
+  tokens = sj.new_tokens(out.result)
+  return tokens, (None if tokenizer is None else [tokenizer.decode(t) for t in tokens])
 
 
 def check_greedy(unit: Unit, configs, outputs: dict) -> None:
@@ -109,8 +124,8 @@ class UnitRunner:
   new shape gets one untimed run first, so first-run effects stay out of the timings)."""
 
   def __init__(self, target, configs, max_new_tokens: int, temperature: float, seed: int,
-               repeats: int, prompt_bucket: int = 64, progress=None):
-    self.target, self.configs = target, list(configs)
+               repeats: int, prompt_bucket: int = 64, progress=None, mesh=None):
+    self.target, self.configs, self.mesh = target, list(configs), mesh
     self.max_new, self.temperature, self.seed = max_new_tokens, temperature, seed
     self.repeats, self.bucket, self.progress = repeats, prompt_bucket, progress
     self._warm: set = set()
@@ -138,7 +153,7 @@ class UnitRunner:
         if self.progress is not None:
           self.progress.describe(f"{unit.describe()} | {c.label}")
         call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap,
-                                       self.bucket)
+                                       self.bucket, self.mesh)
         sig = (c.key, len(prompts), self._padded_length(prompts), cap)
         if sig not in self._warm:           # compile (excluded anyway) and a first run
           call(self.max_new)
@@ -154,7 +169,8 @@ class UnitRunner:
     prompts = unit.prompts()
     results = interleaved_rounds(self._runs(unit, prompts), self.repeats)
     n = len(unit.requests)
-    outputs = {k: res[0][0].tokens for k, res in results.items()}
+    rows = {k: every_row(res[0][0], self.target.tokenizer) for k, res in results.items()}
+    outputs = {k: tokens for k, (tokens, _) in rows.items()}
     if self.temperature == 0:
       check_greedy(unit, self.configs, outputs)
     configs = {}
@@ -169,13 +185,14 @@ class UnitRunner:
           "seconds_median": statistics.median(o.stats.seconds for o, _ in res),
           "ttft_median_s": statistics.median(t for _, t in res),
           "iterations": first.stats.iterations,
-          "new_tokens": [len(t) for t in first.tokens[:n]],
+          "k_histogram": {str(k): n for k, n in (first.stats.k_histogram or {}).items()},
+          "new_tokens": [len(t) for t in outputs[c.key][:n]],
           **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "accepted_at")}}
-    plain = results[PLAIN][0][0]
+    plain_tokens, plain_text = rows[PLAIN]
     return {"key": unit.key, "turn": unit.turn, "batch": unit.batch, "index": unit.index,
             "filler": unit.filler, "prompt_hash": prompt_hash(prompts),
             "requests": [{"id": r.id, "category": r.category, "turn": r.turn,
                           "prompt_tokens": len(r.ids)} for r in unit.requests],
             "configs": configs,
-            "answers": {"tokens": plain.tokens[:n],
-                        "text": plain.text[:n] if plain.text is not None else None}}
+            "answers": {"tokens": plain_tokens[:n],
+                        "text": plain_text[:n] if plain_text is not None else None}}

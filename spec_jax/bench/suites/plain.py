@@ -24,7 +24,7 @@ def hf_model_from(model, spec: str):
   import numpy as np
   import torch
   import transformers
-  path = None if spec.startswith("random:") else resolve_path(spec)
+  path = None if spec.startswith(("random:", "widened:")) else resolve_path(spec)
   if path is not None and path.is_dir() and (path / "config.json").is_file():
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32).eval()

@@ -5,6 +5,10 @@ analytic bound and the efficiency (see spec_jax.bench.definitions.SPEC_DEFINITIO
 
 A cell is (target, batch, temperature): its configurations run round-robin, plain decoding at
 the start and the end of every round; the cost ratios of a batch are timed once, round-robin.
+With 'auto' among the K values the governor (num_draft="auto") is one more configuration per
+drafter, beside plain and every fixed K: its row carries the K histogram, the cost table it
+used (calibrated during its warm-up call, outside the timing) and its share of the best fixed
+K's speedup in the same cell.
 """
 
 from __future__ import annotations
@@ -73,6 +77,41 @@ def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> 
                         "propose_s": prop["per_iter_s"],
                         "c_propose": ratio_of(prop, t1, t.depth)}
   return t1, tv, td
+
+
+def governor_row(meta: dict, dspec: str, stats: list, tokens_per_s: list, base: dict,
+                 t1: dict, table=None, kmax: int = 0) -> dict:
+  """The governor's row (K = 'auto'): the fields of spec_row that apply, plus k_histogram
+  ({K: loop iterations}, from the last repeat), rounds_by_k_share and the cost table."""
+  import numpy as np
+  tps = summarize(tokens_per_s)
+  last = stats[-1]
+  hist = {int(k): int(n) for k, n in sorted((last.k_histogram or {}).items())}
+  total = sum(hist.values())
+  lb, max_new = meta["prompt_tokens_longest"], meta["max_new_tokens"]
+  return {
+      "target": meta["target"], "target_spec": meta["target_spec"],
+      "target_params": meta["target_params"],
+      "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": "auto",
+      "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
+      "new_tokens_per_run": meta["batch"] * max_new, "prompt_tokens_longest": lb,
+      "capacity": engine_capacity(lb, max_new, kmax),
+      "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
+      "speedup": tps["median"] / base["median"],
+      "alpha": float(np.mean([s.acceptance_rate for s in stats])),
+      "alpha_token": None,
+      "tau": float(np.mean([s.mean_accepted_length for s in stats])),
+      "alpha_per_repeat": [s.acceptance_rate for s in stats],
+      "accepted_at": list(last.accepted_at), "rounds": last.rounds,
+      "iterations": last.iterations,
+      "k_histogram": hist,
+      "k_share": {k: n / total for k, n in hist.items()} if total else {},
+      "c_draft": None, "c_verify": None, "bound": None, "efficiency": None,
+      "t_target_1_ms": 1e3 * t1["per_iter_s"], "t_verify_ms": None, "t_draft_round_ms": None,
+      "governor_costs": table.as_dict() if table is not None else None,
+      "cost_fill": meta["cost_fill"], "cost_capacity": meta["cost_capacity"],
+      "noise_pct": base["spread_pct"],
+  }
 
 
 def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, base: dict,
@@ -144,8 +183,8 @@ def _tree_text(tree) -> str:
 
 
 def config_label(k) -> str:
-  """'K=4' for a chain, 'tree=D,k,N' for a TreeSpec."""
-  return f"K={k}" if isinstance(k, int) else f"tree={_tree_text(k)}"
+  """'K=4' for a chain ('K=auto' for the governor), 'tree=D,k,N' for a TreeSpec."""
+  return f"K={k}" if isinstance(k, (int, str)) else f"tree={_tree_text(k)}"
 
 
 def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, cost_capacity: int,
@@ -155,8 +194,16 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   prompts = setup.ids[:batch]
   cell = f"{setup.label} B={batch} T={temp:g}"
   log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
-  runs = {}
+  runs, tables = {}, {}
   for dspec, k in configs:
+    if k == "auto":
+      tables[dspec] = governor_table(setup, dspec, batch, temp, prompts)
+      table = tables[dspec][0]
+      if table is not None:
+        rel = ", ".join(f"{kk}: {v:.2f}" for kk, v in table.relative().items())
+        log(f"[bench]   governor cost table for {drafter_label(dspec)} "
+            f"({'from cache' if table.from_cache else 'measured'} in "
+            f"{table.measure_seconds:.1f} s): t(K)/t(0) = {{{rel}}}")
     t0 = time.perf_counter()
     run_generate(setup.model, prompts, setup.drafters.get(dspec), k, setup.max_new, temp,
                  opts.seed)
@@ -181,11 +228,50 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
           "max_new_tokens": setup.max_new,
           "prompt_tokens_longest": max(len(r) for r in prompts),
           "cost_fill": setup.fill, "cost_capacity": cost_capacity}
-  rows = [spec_row(meta, dspec, k, results[(dspec, k)],
-                   [s.tokens_per_second for s in results[(dspec, k)]], base, t1,
-                   tv.get(k) if k != 0 else None, td[dspec][k] if k != 0 else None)
-          for dspec, k in configs]
+  rows = []
+  for dspec, k in configs:
+    stats = results[(dspec, k)]
+    tps = [s.tokens_per_second for s in stats]
+    if k == "auto":
+      table, kmax = tables[dspec]
+      rows.append(governor_row(meta, dspec, stats, tps, base, t1, table, kmax))
+    else:
+      rows.append(spec_row(meta, dspec, k, stats, tps, base, t1, tv.get(k) if k else None,
+                           td[dspec][k] if k else None))
+  add_governor_shares(rows)
   return baseline, rows
+
+
+def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
+  """The cost table generate(num_draft='auto') used in this cell (this process's memory or
+  the disk cache: no measuring) and the largest candidate K -> (CostTable or None, K max)."""
+  from spec_jax import governor as governor_lib
+  drafter = setup.drafters.get(dspec)
+  gov = governor_lib.Governor()
+  kmax = max(gov.candidates(drafter))
+  capacity = engine_capacity(max(len(r) for r in prompts), setup.max_new, kmax)
+  try:
+    table = governor_lib.calibrate(setup.model, drafter, batch, capacity=capacity,
+                                   greedy=temp == 0, governor=gov)
+  except ValueError:
+    table = None
+  return table, kmax
+
+
+def add_governor_shares(rows: list) -> None:
+  """Each governor row of a cell gets best_fixed_K, best_fixed_speedup and share_of_best_fixed
+  (its speedup / the best fixed K's speedup of the same drafter in the same cell)."""
+  for r in rows:
+    if r["K"] != "auto":
+      continue
+    fixed = [x for x in rows if x["drafter_spec"] == r["drafter_spec"] and
+             isinstance(x["K"], int) and x["K"] > 0 and not x.get("tree")]
+    if not fixed:
+      r.update(best_fixed_K=None, best_fixed_speedup=None, share_of_best_fixed=None)
+      continue
+    best = max(fixed, key=lambda x: x["speedup"])
+    r.update(best_fixed_K=best["K"], best_fixed_speedup=best["speedup"],
+             share_of_best_fixed=r["speedup"] / best["speedup"])
 
 
 def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
@@ -203,7 +289,8 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
 
   def partial():
     return {"suite": "spec", "rows": rows, "baselines": baselines,
-            "verdicts": make_verdicts(rows, baselines), "notes": notes,
+            "verdicts": make_verdicts(rows, baselines),
+            "governor": governor_verdicts(rows), "notes": notes,
             "definitions": SPEC_DEFINITIONS}
 
   for target_spec, drafter_specs in grid.by_target.items():
@@ -219,6 +306,8 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         [max(grid.ks)] + [t.cache_extent for t in grid.trees]))
     configs = [("none", 0)] + [(d, k) for d in drafter_specs for k in grid.ks]
     configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees]
+    if grid.auto:
+      configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:
       if all((label, batch, t) in done for t in grid.temps):
         continue
@@ -245,7 +334,7 @@ def make_verdicts(rows, baselines) -> list:
   noise = {(b["target"], b["batch"], b["temperature"]): b["noise_pct"] for b in baselines}
   groups: dict = {}
   for r in rows:
-    if r["K"] == 0:
+    if r["K"] == 0 or r["K"] == "auto":
       continue
     groups.setdefault((r["target"], r["drafter"], r["temperature"]), {}).setdefault(
         r["batch"], []).append(r)
@@ -266,4 +355,30 @@ def make_verdicts(rows, baselines) -> list:
                 "beats_plain_at_batches": [p["batch"] for p in parts if p["beats_plain"]],
                 "clearly_beats_plain_at_batches": [p["batch"] for p in parts
                                                    if p["beats_plain"] and p["clear"]]})
+  return out
+
+
+GOVERNOR_GOALS = {"vs_plain_at_batch_16_plus": 0.97, "share_of_best_fixed_at_batch_1": 0.95}
+
+
+def governor_verdicts(rows) -> list:
+  """Per governor row: its speedup over plain, its share of the best fixed K, its K histogram
+  and whether it meets issue 9's goals (>= 0.97x plain at B >= 16; >= 0.95x the best fixed K
+  at B = 1; a mixed batch: >= 0.97x plain and >= the best fixed K)."""
+  out = []
+  for r in rows:
+    if r["K"] != "auto":
+      continue
+    goals = {}
+    if r["batch"] >= 16:
+      goals["vs_plain>=0.97"] = r["speedup"] >= GOVERNOR_GOALS["vs_plain_at_batch_16_plus"]
+    if r["batch"] == 1 and r.get("share_of_best_fixed") is not None:
+      goals["share_of_best_fixed>=0.95"] = (r["share_of_best_fixed"] >=
+                                            GOVERNOR_GOALS["share_of_best_fixed_at_batch_1"])
+    out.append({"target": r["target"], "drafter": r["drafter"], "temperature": r["temperature"],
+                "batch": r["batch"], "speedup": r["speedup"],
+                "best_fixed_K": r.get("best_fixed_K"),
+                "best_fixed_speedup": r.get("best_fixed_speedup"),
+                "share_of_best_fixed": r.get("share_of_best_fixed"),
+                "k_histogram": r["k_histogram"], "goals": goals, "noise_pct": r["noise_pct"]})
   return out

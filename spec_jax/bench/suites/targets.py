@@ -13,27 +13,30 @@ from spec_jax.bench.specs import draft_model_of, load_model, make_drafter, model
 @dataclasses.dataclass(frozen=True)
 class Grid:
   """by_target: target spec -> [drafter specs] (order of --pairs); ks, batches: sorted unique
-  ints; temps: floats in the given order; trees: sj.TreeSpec per --tree (order given)."""
+  ints; temps: floats in the given order; trees: sj.TreeSpec per --tree (order given); auto:
+  'auto' was among the K values (the governor runs as one more configuration per drafter)."""
   by_target: dict
   ks: list
   batches: list
   temps: list
   trees: list = dataclasses.field(default_factory=list)
+  auto: bool = False
 
 
 def grid_of(opts) -> Grid:
   """--pairs, --num-draft, --batch, --temperatures -> Grid (ValueError for K < 1)."""
-  ks = sorted(set(int(k) for k in opts.num_draft))
+  auto = any(k == "auto" for k in opts.num_draft)
+  ks = sorted(set(int(k) for k in opts.num_draft if k != "auto"))
   if any(k < 1 for k in ks):
-    raise ValueError(f"--num-draft values must be >= 1 (K=0, plain decoding, is always run), "
-                     f"got {ks}")
+    raise ValueError(f"--num-draft values must be >= 1 or 'auto' (K=0, plain decoding, is "
+                     f"always run), got {ks}")
   by_target: dict = {}
   for t, d in parse_pairs(opts.pairs):
     by_target.setdefault(t, []).append(d)
   from spec_jax.tree import parse_tree_spec
   trees = list(dict.fromkeys(parse_tree_spec(t) for t in (getattr(opts, "tree", None) or [])))
   return Grid(by_target=by_target, ks=ks, batches=sorted(set(int(b) for b in opts.batch)),
-              temps=[float(t) for t in opts.temperatures], trees=trees)
+              temps=[float(t) for t in opts.temperatures], trees=trees, auto=auto)
 
 
 @dataclasses.dataclass
@@ -63,7 +66,7 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) ->
   drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
   for dspec, dr in drafters.items():
     cap = getattr(dr, "max_draft", None)
-    if cap is not None and max(ks) > cap:
+    if cap is not None and ks and max(ks) > cap:
       raise ValueError(f"drafter {dspec} proposes at most {cap} tokens per round; drop the "
                        f"K values above {cap} from --num-draft (got {ks})")
   ids, _ = prompt_token_lists(target, opts.prompts, n_prompts, opts.prompt_words,
@@ -85,8 +88,9 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) ->
 
 
 def run_generate(target, prompts, drafter, k, max_new: int, temperature: float, seed: int):
-  """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]).
-  k: K (a chain) or an sj.TreeSpec (tree drafting)."""
+  """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
+  an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
+  sj.TreeSpec (tree drafting)."""
   import jax
   import spec_jax as sj
   tree = k if isinstance(k, sj.TreeSpec) else None

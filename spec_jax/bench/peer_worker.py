@@ -1,0 +1,120 @@
+"""One side of the peer comparison, in a process of its own: spec_jax or transformers.
+
+    python -m spec_jax.bench.peer_worker < job.json      # prints one JSON line on stdout
+
+The peer suite (suites/peer.py) starts one worker per library (and per torch thread count) and
+alternates them, so one library's thread pools never slow the other's timed calls. A job:
+
+  {"side": "ours" | "hf", "threads": int (hf only), "target": MODEL, "prompts": [[ids], ...],
+   "batch": B, "max_new": N, "repeats": R, "seed": 0,
+   "configs": [{"name": str, "mode": "plain" | "draft" | "ngram", "draft": MODEL | null,
+                "k": int}, ...]}
+
+Every configuration is warmed up (compiled) once, then the R timed rounds run the configurations
+round-robin. A timed call decodes all prompts, B rows at a time (transformers' assisted
+generation and prompt lookup take one row at a time, so B must be 1 for them), exactly N new
+tokens per row, greedy, no early stop on either side: ours with stop_tokens=[], transformers
+with eos_token_id=None (min_new_tokens would suppress the end-of-text logit and change the
+greedy tokens). Wall-clock time around each library's own generate call. The output holds, per
+configuration, the tokens/s of every round, the tokens of the warm-up call (for the greedy
+agreement check) and, for ours, tau.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _groups(prompts, batch):
+  return [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+
+def run_ours(job: dict) -> dict:
+  import jax
+  import spec_jax as sj
+  from spec_jax.bench.specs import load_model, make_drafter
+  target = load_model(job["target"], job.get("seed", 0))
+  groups = _groups(job["prompts"], job["batch"])
+  key = jax.random.key(job.get("seed", 0))
+  calls = {}
+  for cfg in job["configs"]:
+    if cfg["mode"] == "plain":
+      drafter, k = None, 1
+    else:
+      spec = "ngram" if cfg["mode"] == "ngram" else f"draft:{cfg['draft']}"
+      drafter, k = make_drafter(spec, target, job.get("seed", 0)), cfg["k"]
+
+    def call(drafter=drafter, k=k):
+      tokens, seconds, rounds, emitted = [], 0.0, 0, 0
+      for g in groups:
+        t0 = time.perf_counter()
+        out = sj.generate(target, g, drafter=drafter, num_draft=k, max_new_tokens=job["max_new"],
+                          sampling=sj.Sampling(temperature=0.0), key=key, stop_tokens=[])
+        seconds += time.perf_counter() - t0
+        tokens += out.tokens
+        rounds += out.stats.rounds
+        emitted += out.stats.new_tokens - len(g)
+      return tokens, seconds, (emitted / rounds if rounds else 1.0)
+    calls[cfg["name"]] = call
+  return _rounds(calls, job)
+
+
+def run_hf(job: dict) -> dict:
+  import torch
+  from spec_jax.bench.specs import load_model
+  from spec_jax.bench.suites.plain import hf_model_from
+  torch.set_num_threads(int(job["threads"]))
+  target = hf_model_from(load_model(job["target"], job.get("seed", 0)), job["target"])
+  groups = _groups(job["prompts"], job["batch"])
+  calls = {}
+  for cfg in job["configs"]:
+    extra = {}
+    if cfg["mode"] == "draft":
+      extra["assistant_model"] = hf_model_from(load_model(cfg["draft"], job.get("seed", 0)),
+                                               cfg["draft"])
+    elif cfg["mode"] == "ngram":
+      extra["prompt_lookup_num_tokens"] = int(cfg["k"])
+    if extra and job["batch"] != 1:
+      raise ValueError("transformers' assisted generation and prompt lookup take batch 1")
+
+    def call(extra=extra):
+      tokens, seconds = [], 0.0
+      for g in groups:
+        ids = torch.tensor(g, dtype=torch.long)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+          out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=job["max_new"], eos_token_id=None, pad_token_id=0,
+                                num_beams=1, temperature=None, top_p=None, top_k=None, **extra)
+        seconds += time.perf_counter() - t0
+        tokens += out[:, ids.shape[1]:].tolist()
+      return tokens, seconds, None
+    calls[cfg["name"]] = call
+  return _rounds(calls, job)
+
+
+def _rounds(calls: dict, job: dict) -> dict:
+  """Warm-up of every configuration, then `repeats` round-robin timed rounds."""
+  n_tokens = len(job["prompts"]) * job["max_new"]
+  out = {}
+  for name, call in calls.items():
+    tokens, _, tau = call()
+    out[name] = {"tokens": tokens, "tau": tau, "tokens_per_s": []}
+  for _ in range(job["repeats"]):
+    for name, call in calls.items():
+      _, seconds, _ = call()
+      out[name]["tokens_per_s"].append(n_tokens / seconds)
+  return {"configs": out}
+
+
+def main() -> int:
+  job = json.loads(sys.stdin.read())
+  result = run_ours(job) if job["side"] == "ours" else run_hf(job)
+  print(json.dumps(result))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

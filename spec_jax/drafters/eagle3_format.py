@@ -1,0 +1,446 @@
+"""Public EAGLE-3 folders: load the heads people publish, export ours.
+
+The format is what SpecForge and the EAGLE authors write and what vLLM
+(`vllm/model_executor/models/llama_eagle3.py`) and SGLang
+(`python/sglang/srt/models/llama_eagle3.py`) load:
+
+  config.json   architectures ["LlamaForCausalLMEagle3"], llama fields (hidden_size,
+                num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+                rms_norm_eps, rope_theta / rope_scaling, num_hidden_layers 1), vocab_size,
+                draft_vocab_size, optionally target_hidden_size and
+                eagle_config.eagle_aux_hidden_state_layer_ids
+  model.safetensors (or pytorch_model.bin), torch names, Linear weights [out, in]:
+
+    public name                                   ours (spec_jax.drafters.eagle.EAGLE3)
+    fc.weight [D, 3 D_target]                     fc [3 D_target, D]
+    midlayer.input_layernorm.weight [D]           embed_norm
+    midlayer.hidden_norm.weight [D]               hidden_norm
+    midlayer.self_attn.q_proj.weight [Hq Dh, 2D]  layer/wq [2D, Hq Dh]   (k_proj, v_proj: Hkv)
+    midlayer.self_attn.o_proj.weight [D, Hq Dh]   layer/wo
+    midlayer.post_attention_layernorm.weight      layer/mlp_norm
+    midlayer.mlp.{gate,up,down}_proj.weight       layer/w_{gate,up,down}
+    norm.weight [D]                               norm
+    lm_head.weight [V_draft, D]                   lm_head [D, V_draft]
+    d2t int [V_draft]                             draft_tokens = arange(V_draft) + d2t
+    t2d bool [V]                                  (checked: True exactly at draft_tokens)
+    embed_tokens.weight [V, D] (optional)         embed, only when it differs from the target's
+
+  A "model." prefix (SGLang's module names) and vLLM's "layers.0." for "midlayer." are
+  accepted; rotary inv_freq buffers are ignored; anything else is refused.
+
+Captured target layers: `eagle_aux_hidden_state_layer_ids` (top level or under `eagle_config`,
+as vLLM's `_get_eagle3_aux_layers_from_config` reads them) are hidden-state boundary indices:
+id k is the residual stream entering layer k (vLLM's capture loop appends before layer k runs),
+our output index k-1. Absent, the default is vLLM / SGLang's (2, L//2, L-3). SGLang adds 1 to
+explicit ids whose first id is 1 (its "output of layer" reading), so `export` writes no ids
+when the head uses the default, and boundary ids otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import types
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+FORMATS = ("eagle3",)
+
+# public suffix (after "midlayer.") -> (our layer leaf, transpose)
+_MID = {
+    "input_layernorm.weight": ("embed_norm", False),
+    "hidden_norm.weight": ("hidden_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP_LEVEL_LEAVES = ("embed_norm", "hidden_norm")     # midlayer norms kept outside params/layer
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+# ----------------------------------------------------------------------------- config
+
+def _read_config(path: pathlib.Path) -> dict:
+  try:
+    cfg = json.loads((path / "config.json").read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path / 'config.json'}: not a readable JSON config: {e}") from e
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{path / 'config.json'}: a config is a JSON object")
+  return cfg
+
+
+def is_eagle3_folder(path) -> bool:
+  """Whether `path` holds a config.json naming a public EAGLE-3 architecture."""
+  try:
+    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
+  except (OSError, json.JSONDecodeError):
+    return False
+  return isinstance(cfg, dict) and bool(set(cfg.get("architectures") or ()) & set(ARCHITECTURES))
+
+
+def _layer_ids(cfg: dict) -> Optional[list]:
+  ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+  if not ids and isinstance(cfg.get("eagle_config"), dict):
+    ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+  return list(ids) if ids else None
+
+
+def target_layers_from_ids(ids, num_layers: int, where: str) -> tuple:
+  """Boundary ids (input of layer id; None = the public default) -> our output indices."""
+  if ids is None:
+    ids = sorted({2, num_layers // 2, num_layers - 3})
+    if len(ids) != 3 or ids[0] < 1:
+      raise ValueError(f"{where}: no eagle_aux_hidden_state_layer_ids, and the public default "
+                       f"(2, L//2, L-3) is not three distinct layers for this {num_layers}-layer "
+                       f"target (vLLM and SGLang capture each layer once); allowed: a target "
+                       f"with >= 7 layers, or explicit ids in eagle_config")
+  if len(ids) != 3 or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids must be three integers, got "
+                     f"{ids!r}")
+  if len(set(ids)) != 3:
+    raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} repeat a layer; vLLM and "
+                     f"SGLang capture each layer once, so fc would see fewer than three")
+  bad = [i for i in ids if not 1 <= i <= num_layers]
+  if bad:
+    raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} name boundaries {bad} "
+                     f"outside this {num_layers}-layer target; allowed: 1 <= id <= {num_layers} "
+                     f"(id k = the residual stream entering layer k; {num_layers} = the last "
+                     f"layer's output)")
+  return tuple(i - 1 for i in sorted(ids))       # captured in layer order
+
+
+def _need(cfg: dict, name: str, where: str):
+  if cfg.get(name) is None:
+    raise ValueError(f"{where}: config.json lacks {name!r}")
+  return cfg[name]
+
+
+def _layer_config(cfg: dict, target_config, where: str):
+  """The head's layer ModelConfig from a public config.json, checked against the target."""
+  from spec_jax.drafters.feature_head import head_layer_config
+  from spec_jax.models.hf import rope_from_hf
+  t = target_config
+  d = int(_need(cfg, "hidden_size", where))
+  dt = int(cfg.get("target_hidden_size") or d)
+  if dt != t.hidden_size:
+    raise ValueError(f"{where}: target_hidden_size={dt} but the target's hidden size is "
+                     f"{t.hidden_size}; allowed: the hidden size of the target the head was "
+                     f"trained on")
+  if d != t.hidden_size:
+    raise ValueError(f"{where}: hidden_size={d} but the target's hidden size is {t.hidden_size}; "
+                     f"spec_jax feeds the head the target's embedding, allowed: hidden_size == "
+                     f"{t.hidden_size}")
+  v = int(_need(cfg, "vocab_size", where))
+  if v != t.vocab_size:
+    raise ValueError(f"{where}: vocab_size={v} but the target's vocabulary has {t.vocab_size} "
+                     f"tokens; allowed: vocab_size == {t.vocab_size}")
+  if int(cfg.get("num_hidden_layers", 1)) != 1:
+    raise ValueError(f"{where}: num_hidden_layers={cfg.get('num_hidden_layers')}; spec_jax runs "
+                     f"one-layer EAGLE-3 heads (allowed: 1)")
+  act = cfg.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"{where}: hidden_act={act!r}; allowed: silu")
+  for flag in ("attention_bias", "mlp_bias", "bias", "norm_before_residual", "norm_before_fc"):
+    if cfg.get(flag):
+      raise ValueError(f"{where}: {flag}=true is not supported; allowed: false or absent")
+  eagle_cfg = cfg.get("eagle_config") or {}
+  if isinstance(eagle_cfg, dict) and eagle_cfg.get("use_aux_hidden_state") is False:
+    raise ValueError(f"{where}: eagle_config.use_aux_hidden_state=false (an EAGLE-1-style head "
+                     f"without fc) is not supported; allowed: true or absent")
+  heads = int(_need(cfg, "num_attention_heads", where))
+  kv = int(cfg.get("num_key_value_heads") or heads)
+  head_dim = int(cfg.get("head_dim") or d // heads)
+  if heads % kv:
+    raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                     f"num_key_value_heads={kv}")
+  theta, scaling = rope_from_hf(types.SimpleNamespace(**cfg))
+  layer = head_layer_config(t, int(_need(cfg, "intermediate_size", where)), heads, kv)
+  return layer.replace(num_kv_heads=kv, head_dim=head_dim,
+                       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                       rope_scaling=scaling)
+
+
+# ----------------------------------------------------------------------------- tensors
+
+class _TorchFile:
+  """pytorch_model.bin through torch.load(weights_only=True), with the _TensorFile interface."""
+
+  def __init__(self, path: pathlib.Path):
+    import torch
+    try:
+      state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+      raise ValueError(f"{path}: not a readable PyTorch state dict: {e}") from e
+    if not isinstance(state, dict):
+      raise ValueError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
+    self.path = path
+    self._tensors = state
+    self.names = list(state)
+    self.meta = {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in state.items()}
+
+  def read(self, name: str) -> np.ndarray:
+    import torch
+    x = self._tensors[name]
+    if x.dtype == torch.bfloat16:
+      x = x.float()
+    return x.numpy()
+
+
+def _open_weights(path: pathlib.Path) -> dict:
+  """{tensor name: file object} over the folder's safetensors (single or sharded) or .bin."""
+  from spec_jax.models import hf
+  if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+    files, _ = hf.tensor_files(path)
+    opened = [hf._TensorFile(p) for p in files]
+  elif (path / "pytorch_model.bin").is_file():
+    opened = [_TorchFile(path / "pytorch_model.bin")]
+  else:
+    raise ValueError(f"{path}: no model.safetensors, model.safetensors.index.json or "
+                     f"pytorch_model.bin beside config.json")
+  where = {}
+  for f in opened:
+    for name in f.names:
+      where.setdefault(name, f)
+  return where
+
+
+def _canonical(name: str) -> Optional[str]:
+  """A stored tensor name -> the public name of the table above (None: ignored)."""
+  if _IGNORED.search(name):
+    return None
+  if name.startswith("model."):
+    name = name[len("model."):]
+  if name.startswith("layers.0."):
+    name = "midlayer." + name[len("layers.0."):]
+  return name
+
+
+def load_eagle3(path, target, greedy_drafts: bool = False):
+  """A public EAGLE-3 folder -> an EAGLE3 drafter for `target` (a Model).
+
+  Every shape is checked against config.json and the target before any weight is read; d2t must
+  map into the target's vocabulary one-to-one, t2d (when present) must agree with it.
+
+  Raises:
+    ValueError: naming the field or tensor that does not fit (hidden size, vocabulary, d2t
+      range, a missing or unknown tensor, a wrong shape, an unsupported config flag).
+  """
+  from spec_jax.drafters.eagle import EAGLE3, check_draft_tokens
+  path = pathlib.Path(os.fspath(path)).expanduser().absolute()
+  where_cfg = str(path / "config.json")
+  cfg = _read_config(path)
+  if not set(cfg.get("architectures") or ()) & set(ARCHITECTURES):
+    raise ValueError(f"{where_cfg}: architectures {cfg.get('architectures')!r}; an EAGLE-3 "
+                     f"folder names one of {list(ARCHITECTURES)}")
+  tc = target.config
+  layer_cfg = _layer_config(cfg, tc, where_cfg)
+  layers = target_layers_from_ids(_layer_ids(cfg), tc.num_layers, where_cfg)
+  d, dt, v = layer_cfg.hidden_size, tc.hidden_size, tc.vocab_size
+  vd = int(cfg.get("draft_vocab_size") or v)
+  if not 1 <= vd <= v:
+    raise ValueError(f"{where_cfg}: draft_vocab_size={vd}; allowed: 1 <= draft_vocab_size <= "
+                     f"vocab_size {v}")
+  hq, hkv, dh, f = (layer_cfg.num_heads, layer_cfg.num_kv_heads, layer_cfg.head_dim,
+                    layer_cfg.intermediate_size)
+
+  shapes = {"fc.weight": (d, 3 * dt), "norm.weight": (d,), "lm_head.weight": (vd, d),
+            "midlayer.input_layernorm.weight": (d,), "midlayer.hidden_norm.weight": (d,),
+            "midlayer.self_attn.q_proj.weight": (hq * dh, 2 * d),
+            "midlayer.self_attn.k_proj.weight": (hkv * dh, 2 * d),
+            "midlayer.self_attn.v_proj.weight": (hkv * dh, 2 * d),
+            "midlayer.self_attn.o_proj.weight": (d, hq * dh),
+            "midlayer.post_attention_layernorm.weight": (d,),
+            "midlayer.mlp.gate_proj.weight": (f, d), "midlayer.mlp.up_proj.weight": (f, d),
+            "midlayer.mlp.down_proj.weight": (d, f)}
+  optional = {"embed_tokens.weight": (v, d), "d2t": (vd,), "t2d": (v,)}
+  stored = _open_weights(path)
+  found, unknown = {}, []
+  for name, fobj in stored.items():
+    public = _canonical(name)
+    if public is None:
+      continue
+    if public not in shapes and public not in optional:
+      unknown.append(name)
+      continue
+    want = shapes.get(public, optional.get(public))
+    got = fobj.meta[name][1]
+    if tuple(got) != want:
+      hint = " (draft_vocab_size rows)" if public in ("lm_head.weight", "d2t") else ""
+      raise ValueError(f"{fobj.path}: tensor {name} has shape {tuple(got)}; config.json and the "
+                       f"target imply {want}{hint}")
+    found[public] = (name, fobj)
+  if unknown:
+    raise ValueError(f"{path}: {len(unknown)} tensor(s) that a one-layer LlamaForCausalLMEagle3 "
+                     f"does not have: {', '.join(sorted(unknown)[:8])}")
+  missing = [n for n in shapes if n not in found]
+  if vd < v and "d2t" not in found:
+    missing.append("d2t")
+  if missing:
+    raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing)}")
+
+  def read(public):
+    name, fobj = found[public]
+    return np.asarray(fobj.read(name))
+
+  draft_tokens = None
+  if "d2t" in found:
+    d2t = read("d2t")
+    if not np.issubdtype(d2t.dtype, np.integer):
+      raise ValueError(f"{path}: d2t has dtype {d2t.dtype}; allowed: integer offsets "
+                       f"(target id = draft id + d2t[draft id])")
+    draft_tokens = check_draft_tokens(np.arange(vd) + d2t.astype(np.int64), v, what="d2t")
+  if "t2d" in found:
+    t2d = read("t2d").astype(bool)
+    ids = np.arange(v) if draft_tokens is None else draft_tokens
+    if int(t2d.sum()) != vd or not t2d[ids].all():
+      raise ValueError(f"{path}: t2d disagrees with d2t: t2d marks {int(t2d.sum())} target ids, "
+                       f"d2t maps {vd} draft ids; allowed: t2d True exactly at the d2t targets")
+
+  def weight(public):
+    x = read(public).astype(np.float32)
+    return x.T if x.ndim == 2 and public not in ("embed_tokens.weight",) else x
+
+  params = {"fc": weight("fc.weight"), "norm": weight("norm.weight"),
+            "lm_head": weight("lm_head.weight"), "layer": {}}
+  for suffix, (leaf, transpose) in _MID.items():
+    x = read("midlayer." + suffix).astype(np.float32)
+    x = x.T if transpose else x
+    if leaf in _TOP_LEVEL_LEAVES:
+      params[leaf] = x
+    else:
+      params["layer"][leaf] = x
+  if "embed_tokens.weight" in found:
+    own = read("embed_tokens.weight").astype(np.float32)
+    theirs = np.asarray(jax.device_get(target.params["embed"]), np.float32)
+    if not np.allclose(own, theirs, rtol=1e-2, atol=1e-6):    # bf16 copies of the target's pass
+      params["embed"] = own
+  params = jax.tree.map(jnp.asarray, params)
+  drafter = EAGLE3(params, tc, layer_cfg, layers, greedy_drafts, draft_tokens)
+  drafter.trained_num_draft = 0
+  drafter.source = str(path)
+  return drafter
+
+
+# ----------------------------------------------------------------------------- export
+
+def eagle3_config(drafter) -> dict:
+  """The config.json of `drafter` (an EAGLE3) as a public LlamaForCausalLMEagle3."""
+  from spec_jax.drafters.eagle import public_default_layers
+  c, t = drafter.layer_config, drafter.target_config
+  layers = tuple(drafter.target_layers)
+  if list(layers) != sorted(set(layers)):
+    raise ValueError(f"export: target_layers {list(layers)} must be strictly increasing: vLLM "
+                     f"and SGLang capture each layer once, in layer order")
+  scaling = c.rope_scaling_dict
+  eos = list(t.eos_token_ids)
+  cfg = {
+      "architectures": ["LlamaForCausalLMEagle3"],
+      "model_type": "llama",
+      "hidden_size": c.hidden_size,
+      "target_hidden_size": t.hidden_size,
+      "intermediate_size": c.intermediate_size,
+      "num_hidden_layers": 1,
+      "num_attention_heads": c.num_heads,
+      "num_key_value_heads": c.num_kv_heads,
+      "head_dim": c.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": c.rms_norm_eps,
+      "rope_theta": c.rope_theta,
+      "rope_scaling": scaling or None,
+      "max_position_embeddings": t.max_position_embeddings,
+      "vocab_size": t.vocab_size,
+      "draft_vocab_size": drafter.draft_vocab_size,
+      "tie_word_embeddings": False,
+      "attention_bias": False,
+      "mlp_bias": False,
+      "pretraining_tp": 1,
+      "bos_token_id": t.bos_token_id,
+      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+      "torch_dtype": "float32",
+  }
+  if layers != public_default_layers(t.num_layers):
+    cfg["eagle_config"] = {"use_aux_hidden_state": True,
+                           "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers]}
+  return cfg
+
+
+def eagle3_tensors(drafter) -> dict:
+  """{public name: numpy array} of `drafter` (torch's [out, in] Linear layout, float32)."""
+  p = jax.device_get(drafter.params)
+  t = drafter.target_config
+
+  def out_in(x):
+    return np.ascontiguousarray(np.asarray(x, np.float32).T)
+
+  out = {"fc.weight": out_in(p["fc"]), "norm.weight": np.asarray(p["norm"], np.float32),
+         "lm_head.weight": out_in(p["lm_head"])}
+  for suffix, (leaf, transpose) in _MID.items():
+    x = p[leaf] if leaf in _TOP_LEVEL_LEAVES else p["layer"][leaf]
+    out["midlayer." + suffix] = out_in(x) if transpose else np.asarray(x, np.float32)
+  ids = np.arange(t.vocab_size) if drafter.draft_tokens is None else drafter.draft_tokens
+  out["d2t"] = (ids.astype(np.int64) - np.arange(len(ids), dtype=np.int64))
+  t2d = np.zeros((t.vocab_size,), bool)
+  t2d[ids] = True
+  out["t2d"] = t2d
+  if "embed" in p:
+    out["embed_tokens.weight"] = np.asarray(p["embed"], np.float32)
+  return out
+
+
+def export(drafter, out_dir, format: str = "eagle3", overwrite: bool = False) -> pathlib.Path:
+  """Writes `drafter` (EAGLE3 heads) as a public EAGLE-3 folder that vLLM and SGLang load.
+
+  Args:
+    drafter: an `EAGLE3` (e.g. `sj.drafters.load(out_dir, target)` after train.distill_heads).
+    out_dir: the folder to create: config.json + model.safetensors, written next to it and
+      renamed into place (a reader never sees a half-written folder).
+    format: "eagle3" (the only one).
+    overwrite: replace an existing non-empty `out_dir` (else ValueError).
+
+  Returns the folder's path; `sj.drafters.load(out_dir, target)` reads it back.
+  """
+  from safetensors.numpy import save_file
+  if format not in FORMATS:
+    raise ValueError(f"export: unknown format {format!r}; allowed: {', '.join(FORMATS)}")
+  if getattr(drafter, "kind", None) != "eagle3":
+    raise ValueError(f"export: format 'eagle3' writes EAGLE-3 heads; got a "
+                     f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
+  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
+  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+    raise ValueError(f"export: {out_dir} already exists and is not empty; pass overwrite=True "
+                     f"or choose a new folder")
+  config = eagle3_config(drafter)
+  tensors = eagle3_tensors(drafter)
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+  if tmp.exists():
+    shutil.rmtree(tmp)
+  tmp.mkdir()
+  try:
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
+    old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
+    if out_dir.is_dir():
+      os.replace(out_dir, old)
+    elif out_dir.exists():
+      out_dir.unlink()
+    os.replace(tmp, out_dir)
+    if old.exists():
+      shutil.rmtree(old)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp)
+  return out_dir

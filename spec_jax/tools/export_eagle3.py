@@ -1,0 +1,73 @@
+"""python -m spec_jax.tools.export_eagle3 TARGET HEADS OUT [--overwrite]
+
+    # EAGLE-3 heads trained by train.distill_heads -> a folder vLLM and SGLang load
+    python -m spec_jax.tools.export_eagle3 ../shared/models/stories260K runs/eagle3 out/eagle3-hf
+
+Loads HEADS (a training out_dir or heads folder, bound to TARGET by its fingerprint), writes OUT
+with `sj.drafters.export(drafter, OUT, format="eagle3")` (config.json + model.safetensors,
+torch names, [out, in] weights, atomically), reads OUT back with `sj.drafters.load` and prints
+the tensors and the max |draft logit difference| against HEADS over a short prompt (exit status
+1 above --max-diff, 2 on a ValueError such as heads that are not EAGLE-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(
+      prog="python -m spec_jax.tools.export_eagle3",
+      description="Export EAGLE-3 heads as a public LlamaForCausalLMEagle3 folder.")
+  p.add_argument("target", help="the target the heads were trained on (sj.load path)")
+  p.add_argument("heads", help="a heads folder or a train.distill_heads out_dir")
+  p.add_argument("out", help="the folder to write")
+  p.add_argument("--prompt", default="Once upon a time, there was a little girl named Lily.",
+                 help="text of the draft-logits check")
+  p.add_argument("--max-diff", type=float, default=1e-5,
+                 help="fail (exit 1) when the reloaded heads' draft logits differ by more")
+  p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+  return p.parse_args(argv)
+
+
+def run(args) -> int:
+  import json
+
+  import spec_jax as sj
+  from spec_jax.tools.widen import _prompt_tokens, head_logits, max_logit_diff
+
+  target = sj.load(args.target)
+  heads = sj.drafters.load(args.heads, target)
+  out = sj.drafters.export(heads, args.out, format="eagle3", overwrite=args.overwrite)
+  back = sj.drafters.load(out, target)
+  config = json.loads((out / "config.json").read_text())
+  size = (out / "model.safetensors").stat().st_size
+  print(f"wrote {out}: config.json (LlamaForCausalLMEagle3, draft_vocab_size "
+        f"{config['draft_vocab_size']} of {config['vocab_size']}), model.safetensors "
+        f"({size / 1e6:.2f} MB)")
+  ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+  print(f"  captured target layers: inputs of layers "
+        f"{ids if ids else [i + 1 for i in heads.target_layers]}"
+        f"{'' if ids else ' (the vLLM / SGLang default, not written)'}")
+  tokens = _prompt_tokens(target, args.prompt)
+  diff = max_logit_diff(head_logits(heads, target, tokens), head_logits(back, target, tokens))
+  print(f"  check: reloaded with sj.drafters.load; max |draft logit diff| over {len(tokens)} "
+        f"prompt tokens: {diff:.3g}")
+  if diff > args.max_diff:
+    print(f"error: draft logits differ by more than --max-diff={args.max_diff}", file=sys.stderr)
+    return 1
+  return 0
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:
+    return run(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

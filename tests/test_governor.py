@@ -1,0 +1,356 @@
+"""The governor (num_draft="auto"): K chosen per round, lossless, drafters kept in sync across
+plain (K = 0) rounds, the cost table cached on disk, bad input refused before compiling.
+
+Losslessness reuses tests/test_lossless.py's exact-joint check (vocabulary 8, 40k rows of one
+prompt, chi-square at alpha 1e-3) through generate(num_draft="auto") with a governor forced to
+a deterministic K schedule (and per-row gating that depends on each row's own history).
+"""
+
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from spec_jax import engine
+from spec_jax import governor as governor_lib
+from spec_jax.drafters.base import DraftContext, PrefillInfo
+from spec_jax.drafters.eagle import EAGLE, EAGLE3
+from spec_jax.drafters.medusa import Medusa
+from spec_jax.drafters.mtp import MTP
+from spec_jax.models.transformer import KVCache, forward
+from tests.stats_helpers import assert_same_distribution
+from tests.test_lossless import (N, NEW, PROMPT, TARGET_CFG, DRAFT_CFG, exact_joint,
+                                 joint_counts, _peaky)
+
+GREEDY = sj.Sampling(temperature=0.0)
+CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=256, eos_token_ids=())
+PROMPTS = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+SCHEDULE = (0, 3, 1, 0, 0, 2)
+MAX_NEW = 40
+CAPACITY = 64
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  """Cost tables go to a temporary cache folder, never the user's."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  governor_lib.clear_memory()
+  yield
+  governor_lib.clear_memory()
+
+
+def _context_sensitive(model, embed_scale):
+  """Random tiny models barely attend (their attention output is ~1% of the residual): scale
+  the value and output projections so that what sits in a KV cache matters, and the
+  embedding so that greedy argmaxes are not near-ties."""
+  layers = dict(model.params["layers"], wv=model.params["layers"]["wv"] * 10,
+                wo=model.params["layers"]["wo"] * 10)
+  model.params.update(layers=layers, embed=model.params["embed"] * embed_scale)
+  return model
+
+
+@functools.lru_cache(None)
+def greedy_target():
+  return _context_sensitive(sj.init_model(CFG, jax.random.key(1)), 40.0)
+
+
+def make_drafter(kind):
+  target = greedy_target()
+  key = jax.random.key(5)
+  if kind == "draft_model_copy":          # the target itself: every draft is accepted
+    return sj.drafters.DraftModel(target)
+  if kind == "draft_model":
+    return sj.drafters.DraftModel(_context_sensitive(
+        sj.init_model(CFG.replace(num_layers=1), jax.random.key(2)), 1.0))
+  if kind == "ngram":
+    return sj.drafters.NGram(3, 1)
+  if kind == "medusa":
+    return Medusa.init(target, num_heads=3, key=key, init_scale=4.0)
+  cls = {"eagle": EAGLE, "eagle3": EAGLE3, "mtp": MTP}[kind]
+  return cls.init(target, key=key, init_std=0.3)
+
+
+KINDS = ["draft_model_copy", "draft_model", "ngram", "medusa", "eagle", "eagle3", "mtp"]
+
+
+@functools.lru_cache(None)
+def plain_greedy():
+  return sj.generate(greedy_target(), PROMPTS, max_new_tokens=MAX_NEW, sampling=GREEDY,
+                     stop_tokens=[]).tokens
+
+
+def rounds_then_drafts(drafter, schedule, n_rounds):
+  """n_rounds of the greedy governed loop with a forced schedule, then K=3 sampled drafts (their
+  q, or the tokens of a deterministic drafter) proposed from (a) the drafter state the loop
+  carried and (b) a fresh state built by init_state from a prefill over the committed tokens.
+  In sync, (a) == (b)."""
+  target = greedy_target()
+  gov = sj.Governor(ks=(0, 1, 2, 3), schedule=schedule, gate_alpha=0.0)
+  prompts, lens, _ = engine.prepare_batch(target, PROMPTS, MAX_NEW, 3, CAPACITY)
+  b = len(PROMPTS)
+
+  @jax.jit
+  def run(tp, dp, prompts, lens):
+    env, st = engine.init_loop(tp, prompts, lens, jax.random.key(0), config=CFG,
+                               drafter=drafter, drafter_params=dp, max_new_tokens=MAX_NEW,
+                               capacity=CAPACITY, sampling=GREEDY, greedy=True, width=3,
+                               lazy_drafter=True)
+    st = st.replace(governor=gov.init_state(drafter, b))
+    st = governor_lib.governed_loop(env, gov, gov.cost_array(drafter), st, until=n_rounds)
+    # Sampled drafts at T=1: their q depends continuously on the drafter's state.
+    ctx = DraftContext(key=jax.random.key(9), tokens=st.tokens, lengths=st.lengths,
+                       sampling=sj.Sampling(temperature=1.0).as_arrays(b),
+                       target_params=env.target_params, num_draft=3, greedy=False)
+    drafts = lambda state: (lambda d, q, _: d if q is None else q)(
+        *drafter.propose(env.drafter_params, state, ctx))
+    carried = drafts(drafter.catch_up(env.drafter_params, st.drafter_state, st.tokens,
+                                      st.lengths))
+    p = CAPACITY - 1
+    pre = forward(env.target_params, CFG, st.tokens[:, :p], KVCache.zeros(CFG, b, CAPACITY),
+                  jnp.zeros((b,), jnp.int32), return_layers=env.layers)
+    fresh_state = drafter.init_state(env.drafter_params, PrefillInfo(
+        tokens=st.tokens, prompt_tokens=st.tokens[:, :p], prompt_lens=st.lengths - 1,
+        hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=env.target_params,
+        sampling=env.sampling))
+    fresh = drafts(fresh_state)
+    return st.tokens, st.lengths, carried, fresh, st.governor.k_hist, st.accepted, st.drafted
+
+  return jax.tree.map(np.asarray, run(target.params, drafter.params, jnp.asarray(prompts),
+                                      jnp.asarray(lens)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafters_stay_in_sync_across_plain_rounds(kind):
+  """Greedy tokens through the governed loop with K forced to 0, 3, 1, 0, 0, 2, 0, 3, 1, 0, 0
+  equal plain greedy, and afterwards every drafter proposes what a drafter freshly
+  initialised on the committed tokens proposes (a drafter that missed the plain rounds would
+  still give lossless tokens, but other drafts: this is what catches it)."""
+  drafter = make_drafter(kind)
+  tokens, lengths, carried, fresh, k_hist, accepted, drafted = rounds_then_drafts(
+      drafter, SCHEDULE, 11)
+  np.testing.assert_array_equal(k_hist, [6, 2, 1, 2])        # K = 0, 1, 2, 3
+  np.testing.assert_allclose(carried, fresh, atol=2e-5, rtol=1e-4)
+  plain = plain_greedy()
+  for b, prompt in enumerate(PROMPTS):
+    new = tokens[b, len(prompt):lengths[b]].tolist()
+    assert new == plain[b][:len(new)], (b, new, plain[b])
+  if kind == "draft_model_copy":
+    assert accepted.sum() == drafted.sum() > 0        # a perfect drafter in sync
+
+
+@pytest.mark.parametrize("kind", ["draft_model_copy", "eagle3"])
+def test_greedy_auto_equals_plain(kind):
+  """The same through generate(num_draft="auto") (the sync test above covers every kind)."""
+  drafter = make_drafter(kind)
+  gov = sj.Governor(ks=(0, 1, 2, 3), schedule=SCHEDULE)
+  out = sj.generate(greedy_target(), PROMPTS, drafter=drafter, num_draft="auto", governor=gov,
+                    max_new_tokens=MAX_NEW, sampling=GREEDY, stop_tokens=[])
+  assert out.tokens == plain_greedy()
+  assert out.stats.auto and set(out.stats.k_histogram) == {0, 1, 2, 3}
+  assert sum(out.stats.k_histogram.values()) == out.stats.iterations
+  assert "K=auto" in out.stats.summary() and "K_rounds={0:" in out.stats.summary()
+  if kind == "draft_model_copy":      # every draft accepted; only each row's last round may
+    per_row = out.stats.row_counts      # lose drafts to the token limit
+    assert all(0 <= d - a <= 3 for d, a in zip(per_row["drafted"], per_row["accepted"]))
+    assert out.stats.accepted > 0
+
+
+# ----------------------------------------------------------------------------- lossless
+
+def _small_models():
+  target = _peaky(sj.init_model(TARGET_CFG, jax.random.key(11)), 60.0)
+  draft = _peaky(sj.init_model(DRAFT_CFG, jax.random.key(12)), 60.0)
+  return target, draft
+
+
+LOSSLESS = {
+    "sampled_0_2": (False, sj.Governor(ks=(0, 1, 2), schedule=(0, 2))),
+    "argmax_1_0": (True, sj.Governor(ks=(0, 1, 2), schedule=(1, 0))),
+    # Rows whose round-1 draft was rejected drop below gate_alpha and are gated in round 2:
+    # the masking depends on each row's own history.
+    "sampled_gated": (False, sj.Governor(ks=(0, 1, 2), schedule=(1, 2), gate_alpha=0.5,
+                                         prior_alpha=0.5, prior_weight=1.0)),
+}
+
+
+@pytest.mark.slow   # 40k rows each
+@pytest.mark.parametrize("case", list(LOSSLESS))
+def test_auto_is_lossless(case):
+  greedy_drafts, gov = LOSSLESS[case]
+  target, draft = _small_models()
+  sampling = sj.Sampling(temperature=1.0, top_p=0.9)
+  out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(
+      draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov, max_new_tokens=NEW,
+                    sampling=sampling, key=jax.random.key(4), stop_tokens=[], capacity=16)
+  toks = np.asarray(out.tokens)
+  assert toks.shape == (N, NEW)
+  assert 0.05 < out.stats.acceptance_rate < 0.98, out.stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling),
+                           alpha=1e-3)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+def _gs(alpha, weight=10.0, n_ks=4):
+  alpha = jnp.asarray(alpha, jnp.float32)
+  return governor_lib.GovernorState(accepted=alpha * weight, judged=jnp.full_like(alpha, weight),
+                                    k_hist=jnp.zeros((n_ks,), jnp.int32),
+                                    choice=jnp.zeros((), jnp.int32))
+
+
+def test_choice_maximises_expected_tokens_per_second():
+  gov = sj.Governor(ks=(0, 1, 2, 4), warmup_rounds=0, gate_alpha=0.1)
+  ks = (0, 1, 2, 4)
+  active = jnp.ones((2,), bool)
+  it = jnp.int32(10)
+  cheap = jnp.asarray([1.0, 1.1, 1.2, 1.4])
+  idx, rows = governor_lib.choose(gov, ks, _gs([0.9, 0.9]), cheap, active, it)
+  assert ks[int(idx)] == 4 and bool(rows.all())
+  # tau(0.5, K) = 1.5, 1.75, 1.9375 against costs 1.6, 1.9, 2.5: plain wins.
+  dear = jnp.asarray([1.0, 1.6, 1.9, 2.5])
+  idx, _ = governor_lib.choose(gov, ks, _gs([0.5, 0.5]), dear, active, it)
+  assert ks[int(idx)] == 0
+  # By hand: alpha 0.8 and cost 1.5 at K = 1 -> 2 * 1.8 / 1.5 = 2.4 beats plain (2.0) and
+  # K = 2 (2 * 2.44 / 2.2 = 2.22) and K = 4 (2 * 3.3616 / 3.5 = 1.92).
+  idx, _ = governor_lib.choose(gov, ks, _gs([0.8, 0.8]), jnp.asarray([1.0, 1.5, 2.2, 3.5]),
+                               active, it)
+  assert ks[int(idx)] == 1
+  # A gated row (alpha below gate_alpha) counts tau = 1 and gets draft_rows False.
+  idx, rows = governor_lib.choose(gov, ks, _gs([0.9, 0.05]), cheap, active, it)
+  assert rows.tolist() == [True, False] and ks[int(idx)] == 4
+  # Finished rows do not count: the only active row cannot pay for drafting.
+  idx, _ = governor_lib.choose(gov, ks, _gs([0.9, 0.2]), jnp.asarray([1.0, 1.9, 2.9, 4.9]),
+                               jnp.asarray([False, True]), it)
+  assert ks[int(idx)] == 0
+  # Warm-up: the first rounds draft even where plain would win.
+  warm = sj.Governor(ks=(0, 1, 2, 4), warmup_rounds=2)
+  idx, _ = governor_lib.choose(warm, ks, _gs([0.5, 0.5]), dear, active, jnp.int32(1))
+  assert ks[int(idx)] > 0
+  idx, _ = governor_lib.choose(warm, ks, _gs([0.5, 0.5]), dear, active, jnp.int32(2))
+  assert ks[int(idx)] == 0
+  # ... unless no K could beat plain even with every draft accepted: (K+1) / t(K) < 1 / t(0).
+  hopeless = jnp.asarray([1.0, 2.5, 3.5, 6.0])
+  idx, _ = governor_lib.choose(warm, ks, _gs([0.5, 0.5]), hopeless, active, jnp.int32(0))
+  assert ks[int(idx)] == 0
+  np.testing.assert_allclose(governor_lib.expected_tokens(jnp.asarray(0.5), 3), 1.875)
+
+
+def test_alpha_estimate_counts_accepted_and_first_failure():
+  gov = sj.Governor(ks=(0, 4), smoothing=0.5, prior_alpha=0.6, prior_weight=2.0)
+  gs = gov.init_state(sj.drafters.NGram(), 3)
+  np.testing.assert_allclose(governor_lib.row_alpha(gs), [0.6, 0.6, 0.6])
+  before = engine.DecodeState(
+      tokens=None, lengths=None, done=jnp.asarray([False, False, True]), cache=None,
+      drafter_state=(), key=None, rounds=None, drafted=None,
+      accepted=jnp.zeros((3,), jnp.int32), accepted_at=None, finished_at_round=None,
+      iterations=None)
+  # Row 0 accepted 4 of 4 (nothing judged as a failure); row 1 accepted 1 then failed; row 2
+  # had already finished: unchanged.
+  after = before.replace(accepted=jnp.asarray([4, 1, 3], jnp.int32))
+  gs2 = governor_lib.observe(gov, gs, before, after, 4, None)
+  np.testing.assert_allclose(gs2.accepted, [0.6 + 4, 0.6 + 1, 1.2])
+  np.testing.assert_allclose(gs2.judged, [1.0 + 4, 1.0 + 2, 2.0])
+  # A gated row and a K = 0 round teach nothing.
+  gs3 = governor_lib.observe(gov, gs, before, after, 4, jnp.asarray([True, False, True]))
+  np.testing.assert_allclose(gs3.judged, [5.0, 2.0, 2.0])
+  assert governor_lib.observe(gov, gs, before, after, 0, None) is gs
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_raises_before_compiling():
+  target = greedy_target()
+  compiled = len(engine._COMPILED)
+  medusa = Medusa.init(target, num_heads=2, key=jax.random.key(0))
+  cases = [
+      (dict(drafter=None, num_draft="auto"), "needs a drafter"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="auto", governor=object()),
+       "governor must be"),
+      (dict(drafter=medusa, num_draft="auto", governor=sj.Governor(ks=(0, 1, 4))),
+       r"exceed this drafter's max_draft=2"),
+      (dict(drafter=medusa, num_draft="auto", governor=sj.Governor(schedule=(0, 3))),
+       r"above this drafter's max_draft=2"),
+      (dict(drafter=sj.drafters.NGram(), num_draft=2, governor=sj.Governor()),
+       "only with num_draft='auto'"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="Auto"), "num_draft"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="auto", governor={"nope": 1}),
+       r"unknown governor option\(s\) \['nope'\]; allowed: max_draft, ks"),
+  ]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=message):
+      sj.generate(target, PROMPTS, max_new_tokens=4, **kwargs)
+  assert len(engine._COMPILED) == compiled
+  for options, message in [
+      (dict(bogus=1), r"unknown governor option\(s\) \['bogus'\]"),
+      (dict(ks=(0, 12)), "above max_draft=8"),
+      (dict(ks=()), "non-empty"),
+      (dict(ks=(0, -1)), "integers K >= 0"),
+      (dict(smoothing=1.0), r"smoothing must be a number in \[0, 1\)"),
+      (dict(prior_alpha=1.5), "prior_alpha"),
+      (dict(prior_weight=0), "prior_weight"),
+      (dict(max_draft=0), "max_draft must be an integer >= 1"),
+      (dict(ks=(0, 1), schedule=(0, 2)), r"schedule uses K \[2\]"),
+      (dict(costs={0: 1.0, 1: -1.0}), "positive seconds"),
+      (dict(warmup_rounds=-1), "warmup_rounds")]:
+    with pytest.raises(ValueError, match=message):
+      sj.Governor(**options)
+
+
+def test_decode_auto_needs_a_cost_table_of_the_right_shape():
+  target = greedy_target()
+  prompts, lens, capacity = engine.prepare_batch(target, PROMPTS, 8, 8)
+  args = dict(config=CFG, drafter=sj.drafters.NGram(), num_draft="auto", max_new_tokens=8,
+              capacity=capacity, sampling=GREEDY)
+  fn = lambda **kw: jax.make_jaxpr(functools.partial(sj.decode, **args, **kw))(
+      target.params, prompts, lens, jax.random.key(0))
+  with pytest.raises(ValueError, match="needs a cost table"):
+    fn()
+  with pytest.raises(ValueError, match=r"one entry per candidate K \(0, 1, 2, 4, 6, 8\)"):
+    fn(round_costs=jnp.ones((3,)))
+  with pytest.raises(ValueError, match="only with num_draft='auto'"):
+    jax.make_jaxpr(functools.partial(sj.decode, **dict(args, num_draft=2),
+                                     governor=sj.Governor()))(
+        target.params, prompts, lens, jax.random.key(0))
+  jaxpr = fn(round_costs=jnp.ones((6,)))
+  top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+  assert top.count("while") == 1        # the outer loop; inside it one loop per candidate K
+  (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
+  inner = [e for e in loop.params["body_jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
+  assert len(inner) == 6
+  assert "callback" not in str(jaxpr)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
+  target = greedy_target()
+  drafter = sj.drafters.NGram(2, 1)
+  gov = sj.Governor(ks=(0, 1, 2))
+  first = sj.calibrate(target, drafter, 2, capacity=64, governor=gov, repeats=2)
+  assert not first.from_cache and first.ks == (0, 1, 2) and all(s > 0 for s in first.seconds)
+  path = first.path
+  assert path.startswith(str(tmp_path / "xdg" / "spec_jax" / "governor"))
+  data = json.loads(open(path).read())
+  assert data["key"]["batch"] == 2 and data["key"]["capacity"] == 64 and data["ks"] == [0, 1, 2]
+  governor_lib.clear_memory()                   # a new process: read from disk
+  t0 = time.perf_counter()
+  again = sj.calibrate(target, drafter, 2, capacity=64, governor=gov)
+  assert again.from_cache and again.seconds == first.seconds
+  assert time.perf_counter() - t0 < 5.0         # no measuring (the goal is 1 s; CI is loaded)
+  # Another batch, other weights or another candidate set is another table.
+  assert sj.calibrate(target, drafter, 3, capacity=64, governor=gov, repeats=1).fingerprint \
+      != first.fingerprint
+  other = sj.init_model(CFG, jax.random.key(3))
+  assert governor_lib.fingerprint(other, drafter, 2, 64, True, (0, 1, 2))[0] != first.fingerprint
+  # generate(num_draft="auto") with this batch and capacity reads the same table.
+  out = sj.generate(target, PROMPTS[:2], drafter=drafter, num_draft="auto", governor=gov,
+                    max_new_tokens=8, sampling=GREEDY, stop_tokens=[], capacity=64)
+  assert out.stats.auto and sum(out.stats.k_histogram.values()) == out.stats.iterations
+  assert out.tokens == [t[:8] for t in plain_greedy()[:2]]
+  assert len(list((tmp_path / "xdg" / "spec_jax" / "governor").glob("*.json"))) == 2
