@@ -23,6 +23,7 @@ cache (in place: a scatter on the stacked cache, no copy) and attends through
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional, Sequence
 
 import flax.struct
@@ -148,9 +149,14 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
 
 
 def _dense(x, w, transposed: bool):
-  """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True)."""
+  """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True); with
+  transposed, w may be a tuple of row chunks [out_i, in] (see fuse_layers' chunks): one dot
+  each, concatenated along out."""
   contract = 1 if transposed else 0
-  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
+  dot = lambda w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
+  if isinstance(w, (tuple, list)):
+    return jnp.concatenate([dot(c) for c in w], axis=-1)
+  return dot(w)
 
 
 def _qkv_projections(config: ModelConfig, lp, h):
@@ -307,13 +313,17 @@ def unstack_layers(params):
   return out
 
 
-def fuse_layers(layers, transpose: bool):
+def fuse_layers(layers, transpose: bool, chunks: int = 1):
   """Stacked canonical layer weights -> the fused execution layout (same math).
 
   wq|wk|wv -> wqkv [L, D, (Hq+2Hkv)Dh] (bq|bk|bv -> bqkv), w_gate|w_up -> w_gu [L, D, 2F]; with
   transpose, every projection is stored [out, in] under a `_t` name (wqkv_t, wo_t, w_gu_t,
   w_down_t): XLA:CPU's dot reads a weight whose contraction axis is the last one 23-45 % faster
   at the T = 1..17 rows of decode and verify (a measured microbenchmark, DESIGN.md).
+  chunks > 1 (with transpose): each `_t` weight becomes a tuple of `chunks` row blocks
+  [L, out/chunks, in] (fewer where out does not divide): XLA:CPU runs one small-M dot on one
+  thread, but independent dots concurrently, so a projection split into row blocks streams its
+  weights on every core (cpu_weight_chunks).
   """
   out = {k: v for k, v in layers.items()
          if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "wo", "w_gate", "w_up", "w_down")}
@@ -322,11 +332,33 @@ def fuse_layers(layers, transpose: bool):
   if "bq" in layers:
     out["bqkv"] = jnp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=-1)
   if transpose:
-    t = lambda w: jnp.swapaxes(w, -1, -2)
+    t = lambda w: _row_chunks(jnp.swapaxes(w, -1, -2), chunks)
     out.update(wqkv_t=t(wqkv), wo_t=t(layers["wo"]), w_gu_t=t(w_gu), w_down_t=t(layers["w_down"]))
   else:
     out.update(wqkv=wqkv, wo=layers["wo"], w_gu=w_gu, w_down=layers["w_down"])
   return out
+
+
+def _row_chunks(w, chunks: int):
+  """w [..., out, in] -> w itself (chunks 1) or a tuple of row blocks [..., out_i, in]."""
+  n = w.shape[-2]
+  chunks = max(1, min(int(chunks), n // 64))
+  while n % chunks:
+    chunks -= 1
+  if chunks == 1:
+    return w
+  return tuple(jnp.split(w, chunks, axis=-2))
+
+
+def cpu_weight_chunks() -> int:
+  """Row blocks per projection weight in the CPU execution layout: $SPEC_JAX_CPU_WEIGHT_CHUNKS,
+  else 2 x the CPU count capped at 8. On the 2-core CI machine (78M widened model, fp32) a
+  decode step at T = 1 and a verify at T = 5 were fastest with 4 blocks (the benchmark in the
+  README's Speed section)."""
+  env = os.environ.get("SPEC_JAX_CPU_WEIGHT_CHUNKS")
+  if env:
+    return max(1, int(env))
+  return max(1, min(8, 2 * (os.cpu_count() or 1)))
 
 
 def prepare_params(params, config: ModelConfig, mesh=None):
@@ -345,7 +377,7 @@ def prepare_params(params, config: ModelConfig, mesh=None):
   cpu = jax.default_backend() == "cpu"
   if mesh is None:
     out = dict(params)
-    out["layers"] = fuse_layers(layers, transpose=cpu)
+    out["layers"] = fuse_layers(layers, transpose=cpu, chunks=cpu_weight_chunks() if cpu else 1)
     if cpu and "lm_head" in out:
       out["lm_head_t"] = jnp.swapaxes(out.pop("lm_head"), 0, 1)
     params = out
