@@ -15,8 +15,11 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
     k_cache, v_cache: [B, S, Hkv, D]; Hq is a multiple of Hkv (grouped-query attention).
     kv_lengths: int32 [B], valid cache entries INCLUDING the T new tokens, which sit at
       positions kv_lengths[b]-T .. kv_lengths[b]-1.
-    tree_mask: optional bool [B, T, T]; tree_mask[b, t, j] lets new query t see new token j.
-      None means causal (j <= t).
+    tree_mask: optional bool [B, T, W] with T <= W: tree_mask[b, t, j] lets new query t see
+      cache entry kv_lengths[b]-W+j, one of the last W entries (which end with the T new
+      tokens); entries before them are all visible. W = T (the kernels' form): among the new
+      tokens only. None means causal (j <= t). (W > T lets draft trees add nodes to a tree
+      whose earlier nodes are already in the cache.)
     sliding_window: optional int; key positions <= query position - window are hidden.
 
   Returns:
@@ -31,13 +34,14 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   kv_lengths = kv_lengths.astype(jnp.int32)
   key_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]                  # [1,1,S]
   query_pos = (kv_lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32))[:, :, None]  # [B,T,1]
-  prefix = key_pos < (kv_lengths[:, None, None] - t)                         # [B,1,S]
-  new_idx = key_pos - (kv_lengths[:, None, None] - t)                        # [B,1,S] in [0,T) for new
+  w = t if tree_mask is None else tree_mask.shape[-1]
+  prefix = key_pos < (kv_lengths[:, None, None] - w)                         # [B,1,S]
+  new_idx = key_pos - (kv_lengths[:, None, None] - w)                        # [B,1,S] in [0,W)
   is_new = (new_idx >= 0) & (key_pos < kv_lengths[:, None, None])
   if tree_mask is None:
     new_ok = new_idx <= jnp.arange(t, dtype=jnp.int32)[None, :, None]
   else:
-    clipped = jnp.clip(new_idx, 0, t - 1)
+    clipped = jnp.clip(new_idx, 0, w - 1)
     new_ok = jnp.take_along_axis(tree_mask, jnp.broadcast_to(clipped, (b, t, s)), axis=2)
   visible = prefix | (is_new & new_ok)                                       # [B,T,S]
   if sliding_window is not None:

@@ -18,6 +18,7 @@ from spec_jax import drafters
 from spec_jax.engine import DecodeResult, GenerateOutput, decode, generate, new_tokens
 from spec_jax.governor import CostTable, Governor, calibrate
 from spec_jax.stats import SpecStats
+from spec_jax.tree import DraftTree, TreeSpec
 
 __all__ += ["drafters", "decode", "DecodeResult", "new_tokens", "generate", "GenerateOutput",
-            "SpecStats", "Governor", "calibrate", "CostTable"]
+            "SpecStats", "Governor", "calibrate", "CostTable", "TreeSpec", "DraftTree"]

@@ -91,7 +91,8 @@ class DecodeResult:
     token, sampled at the prefill, already ended it): a request's latency in rounds.
   iterations: int32 scalar, loop iterations (target forwards after the prefill).
   k_rounds: int32 [K+1], loop iterations that ran with k drafts, k = 0..K (a fixed K puts every
-    iteration at index K; with num_draft="auto" it is the governor's histogram of choices).
+    iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
+    histogram of choices).
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -335,7 +336,8 @@ def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -
   needed = longest_prompt + max_new_tokens + k + 1
   if capacity < needed:
     raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "
-                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}) needs {needed}")
+                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}; a tree's cache_extent "
+                     f"+ 1) needs {needed}")
 
 
 def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfig,
@@ -367,8 +369,9 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
     num_draft: K, or "auto": the governor picks K every round (spec_jax.governor).
     governor: with num_draft="auto", a `sj.Governor` (None = the defaults).
     capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1 (K: the largest
-      candidate with "auto").
-    tree: reserved for tree drafting (not available yet: must be None).
+      candidate with "auto"; a tree's cache_extent).
+    tree: a spec_jax.TreeSpec for tree drafting (spec_jax.tree; num_draft is then ignored, and
+      "auto" refused), or None (a chain).
     mesh: optional Mesh ("data", "model") for the sharding annotations (spec_jax.sharding).
     greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
       infers it from concrete sampling values (traced values: False; both paths give the same
@@ -392,20 +395,22 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
         new = (pos >= res.prompt_lens[:, None] - 1) & (pos < res.lengths[:, None] - 1)
         return res, jnp.sum(jnp.where(new, tok_logp, 0.0), axis=1)
   """
-  if tree is not None:
-    raise ValueError("tree drafting is not available yet: pass tree=None")
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
                      f"{type(drafter).__name__}")
   gov = None
-  if is_auto(num_draft):
+  if tree is not None:   # tree drafting: num_draft is ignored, depth bounds the accepted drafts
+    from spec_jax import tree as tree_lib
+    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
+    k, extent = tree.depth, tree.cache_extent
+  elif is_auto(num_draft):
     from spec_jax import governor as governor_lib
     gov = governor_lib.resolve(governor, drafter)
-    k = max(gov.candidates(drafter))
+    k = extent = max(gov.candidates(drafter))
   else:
     if governor is not None:
       raise ValueError("governor= is used only with num_draft='auto'")
-    k = check_num_draft(drafter, num_draft)
+    k = extent = check_num_draft(drafter, num_draft)
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -419,9 +424,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   if _is_static_int(max_new_tokens):
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_capacity(capacity, p, int(max_new_tokens), k)
-  elif not _is_static_int(capacity) or capacity < p + k + 2:
-    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + k + 2}, got {capacity!r}")
+    check_capacity(capacity, p, int(max_new_tokens), extent)
+  elif not _is_static_int(capacity) or capacity < p + extent + 2:
+    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + extent + 2}, got "
+                     f"{capacity!r}")
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   if gov is not None:
@@ -432,12 +438,15 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
                          stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache, width=k,
                          lazy_drafter=gov is not None)
   if gov is None:
-    round_ = functools.partial(chain_round, env, k=k)
+    if tree is not None:
+      round_ = functools.partial(tree_lib.tree_round, env, spec=tree)
+    else:
+      round_ = functools.partial(chain_round, env, k=k)
     final = jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_, state)
   else:
     final = governor_lib.governed_loop(env, gov, costs,
                                        state.replace(governor=gov.init_state(drafter, b)))
-  if gov is None:
+  if gov is None:               # every iteration ran K drafts (a tree: its depth D)
     k_rounds = jnp.zeros((k + 1,), jnp.int32).at[k].set(final.iterations)
   else:
     k_rounds = governor_lib.k_rounds(gov, drafter, final.governor)
@@ -616,13 +625,13 @@ def _compiled_decode(args, static):
 
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
                          sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
-                         num_draft=4, governor=None, round_costs=None) -> tuple:
+                         num_draft=4, governor=None, round_costs=None, tree=None) -> tuple:
   """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
   mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
   per shapes and static configuration. The governor's calibration times this same executable.
 
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
-  stop: int32 [N]; round_costs: float32 [len(candidates)] or None."""
+  stop: int32 [N]; round_costs: float32 [len(candidates)] or None; tree: a TreeSpec or None."""
   drafter_params = None if drafter is None else drafter.params
   args = (sharding_lib.shard_params(mesh, target.params),
           *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
@@ -635,6 +644,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                 mesh=mesh, greedy=greedy)
   if governor is not None:
     static["governor"] = governor
+  if tree is not None:
+    static["tree"] = tree
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, jnp.asarray(round_costs, jnp.float32))
   return _compiled_decode((args, kwargs), static), args, kwargs
@@ -672,7 +683,7 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
 def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
-             prompt_bucket: int = PROMPT_BUCKET, governor=None) -> GenerateOutput:
+             prompt_bucket: int = PROMPT_BUCKET, governor=None, tree=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -705,6 +716,8 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
       length; the padding is masked, so outputs do not depend on it).
     governor: with num_draft="auto", a `sj.Governor` (or a dict of its options); None = the
       defaults.
+    tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
+      verify over N+1 tree nodes per round, lossless); num_draft is then ignored. None: a chain.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -714,14 +727,18 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
   gov = None
-  if is_auto(num_draft):
+  if tree is not None:
+    from spec_jax import tree as tree_lib
+    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
+    k, extent = tree.depth, tree.cache_extent
+  elif is_auto(num_draft):
     from spec_jax import governor as governor_lib
     gov = governor_lib.resolve(governor, drafter)
-    k = max(gov.candidates(drafter))
+    k = extent = max(gov.candidates(drafter))
   else:
     if governor is not None:
       raise ValueError("governor= is used only with num_draft='auto'")
-    k = check_num_draft(drafter, num_draft)
+    k = extent = check_num_draft(drafter, num_draft)
   if drafter is not None:
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
@@ -744,11 +761,11 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
     except ValueError as e:
       ids, error = [], str(e)
     ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
-        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket),
-        error=error)
+        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket,
+        tree), error=error)
   sharding_lib.check_mesh(mesh, len(ids))
-  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, k, capacity,
-                                                       prompt_bucket)
+  prompt_tokens, prompt_lens, capacity = prepare_batch(target, ids, max_new_tokens, extent,
+                                                       capacity, prompt_bucket)
   batch = prompt_tokens.shape[0]
   mesh = sharding_lib.as_auto(mesh)
   greedy = sampling.is_greedy
@@ -763,7 +780,7 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
-      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs)
+      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs, tree=tree)
   start = time.perf_counter()
   result = compiled(*args, **kwargs)
   jax.block_until_ready(result.lengths)
@@ -775,16 +792,16 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
   stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes,
-                                auto=gov is not None)
+                                auto=gov is not None, tree=tree)
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
 
 
 def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,
-                    prompt_bucket) -> dict:
+                    prompt_bucket, tree=None) -> dict:
   """What every process of a multi-process generate() must pass alike (global_batch.assemble
   compares fingerprints): all options but the prompts and per-row sampling arrays."""
   scalar = all(np.ndim(v) == 0 for v in (sampling.temperature, sampling.top_k, sampling.top_p))
-  params = lambda tree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(tree)]
+  params = lambda pytree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(pytree)]
   return {"target": [repr(target.config), params(target.params)],
           "drafter": None if drafter is None else [type(drafter).__name__,
                                                    params(drafter.params)],
@@ -793,4 +810,5 @@ def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_toke
           if scalar else "per-row",
           "key": np.asarray(jax.random.key_data(key)).tolist(),
           "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
-          "capacity": capacity, "prompt_bucket": prompt_bucket}
+          "capacity": capacity, "prompt_bucket": prompt_bucket,
+          "tree": None if tree is None else tree.label()}

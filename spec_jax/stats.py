@@ -47,6 +47,11 @@ class SpecStats:
   processes: how many processes fed rows to the generation; every count above sums over all of
     their rows (a multi-process generate() reports global statistics on every process), and
     seconds is this process's wall time of the one collective call.
+  tree: None for chains; for tree drafting (depth, top_k, num_nodes, candidates). Then
+    num_draft is the depth D, drafted counts the tree nodes verified (so acceptance_rate is
+    accepted nodes / verified nodes), accepted_at[d] the rounds whose accepted path reached
+    depth d+1, mean_accepted_length is tau, tokens emitted per verify, as for chains, and
+    alpha_token is 0 (no chain of K i.i.d. drafts describes a tree round).
   """
   rounds: int
   drafted: int
@@ -65,6 +70,7 @@ class SpecStats:
   alpha_token: float = 0.0
   k_histogram: Optional[dict] = None
   auto: bool = False
+  tree: Optional[tuple] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -100,10 +106,11 @@ class SpecStats:
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
-                  processes: int = 1, auto: bool = False) -> "SpecStats":
+                  processes: int = 1, auto: bool = False, tree=None) -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
     rounds emitted (every row's first token comes from the prefill, not from a round).
-    auto: the result came from num_draft="auto" (the governor)."""
+    auto: the result came from num_draft="auto" (the governor). tree: the TreeSpec of a tree
+    decode (num_draft is then its depth), or None."""
     accepted_at = np.asarray(result.accepted_at)
     k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
     new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
@@ -115,6 +122,9 @@ class SpecStats:
     hist = getattr(result, "k_rounds", None)
     if hist is not None:
       hist = {k: int(n) for k, n in enumerate(np.asarray(hist).reshape(-1)) if n}
+    if tree is not None:
+      tree = (tree.depth, tree.top_k, tree.num_nodes, tree.candidates)
+      return dataclasses.replace(stats, k_histogram=hist, tree=tree, alpha_token=0.0)
     if not auto:
       return dataclasses.replace(stats, k_histogram=hist)
     return dataclasses.replace(stats, k_histogram=hist, auto=True, alpha_token=0.0)
@@ -126,7 +136,10 @@ class SpecStats:
     if self.auto and self.k_histogram is not None:
       hist = " K_rounds={" + ", ".join(f"{kk}: {n}" for kk, n in
                                        sorted(self.k_histogram.items())) + "}"
-    return (f"K={k}{hist} rounds={self.rounds} drafted={self.drafted} "
+    shape = (f"K={k}{hist}" if self.tree is None else
+             "tree D={},k={},N={}{}".format(*self.tree[:3],
+                                            "" if self.tree[3] == "topk" else ",sampled"))
+    return (f"{shape} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"alpha_token={self.alpha_token:.3f} "
             f"tau={self.mean_accepted_length:.3f} accepted_at=[{at}] "

@@ -40,18 +40,20 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 # ---------------------------------------------------------------------------- the naive oracle
 
 def naive_attention(q, k, v, lengths, tree_mask):
-  """Per (row, query, head) loop in float64 numpy, straight from the DESIGN.md contract."""
+  """Per (row, query, head) loop in float64 numpy, straight from the DESIGN.md contract.
+  tree_mask: None (causal), bool [B, T, T], or [B, T, W] (W > T) over the last W entries."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, t, hq, d = q.shape
   hkv = k.shape[2]
   group = hq // hkv
+  w_mask = t if tree_mask is None else tree_mask.shape[-1]
   out = np.zeros_like(q)
   for bi in range(b):
     length = int(lengths[bi])
-    first_new = length - t
+    first_new = length - w_mask
     for ti in range(t):
       keys = list(range(first_new))
-      for j in range(t):
+      for j in range(w_mask):
         allowed = tree_mask[bi, ti, j] if tree_mask is not None else j <= ti
         if allowed:
           keys.append(first_new + j)
@@ -203,6 +205,24 @@ if pytest is not None:
       assert mask[:, idx, idx].all()                  # every node sees itself
       assert not np.triu(mask, k=1).any()             # and only earlier nodes
       assert mask[:, :, 0].all()                      # the root is everyone's ancestor
+
+  def test_reference_wide_tree_mask_matches_naive():
+    """A [B, T, W] mask (W > T: a draft tree whose first W-T nodes are already in the cache)
+    matches the naive loop, and differs from treating the W-T cached nodes as prefix."""
+    rng = np.random.default_rng(3)
+    b, t, w, hq, hkv, d, s = 3, 3, 7, 4, 2, 16, 20
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    lengths = np.array([w, 12, s], np.int32)
+    mask = random_tree_mask(rng, b, w)[:, w - t:]         # the tree's last T nodes query
+    with jax.default_matmul_precision("highest"):
+      ref = np.asarray(verify_attention_reference(q, k, v, jnp.asarray(lengths),
+                                                  jnp.asarray(mask)))
+      square = np.asarray(verify_attention_reference(q, k, v, jnp.asarray(lengths),
+                                                     jnp.asarray(mask[:, :, w - t:])))
+    np.testing.assert_allclose(ref, naive_attention(q, k, v, lengths, mask), atol=1e-5)
+    assert not np.allclose(ref, square, atol=1e-3)      # the hidden cached nodes matter
 
   def test_naive_matches_reference_on_causal():
     case = (2, 3, 4, 2, 16, 20, 16, "float32", False, {})

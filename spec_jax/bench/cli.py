@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-draft", "-K", type=k_or_auto, nargs="+", default=[1, 2, 4, 6, 8],
                  help="K values, and 'auto' for the governor as one more column (plain K=0 is "
                  "always measured)")
+  p.add_argument("--tree", action="append", default=None, metavar="D,k,N[,sampled]",
+                 help="also run tree drafting (sj.TreeSpec(depth=D, top_k=k, num_nodes=N); "
+                 "',sampled' for i.i.d. candidates) for every drafter that builds trees; "
+                 "repeatable, one tree row per flag beside the chain rows")
   p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
   p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                  default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
@@ -117,6 +121,8 @@ def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
     action = dests[dest]
     if dest == "temperatures":
       value = [float(x) for x in _list_field(value)]
+    elif dest == "tree":
+      value = [str(x) for x in (value if isinstance(value, list) else [value])]
     elif action.nargs == "+":
       value = _list_field(value) if dest != "pairs" else (
           value if isinstance(value, list) else [value])
@@ -153,6 +159,10 @@ def parse_args(argv) -> argparse.Namespace:
     raise ValueError("batch sizes must be >= 1")
   if any(t < 0 for t in args.temperatures):
     raise ValueError("temperatures must be >= 0")
+  if args.tree:
+    from spec_jax.tree import parse_tree_spec
+    for t in args.tree:
+      parse_tree_spec(t)
   return args
 
 

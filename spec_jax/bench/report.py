@@ -32,12 +32,14 @@ def format_spec(result: dict) -> str:
     return (2, 0) if k == "auto" else (int(k > 0), k)
   rows = sorted(result["rows"], key=lambda r: (r["target"], r["temperature"], r["batch"],
                                                k_order(r["K"])[0], r["drafter"],
-                                               k_order(r["K"])[1]))
+                                               bool(r.get("tree")), k_order(r["K"])[1],
+                                               r.get("tree") or ""))
   cells_rows = []
   for r in rows:
     t = r["tokens_per_s"]
     flag = "" if r["K"] == 0 else ("LOSS" if r["speedup"] < 1 else "")
-    cells_rows.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"], r["K"],
+    cells_rows.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"],
+                       f"tree {r['tree']}" if r.get("tree") else r["K"],
                        f"{t['median']:.0f}", f"{t['min']:.0f}-{t['max']:.0f}",
                        f"{r['speedup']:.2f}x", flag, fmt(r["alpha"]), fmt(r.get("alpha_token")),
                        fmt(r["tau"]),
@@ -58,6 +60,11 @@ def format_spec(result: dict) -> str:
              "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
              "ngram, heads: (propose()+commit())/K), both at the row's batch, fill = prompt + max_new/2; "
              "bound = tau/(K*c_draft + c_verify); eff = speedup/bound.")
+  if any(r.get("tree") for r in rows):
+    out.append("  tree D,k,N rows (sj.TreeSpec(depth=D, top_k=k, num_nodes=N), ',sampled' = i.i.d. "
+               "candidates): alpha = accepted / verified tree nodes; tau = tokens per verify; "
+               "c_verify = t(fwd over N+1)/t(fwd over 1); c_draft = (propose_tree + commit_tree) "
+               "/ D / t(fwd over 1); bound = tau/(D*c_draft + c_verify).")
   noise = [b["noise_pct"] for b in result["baselines"]]
   if noise:
     out.append(f"  noise: plain-baseline spread (max-min)/median per cell: median "

@@ -161,6 +161,64 @@ def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, 
   return time_calls(call, repeats)
 
 
+def _propose_tree_loop_fn(drafter, spec, target_config):
+  """jit(params, state, tokens, lengths, rng, sampling, target_params, n) -> (tokens, state): n
+  rounds of the drafter's tree work, propose_tree() then commit_tree() with a synthetic verify
+  (zero target features along a path of depth D, nothing accepted), as _propose_loop_fn."""
+  key = ("propose_tree", drafter, spec, target_config)
+  if key not in _FN_CACHE:
+    import jax
+    import jax.numpy as jnp
+    from spec_jax.drafters.base import DraftContext, VerifyInfo
+
+    def run(params, state, tokens, lengths, rng, sampling, target_params, n):
+      b, d = tokens.shape[0], spec.depth
+      params = drafter.prepare(params) if hasattr(drafter, "prepare") else params
+      target_params = _as_engine_prepares(target_params, target_config)
+      width = target_params["embed"].shape[1]
+      hidden = jnp.zeros((b, d + 1, width), target_params["embed"].dtype)
+
+      def body(i, carry):
+        toks, st = carry
+        ctx = DraftContext(key=jax.random.fold_in(rng, i), tokens=toks, lengths=lengths,
+                           sampling=sampling, target_params=target_params, num_draft=d)
+        tree, st = drafter.propose_tree(params, st, ctx, spec)
+        first = tree.tokens[:, 1:2]
+        emitted = jnp.concatenate([first, jnp.full((b, d), -1, jnp.int32)], axis=1)
+        verify = VerifyInfo(input_tokens=tree.tokens[:, :d + 1], hidden=hidden,
+                            layer_hidden=tuple(hidden for _ in drafter.target_layers),
+                            lengths_before=lengths, lengths=lengths, target_params=target_params)
+        st = drafter.commit_tree(params, st, emitted, jnp.zeros((b,), jnp.int32), verify)
+        toks = jax.lax.dynamic_update_slice(toks, first.astype(toks.dtype), (0, 0))
+        return toks, st
+      return jax.lax.fori_loop(0, n, body, (tokens, state))
+
+    _FN_CACHE[key] = jax.jit(run, donate_argnums=(1,))
+  return _FN_CACHE[key]
+
+
+def time_propose_tree(drafter, target, batch: int, spec, fill: int, capacity: int,
+                      repeats: int = 0, temperature: float = 0.0, call_only: bool = False):
+  """Seconds per jitted drafter.propose_tree() + commit_tree() of one tree round."""
+  import jax
+  import jax.numpy as jnp
+  import spec_jax as sj
+  fn = _propose_tree_loop_fn(drafter, spec, target.config)
+  tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
+  lengths = jnp.full((batch,), fill, jnp.int32)
+  sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
+  st = {"state": _initial_drafter_state(drafter, target, tokens, fill, sampling)}
+  key = jax.random.key(0)
+
+  def call(n):
+    toks, st["state"] = fn(drafter.params, st["state"], tokens, lengths, key, sampling,
+                           target.params, jnp.int32(n))
+    jax.block_until_ready(toks)
+  if call_only:
+    return call
+  return time_calls(call, repeats)
+
+
 def _verify_loop_fn(config):
   """jit(params, tokens [B,T], cache, offsets, sampling, n): n engine verify_steps (target
   forward + sampling.probs over the T positions), argmax fed back."""

@@ -7,6 +7,12 @@ A drafter is a small pytree of params plus pure functions; the engine calls them
     draft_tokens, draft_probs, state = drafter.propose(params, state, ctx)   # every round
     state = drafter.commit(params, state, tokens, n_accepted, verify)        # after rejection
 
+Tree drafting (spec_jax.tree; drafters with `supports_tree`):
+
+    tree, state = drafter.propose_tree(params, state, ctx, spec)     # a DraftTree of N+1 nodes
+    state = drafter.commit_tree(params, state, tokens, n_accepted, verify)
+      # verify holds the target's outputs gathered along the accepted path (a chain of depth D)
+
 - draft_tokens int32 [B, K]; -1 marks "no draft here": valid drafts are a prefix of each row,
   and the engine derives draft_lengths[b] from the first -1 (an n-gram drafter with fewer than K
   matches proposes fewer).
@@ -115,10 +121,12 @@ class Drafter:
     params: pytree passed back into every call (traced, not static).
     target_layers: indices of target layers whose hidden states the drafter needs (EAGLE-3).
     max_draft: the largest K this drafter can propose (None = any).
+    supports_tree: propose_tree is implemented (tree drafting, spec_jax.tree).
   """
   params: Any = None
   target_layers: tuple = ()
   max_draft: Optional[int] = None
+  supports_tree: bool = False
 
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""
@@ -136,6 +144,18 @@ class Drafter:
 
   def commit(self, params, state, tokens, n_accepted, verify: VerifyInfo):
     return state
+
+  def propose_tree(self, params, state, ctx: DraftContext, spec):
+    """A draft tree for tree drafting -> (spec_jax.tree.DraftTree with spec.num_nodes + 1
+    nodes, state). ctx.num_draft is spec.depth. Drafters that cannot build trees refuse."""
+    raise ValueError(f"{type(self).__name__} cannot build draft trees; drafters that can: "
+                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a chain)")
+
+  def commit_tree(self, params, state, tokens, n_accepted, verify: VerifyInfo):
+    """After a tree round: `verify` is the target's verify output gathered along the accepted
+    path (input_tokens [B, D+1] = the root then the path's nodes; hidden, layer_hidden alike),
+    tokens the emitted [B, D+1], exactly what `commit` gets after a chain of D drafts."""
+    return self.commit(params, state, tokens, n_accepted, verify)
 
   def catch_up(self, params, state, tokens, lengths):
     """Brings the state up to date with the committed tokens (tokens int32 [B, S], lengths

@@ -18,6 +18,15 @@ length, which are never read before they are written again). Catching up g token
 ceil(g / chunk) batched forwards, paid only when drafting resumes, instead of one draft step
 in every plain round. Under the governor (PrefillInfo.lazy) even the prompt's prefill is left
 to catch_up: a batch that never drafts never runs the draft model.
+
+Trees (spec_jax.tree, EAGLE-2's dynamic tree on the draft model): a tree round writes its
+frontier nodes into the draft cache past the last committed token, so after it the cache is
+only known valid below the old lengths (synced = lengths_before), and a round commits at most
+D+1 tokens: each propose_tree re-feeds the last D+1 committed tokens (a causal block; the
+root's logits give depth 1), then one forward per further depth over the new frontier nodes,
+placed after the block and the earlier frontiers, each seeing the block up to the root and its
+ancestors (a tree mask over those slots). Trees do not run under the governor (no K = 0
+rounds, no catch_up).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
+from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.transformer import KVCache, forward, prepare_params
 
@@ -69,6 +79,8 @@ class DraftModel(Drafter):
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
   catch_up_chunk: tokens per forward when the cache catches up after plain (K = 0) rounds.
   """
+
+  supports_tree = True
 
   def __init__(self, model, greedy_drafts: bool = False, catch_up_chunk: int = 16):
     if isinstance(catch_up_chunk, bool) or not isinstance(catch_up_chunk, int) \
@@ -170,3 +182,39 @@ class DraftModel(Drafter):
       return state
     synced = verify.lengths_before + jnp.minimum(n_accepted, k - 1)
     return state.replace(synced=jnp.minimum(synced, verify.lengths))
+
+  def propose_tree(self, params, state: DraftModelState, ctx: DraftContext, spec):
+    """EAGLE-2's dynamic tree on the draft model (module docstring) -> (DraftTree, state)."""
+    b, s = ctx.tokens.shape
+    w = spec.depth + 1
+    lengths = ctx.lengths
+    start = jnp.maximum(lengths - w, 0)             # a short row's block runs past its root
+    idx = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+    block = jnp.take_along_axis(ctx.tokens, jnp.minimum(idx, s - 1), axis=1)
+    root_at = lengths - 1 - start
+    out = forward(params, self.config, block, state.cache, start)
+    root_logits = jnp.take_along_axis(out.logits, root_at[:, None, None], axis=1)[:, 0]
+    sees_block = jnp.arange(w)[None, None, :] <= root_at[:, None, None]     # [B, 1, w]
+
+    def expand(tokens, parents, depths, first, cache):
+      # Tree node i sits at slot start+w+i; the new ones (first..) see the block up to the
+      # root and their ancestors: a mask over the w + T slots from `start`.
+      t = tokens.shape[1]
+      t_new = t - first
+      mask = jnp.concatenate([jnp.broadcast_to(sees_block, (b, t_new, w)),
+                              tree_lib.ancestor_mask(parents, spec.depth)[:, first:]], axis=2)
+      out = forward(params, self.config, tokens[:, first:], cache, start + w + first,
+                    positions=lengths[:, None] - 1 + depths[:, first:], tree_mask=mask)
+      return out.logits, out.cache
+
+    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
+    tree, cache = tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
+                                              sampling=ctx.sampling, candidates=candidates)
+    # The block made slots < lengths right; the nodes past them are out of place.
+    return tree, DraftModelState(cache=cache, synced=lengths)
+
+  def commit_tree(self, params, state: DraftModelState, tokens, n_accepted, verify: VerifyInfo):
+    # The accepted path's nodes sit at their list slots, not at their positions: nothing past
+    # lengths_before (= synced after propose_tree) is known valid; the next propose_tree
+    # re-feeds the last D+1 committed tokens.
+    return state

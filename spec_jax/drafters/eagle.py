@@ -179,7 +179,8 @@ def check_draft_tokens(draft_tokens, vocab_size: int, what: str = "draft_tokens"
   return ids.astype(np.int32)
 
 
-def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, offsets, inv_freq):
+def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, offsets, inv_freq,
+             tree_mask=None):
   """EAGLE-3's decoder layer over T new slots with a one-layer cache.
 
   Args:
@@ -189,6 +190,8 @@ def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, off
     positions: int32 [B, T]; k_cache, v_cache: [B, S, Hkv, Dh]; offsets: int32 [B] where the T
       new keys go (slot offsets[b] + t), attending to slots < offsets[b] and causally among
       the new ones.
+    tree_mask: optional bool [B, T, W] (draft trees): replaces the causal mask over the last W
+      slots, which end with the new ones (kernels_pallas.reference).
   Returns:
     (o [B, T, D], k_cache, v_cache).
   """
@@ -200,7 +203,7 @@ def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, off
   k = apply_rope(k.reshape(b, t, hkv, dh), positions, tables=rope)
   k_cache = _write_rows(k_cache[None], 0, k, offsets)[0]
   v_cache = _write_rows(v_cache[None], 0, v.reshape(b, t, hkv, dh), offsets)[0]
-  attn = _attention(cfg, q, k_cache, v_cache, offsets + t, None)
+  attn = _attention(cfg, q, k_cache, v_cache, offsets + t, tree_mask)
   x = residual + _out_projection(lp, attn.reshape(b, t, hq * dh))
   x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
   return x, k_cache, v_cache
@@ -274,11 +277,13 @@ class EAGLE3(FeatureHead):
     f = feature.astype(jnp.float32)
     return f, jnp.concatenate([e, rms_norm(f, params["hidden_norm"], eps)], axis=-1)
 
-  def _step(self, params, target_params, tokens, feature, k, v, offsets):
+  def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
+            tree_mask=None):
     residual, h = self._pre_attention(params, target_params, tokens, feature)
-    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    if positions is None:
+      positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     return midlayer(self.layer_config, params["layer"], residual, h, positions, k, v, offsets,
-                    rope_inv_freq(self.layer_config))
+                    rope_inv_freq(self.layer_config), tree_mask)
 
   def draft_logits(self, params, out):
     """Head output o [..., D] -> float32 logits [..., V_draft] over the draft vocabulary."""

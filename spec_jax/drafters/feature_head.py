@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
+from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
@@ -125,6 +126,7 @@ class FeatureHead(Drafter):
   """
 
   kind = "eagle"
+  supports_tree = True
 
   def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
                target_layers: tuple = (), greedy_drafts: bool = False):
@@ -187,23 +189,29 @@ class FeatureHead(Drafter):
     w_dtype = target_params["embed"].dtype
     return lm_head(target_params, self.target_config, out.astype(w_dtype))
 
-  def _layer(self, params, x, k, v, offsets):
-    """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v)."""
+  def _layer(self, params, x, k, v, offsets, positions=None, tree_mask=None):
+    """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v). positions
+    default to the slots (offsets + t); trees pass their own with an ancestor tree_mask."""
     t = x.shape[1]
-    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets, None,
-                         rope_inv_freq(self.layer_config))
+    if positions is None:
+      positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets,
+                         tree_mask, rope_inv_freq(self.layer_config))
 
   def _empty_cache(self, batch, capacity):
     c = self.layer_config
     shape = (batch, capacity, c.num_kv_heads, c.head_dim)
     return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
-  def _step(self, params, target_params, tokens, feature, k, v, offsets):
+  def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
+            tree_mask=None):
     """One cached head forward over T new pairs: next tokens int32 [B, T] and features
-    [B, T, D] at slots offsets[b] .. offsets[b]+T-1 -> (o [B, T, D], k, v)."""
+    [B, T, D] at slots offsets[b] .. offsets[b]+T-1 -> (o [B, T, D], k, v). positions int32
+    [B, T] (default the slots) and tree_mask bool [B, T, W] (default causal; W >= T: over the
+    last W slots, which end with the new ones) are for draft trees. Subclasses that override
+    it (EAGLE3) keep both arguments."""
     x = self.combine(params, target_params, tokens, feature)
-    return self._layer(params, x, k, v, offsets)
+    return self._layer(params, x, k, v, offsets, positions, tree_mask)
 
   def _pre_attention(self, params, target_params, tokens, feature):
     """(residual [B, T, D], attention input [B, T, D_in]) of the head's layer, for `unroll`."""
@@ -286,6 +294,40 @@ class FeatureHead(Drafter):
                          state.v, verify.lengths_before - 1)
     last = jnp.take_along_axis(o, n_accepted[:, None, None], axis=1)[:, 0]
     return FeatureHeadState(k=k, v=v, next_feature=last)
+
+  def propose_tree(self, params, state: FeatureHeadState, ctx: DraftContext, spec):
+    """EAGLE-2's dynamic tree (spec_jax.tree.build_dynamic_tree). A node at depth d is the
+    pair (its parent's feature, its token) at RoPE position lengths-2+d, as in a chain. Frontier
+    node i of the tree so far sits at head-cache slot lengths-1+i (speculative slots, rewritten
+    by commit_tree along the accepted path); each depth's new frontier goes through the head's
+    layer once, reading its parents' outputs o (the root's: next_feature) and attending to the
+    committed slots plus its ancestors through a tree mask over the tree's slots."""
+    tp = ctx.target_params
+    nf = state.next_feature
+    b, d = nf.shape
+    lengths = ctx.lengths
+
+    def expand(tokens, parents, depths, start, carry):
+      o_prev, k, v = carry
+      new_par = parents[:, start:]
+      t_new = new_par.shape[1]
+      root_feat = jnp.broadcast_to(nf[:, None, :], (b, t_new, d))
+      if o_prev is None:
+        parent_feat = root_feat
+      else:
+        gathered = jnp.take_along_axis(o_prev, jnp.maximum(new_par, 0)[:, :, None], axis=1)
+        parent_feat = jnp.where(new_par[:, :, None] < 0, root_feat, gathered)
+      mask = tree_lib.ancestor_mask(parents, spec.depth)[:, start:]         # [B, t_new, T]
+      o, k, v = self._step(params, tp, tokens[:, start:], parent_feat, k, v, lengths - 1 + start,
+                           positions=lengths[:, None] - 2 + depths[:, start:], tree_mask=mask)
+      o_all = o if o_prev is None else jnp.concatenate([o_prev, o], axis=1)
+      return self.logits(params, tp, o), (o_all, k, v)
+
+    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
+    tree, (_, k, v) = tree_lib.build_dynamic_tree(
+        self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
+        sampling=ctx.sampling, candidates=candidates)
+    return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training
 

@@ -5,12 +5,20 @@ down to min_ngram; the most recent earlier occurrence of the longest matching n-
 the tokens that followed it are proposed. Fixed-size search: every start position of the
 [B, S] token buffer is compared at once, no host loop. Fewer than K continuation tokens (or no
 match) are expressed as -1 padding, which the engine turns into draft_lengths.
+
+Trees: several matches become several branches. Every continuation start c < lengths is ranked
+by the longest n-gram (min_ngram..max_ngram) ending at c-1 that equals the last n committed
+tokens, then by recency (so branch 0 is the chain's proposal); the top_k starts give branches
+of up to D tokens, merged into a trie (equal prefixes share nodes), N nodes at most.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+import jax
+
+from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter
 
 
@@ -18,6 +26,7 @@ class NGram(Drafter):
   """Deterministic drafts (draft_probs None): lossless through the rejection sampler."""
 
   params = None
+  supports_tree = True
 
   def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
     for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
@@ -53,3 +62,26 @@ class NGram(Drafter):
     cont = jnp.take_along_axis(tokens, idx, axis=1)
     ok = (best_start[:, None] >= 0) & (best_start[:, None] + offs < lengths[:, None])
     return jnp.where(ok, cont, -1), None, state
+
+  def propose_tree(self, params, state, ctx: DraftContext, spec):
+    tokens, lengths = ctx.tokens, ctx.lengths
+    b, s = tokens.shape
+    d = spec.depth
+    starts = jnp.arange(s, dtype=jnp.int32)[None, :]
+    longest = jnp.zeros((b, s), jnp.int32)        # longest match ending just before start c
+    for n in range(self.max_ngram, self.min_ngram - 1, -1):
+      pattern = jnp.take_along_axis(
+          tokens, jnp.clip(lengths[:, None] - n + jnp.arange(n)[None, :], 0, s - 1), axis=1)
+      match = jnp.ones((b, s), bool)
+      for i in range(n):
+        match &= jnp.roll(tokens, -i, axis=1) == pattern[:, i:i + 1]
+      match &= (starts + n < lengths[:, None]) & (lengths[:, None] >= n + 1)
+      at_start = jnp.roll(match, n, axis=1) & (starts >= n)       # n-gram at c-n, continuation c
+      longest = jnp.where((longest == 0) & at_start, n, longest)
+    rank = jnp.where(longest > 0, longest * s + starts, -1)
+    best, cont = jax.lax.top_k(rank, min(spec.top_k, s))         # [B, R] best first
+    idx = cont[:, :, None] + jnp.arange(d, dtype=jnp.int32)[None, None, :]
+    branch = jnp.take_along_axis(tokens, jnp.minimum(idx, s - 1).reshape(b, -1),
+                                 axis=1).reshape(idx.shape)
+    ok = (best[:, :, None] >= 0) & (idx < lengths[:, None, None])
+    return tree_lib.trie_from_branches(branch, ok, spec.num_nodes), state

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
+from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models.config import ModelConfig
 
@@ -137,8 +138,10 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
   t = q.shape[1]
   window = config.sliding_window
   needs_window = window is not None and window < k_layer.shape[1]
-  if needs_window or t > 16:
-    # Prefill and sliding-window attention take the jnp path; the kernel is for small T.
+  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
+  if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
+    # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
+    # trees: up to its 32 new tokens) with a square tree mask.
     return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                       sliding_window=window if needs_window else None)
   return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
@@ -256,7 +259,9 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
       Row b attends to cache entries < offsets[b] plus its new tokens (causally).
     positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
       tree drafts pass offset + depth here.
-    tree_mask: optional bool [B, T, T] visibility among the new tokens (default causal).
+    tree_mask: optional bool [B, T, T] visibility among the new tokens (default causal), or
+      [B, T, W] (W > T) over the last W cache entries ending with the new tokens (a draft tree
+      growing in the cache; see kernels_pallas.reference).
     return_layers: indices of layers whose output residual stream to return (EAGLE-3 features).
 
   Returns:

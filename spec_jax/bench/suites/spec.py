@@ -21,18 +21,32 @@ from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_ca
 from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
 from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_generate
-from spec_jax.bench.timers import time_forward, time_propose
+from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.bench.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 
 
-def time_costs(setup, batch: int, ks, capacity: int, repeats: int) -> tuple:
+def _tree_drafters(setup) -> list:
+  return [d for d, dr in setup.drafters.items() if getattr(dr, "supports_tree", False)]
+
+
+def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> tuple:
   """The cost timers of one batch, all round-robin -> (t1, tv, td): t1 the target forward over
   1 token, tv[k] over K+1 tokens (timer dicts of timing.time_interleaved), td[drafter][k] =
-  {'per_round_s', 'c_draft', 'propose_s', 'c_propose'}."""
+  {'per_round_s', 'c_draft', 'propose_s', 'c_propose'}. For a TreeSpec t in `trees`, tv[t] is
+  the forward over N+1 tokens (the tree verify; the mask does not change its cost) and
+  td[drafter][t] the drafter's propose_tree() + commit_tree() per round / D."""
   target, fill = setup.model, setup.fill
   calls = {"t1": time_forward(target, batch, 1, fill, capacity, call_only=True)}
   for k in ks:
     calls[("verify", k)] = time_forward(target, batch, k + 1, fill, capacity, call_only=True)
+  for t in trees:
+    calls[("verify", t)] = time_forward(target, batch, t.num_nodes + 1, fill, capacity,
+                                        call_only=True)
+    for dspec in _tree_drafters(setup):
+      calls[("propose", dspec, t)] = time_propose_tree(
+          setup.drafters[dspec], target, batch, t, fill, capacity,
+          temperature=1.0 if draft_model_of(setup.drafters[dspec]) is not None else 0.0,
+          call_only=True)
   for dspec, dr in setup.drafters.items():
     if draft_model_of(dr) is not None:
       calls[("draft_fwd", dspec)] = time_forward(draft_model_of(dr), batch, 1, fill, capacity,
@@ -45,7 +59,7 @@ def time_costs(setup, batch: int, ks, capacity: int, repeats: int) -> tuple:
           temperature=1.0 if draft_model_of(dr) is not None else 0.0, call_only=True)
   timed = time_interleaved(calls, repeats)
   t1 = timed["t1"]
-  tv = {k: timed[("verify", k)] for k in ks}
+  tv = {k: timed[("verify", k)] for k in list(ks) + list(trees)}
   td = {}
   for dspec, dr in setup.drafters.items():
     td[dspec] = {}
@@ -56,6 +70,12 @@ def time_costs(setup, batch: int, ks, capacity: int, repeats: int) -> tuple:
           "per_round_s": k * per_draft["per_iter_s"] if per_draft else prop["per_iter_s"],
           "c_draft": ratio_of(per_draft, t1) if per_draft else ratio_of(prop, t1, k),
           "propose_s": prop["per_iter_s"], "c_propose": ratio_of(prop, t1, k)}
+    for t in trees:
+      if ("propose", dspec, t) in timed:
+        prop = timed[("propose", dspec, t)]
+        td[dspec][t] = {"per_round_s": prop["per_iter_s"], "c_draft": ratio_of(prop, t1, t.depth),
+                        "propose_s": prop["per_iter_s"],
+                        "c_propose": ratio_of(prop, t1, t.depth)}
   return t1, tv, td
 
 
@@ -101,13 +121,19 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
   meta: the row's target/batch/temperature/length fields; stats: its SpecStats per repeat;
   base: summarize() of plain decoding's tokens/s in the same cell; t1: the 1-token target
   timer; tv: the (K+1)-token timer and td: the drafter's costs at this K (both None for K=0).
+  k may be an sj.TreeSpec: a tree row, K = its depth, "tree" = "D,k,N[,sampled]", c_verify
+  over N+1 tokens, c_draft = (propose_tree + commit_tree) / D, bound = tau / (D c_draft +
+  c_verify).
   """
   import numpy as np
+  tree = None
+  if not isinstance(k, int):
+    tree, k = k, k.depth
   tps = summarize(tokens_per_s)
   tau = float(np.mean([s.mean_accepted_length for s in stats]))
   alphas = [s.acceptance_rate for s in stats]
   tok_alphas = [alpha_per_verified_token(s) for s in stats]
-  alpha_token = (None if k == 0 or any(a is None for a in tok_alphas)
+  alpha_token = (None if k == 0 or tree is not None or any(a is None for a in tok_alphas)
                  else float(np.mean(tok_alphas)))
   if k == 0:
     c_draft, c_verify, alpha, cv_rounds = 0.0, 1.0, None, None
@@ -126,9 +152,10 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "target": meta["target"], "target_spec": meta["target_spec"],
       "target_params": meta["target_params"],
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
+      "tree": None if tree is None else _tree_text(tree),
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
       "new_tokens_per_run": meta["batch"] * max_new, "prompt_tokens_longest": lb,
-      "capacity": engine_capacity(lb, max_new, k),
+      "capacity": engine_capacity(lb, max_new, k if tree is None else tree.cache_extent),
       "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
       "speedup": speedup, "alpha": alpha, "tau": tau,
       "alpha_per_repeat": alphas if k else None,
@@ -148,6 +175,16 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "cost_fill": meta["cost_fill"], "cost_capacity": meta["cost_capacity"],
       "noise_pct": base["spread_pct"],
   }
+
+
+def _tree_text(tree) -> str:
+  return f"{tree.depth},{tree.top_k},{tree.num_nodes}" + (
+      "" if tree.candidates == "topk" else ",sampled")
+
+
+def config_label(k) -> str:
+  """'K=4' for a chain ('K=auto' for the governor), 'tree=D,k,N' for a TreeSpec."""
+  return f"K={k}" if isinstance(k, (int, str)) else f"tree={_tree_text(k)}"
 
 
 def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, cost_capacity: int,
@@ -170,7 +207,8 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
     t0 = time.perf_counter()
     run_generate(setup.model, prompts, setup.drafters.get(dspec), k, setup.max_new, temp,
                  opts.seed)
-    log(f"[bench]   warm {drafter_label(dspec)} K={k}: {time.perf_counter() - t0:.1f} s")
+    log(f"[bench]   warm {drafter_label(dspec)} {config_label(k)}: "
+        f"{time.perf_counter() - t0:.1f} s")
     runs[(dspec, k)] = (lambda d=dspec, k=k: run_generate(
         setup.model, prompts, setup.drafters.get(d), k, setup.max_new, temp, opts.seed).stats)
 
@@ -178,7 +216,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
     plain = [s.tokens_per_second for s in res[configs[0]]]
     log(f"[bench] {cell}: round {rep + 1}/{opts.repeats}: plain "
         f"{plain[-2]:.0f}/{plain[-1]:.0f} tok/s; " + ", ".join(
-            f"{drafter_label(c[0])} K={c[1]} {res[c][-1].tokens_per_second:.0f}"
+            f"{drafter_label(c[0])} {config_label(c[1])} {res[c][-1].tokens_per_second:.0f}"
             for c in configs[1:]))
   results = interleaved_rounds(runs, opts.repeats, baseline=configs[0], on_round=on_round)
   base = summarize([s.tokens_per_second for s in results[configs[0]]])
@@ -227,7 +265,7 @@ def add_governor_shares(rows: list) -> None:
     if r["K"] != "auto":
       continue
     fixed = [x for x in rows if x["drafter_spec"] == r["drafter_spec"] and
-             isinstance(x["K"], int) and x["K"] > 0]
+             isinstance(x["K"], int) and x["K"] > 0 and not x.get("tree")]
     if not fixed:
       r.update(best_fixed_K=None, best_fixed_speedup=None, share_of_best_fixed=None)
       continue
@@ -264,8 +302,10 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
     if setup.note and not any(n.startswith(label + ": max_new_tokens") for n in notes):
       notes.append(setup.note)
       log("[bench] note: " + setup.note)
-    cost_capacity = engine_capacity(setup.longest, setup.max_new, max(grid.ks))
+    cost_capacity = engine_capacity(setup.longest, setup.max_new, max(
+        [max(grid.ks)] + [t.cache_extent for t in grid.trees]))
     configs = [("none", 0)] + [(d, k) for d in drafter_specs for k in grid.ks]
+    configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees]
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:
@@ -273,7 +313,7 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         continue
       log(f"[bench] {label} B={batch}: timing cost ratios "
           f"(fill {setup.fill}, capacity {cost_capacity})")
-      costs = time_costs(setup, batch, grid.ks, cost_capacity, opts.cost_repeats)
+      costs = time_costs(setup, batch, grid.ks, cost_capacity, opts.cost_repeats, grid.trees)
       for temp in grid.temps:
         if (label, batch, temp) in done:
           continue
@@ -308,7 +348,8 @@ def make_verdicts(rows, baselines) -> list:
       within = abs(s - 1.0) * 100 <= nz / 2
       judgement = ("beats plain" if s > 1 else "LOSES to plain") + (", within noise" if within
                                                                     else "")
-      parts.append({"batch": batch, "best_K": best["K"], "speedup": s, "beats_plain": s > 1.0,
+      parts.append({"batch": batch, "best_K": best["K"] if not best.get("tree") else
+                    f"tree {best['tree']}", "speedup": s, "beats_plain": s > 1.0,
                     "clear": not within, "noise_pct": nz, "judgement": judgement})
     out.append({"target": target, "drafter": drafter, "temperature": temp, "per_batch": parts,
                 "beats_plain_at_batches": [p["batch"] for p in parts if p["beats_plain"]],

@@ -13,12 +13,13 @@ from spec_jax.bench.specs import draft_model_of, load_model, make_drafter, model
 @dataclasses.dataclass(frozen=True)
 class Grid:
   """by_target: target spec -> [drafter specs] (order of --pairs); ks, batches: sorted unique
-  ints; temps: floats in the given order; auto: 'auto' was among the K values (the governor
-  runs as one more configuration per drafter)."""
+  ints; temps: floats in the given order; trees: sj.TreeSpec per --tree (order given); auto:
+  'auto' was among the K values (the governor runs as one more configuration per drafter)."""
   by_target: dict
   ks: list
   batches: list
   temps: list
+  trees: list = dataclasses.field(default_factory=list)
   auto: bool = False
 
 
@@ -32,8 +33,10 @@ def grid_of(opts) -> Grid:
   by_target: dict = {}
   for t, d in parse_pairs(opts.pairs):
     by_target.setdefault(t, []).append(d)
+  from spec_jax.tree import parse_tree_spec
+  trees = list(dict.fromkeys(parse_tree_spec(t) for t in (getattr(opts, "tree", None) or [])))
   return Grid(by_target=by_target, ks=ks, batches=sorted(set(int(b) for b in opts.batch)),
-              temps=[float(t) for t in opts.temperatures], auto=auto)
+              temps=[float(t) for t in opts.temperatures], trees=trees, auto=auto)
 
 
 @dataclasses.dataclass
@@ -86,10 +89,13 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) ->
 
 def run_generate(target, prompts, drafter, k, max_new: int, temperature: float, seed: int):
   """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
-  an integer or 'auto' (the governor: calibrated on its first call, outside the timing)."""
+  an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
+  sj.TreeSpec (tree drafting)."""
   import jax
   import spec_jax as sj
-  out = sj.generate(target, prompts, drafter=drafter, num_draft=k if drafter is not None else 4,
+  tree = k if isinstance(k, sj.TreeSpec) else None
+  out = sj.generate(target, prompts, drafter=drafter,
+                    num_draft=k if drafter is not None and tree is None else 4, tree=tree,
                     max_new_tokens=max_new, sampling=sj.Sampling(temperature=temperature),
                     key=jax.random.key(seed), stop_tokens=[])
   counts = {len(t) for t in out.tokens}
