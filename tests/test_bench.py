@@ -151,8 +151,9 @@ def test_config_file_and_quick(tmp_path):
     parse_pairs(["stories260K"])
 
 
-def test_default_config_file_parses():
-  args = cli.parse_args(["--config", str(ROOT / "configs" / "bench_default.yaml")])
+@pytest.mark.parametrize("name", ["bench_default.yaml", "bench_widened.yaml"])
+def test_config_files_parse(name):
+  args = cli.parse_args(["--config", str(ROOT / "configs" / name)])
   assert args.suite == "spec" and parse_pairs(args.pairs)
 
 
