@@ -342,3 +342,22 @@ def test_draft_model_with_another_vocabulary_is_refused():
   other = sj.init_model(CFG.replace(vocab_size=80), jax.random.key(4))
   with pytest.raises(ValueError, match="vocabulary"):
     sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(other), num_draft=2)
+
+
+def test_cached_execution_layout_follows_weight_changes():
+  """generate() keeps each model's execution layout between calls (engine.execution_params);
+  weights swapped in the same params dict afterwards must be used, not the cached layout."""
+  target = sj.init_model(CFG, jax.random.key(11))
+  target.params["embed"] = target.params["embed"] * 40
+  run = lambda m: sj.generate(m, PROMPTS, max_new_tokens=8, sampling=GREEDY, stop_tokens=[])
+  first = run(target).tokens
+  assert run(target).tokens == first                       # a cache hit: same tokens
+  assert engine.execution_params(target) is engine.execution_params(target)
+  layers = dict(target.params["layers"])
+  layers["wq"] = layers["wq"] * 3.0                        # a layer weight the layout fuses
+  target.params["layers"] = layers
+  target.params["embed"] = target.params["embed"][::-1]   # and the token embedding
+  fresh = sj.Model(config=CFG, params=jax.tree.map(jnp.array, target.params), tokenizer=None)
+  changed = run(target).tokens
+  assert changed == run(fresh).tokens
+  assert changed != first
