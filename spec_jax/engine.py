@@ -624,6 +624,11 @@ def _compiled_decode(args, static):
   return _COMPILED[sig]
 
 
+def _host(x, dtype):
+  """A numpy array of dtype, unless x is already a jax array (then as it is)."""
+  return x if isinstance(x, jax.Array) else np.asarray(x, dtype)
+
+
 _EXECUTION_PARAMS: dict = {}   # id(params) -> (weakrefs to every leaf, prepared params)
 _prepare_jit = jax.jit(prepare_params, static_argnums=(1,))
 
@@ -667,13 +672,16 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
   stop: int32 [N]; round_costs: float32 [len(candidates)] or None; tree: a TreeSpec or None."""
   drafter_params = None if drafter is None else drafter.params
+  # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
+  # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
   args = (sharding_lib.shard_params(mesh, execution_params(target, mesh)),
-          *sharding_lib.shard_rows(mesh, (jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens))),
+          *sharding_lib.shard_rows(mesh, (_host(prompt_tokens, np.int32),
+                                          _host(prompt_lens, np.int32))),
           sharding_lib.replicate(mesh, key))
   kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
-                max_new_tokens=sharding_lib.replicate(mesh, jnp.asarray(max_new_tokens, jnp.int32)),
+                max_new_tokens=sharding_lib.replicate(mesh, np.asarray(max_new_tokens, np.int32)),
                 sampling=sharding_lib.shard_rows(mesh, sampling),
-                stop_tokens=sharding_lib.replicate(mesh, jnp.asarray(stop, jnp.int32)))
+                stop_tokens=sharding_lib.replicate(mesh, np.asarray(stop, np.int32)))
   static = dict(config=target.config, drafter=drafter, num_draft=num_draft, capacity=capacity,
                 mesh=mesh, greedy=greedy)
   if governor is not None:
@@ -681,7 +689,7 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   if tree is not None:
     static["tree"] = tree
   if round_costs is not None:
-    kwargs["round_costs"] = sharding_lib.replicate(mesh, jnp.asarray(round_costs, jnp.float32))
+    kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
   return _compiled_decode((args, kwargs), static), args, kwargs
 
 

@@ -57,10 +57,13 @@ class Sampling:
   def as_arrays(self, batch_size: int) -> "Sampling":
     """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
     self.check(batch_size)
+    fields = (self.temperature, self.top_k, self.top_p)
+    # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
+    xp = jnp if any(isinstance(x, jax.Array) for x in fields) else np
     return Sampling(
-        temperature=jnp.broadcast_to(jnp.asarray(self.temperature, jnp.float32), (batch_size,)),
-        top_k=jnp.broadcast_to(jnp.asarray(self.top_k, jnp.int32), (batch_size,)),
-        top_p=jnp.broadcast_to(jnp.asarray(self.top_p, jnp.float32), (batch_size,)))
+        temperature=xp.broadcast_to(xp.asarray(self.temperature, xp.float32), (batch_size,)),
+        top_k=xp.broadcast_to(xp.asarray(self.top_k, xp.int32), (batch_size,)),
+        top_p=xp.broadcast_to(xp.asarray(self.top_p, xp.float32), (batch_size,)))
 
   @property
   def is_greedy(self) -> bool:
