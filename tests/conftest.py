@@ -23,3 +23,16 @@ def need_shared(*parts):
   if not path.exists():
     pytest.skip(f"{path} is absent (../shared is beside the repository in CI)")
   return path
+
+
+# The longest files first: with two xdist workers taking whole files (--dist loadfile), a long
+# file started last keeps one worker busy while the other idles (longest-first scheduling).
+# Rough single-worker minutes on the 2-core CI machine, longest first.
+_LONG_FILES = ("test_multiprocess.py", "test_tree.py", "test_heads.py", "test_lossless.py",
+               "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
+               "test_eval.py", "test_bench.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_LONG_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order within a file kept
