@@ -323,6 +323,10 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         rows.extend(cell_rows)
         if checkpoint is not None:
           checkpoint(partial())
+        # Every cell compiles its own executables (B and T are static): drop them, or a long run
+        # with the governor's per-K loops exhausts the process's memory maps (LLVM "Cannot
+        # allocate memory" after ~13 cells of `--pairs default -K 2 4 auto -B 1 16 32`).
+        release_compiled()
     release_compiled()
   return partial()
 
