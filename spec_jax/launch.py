@@ -42,8 +42,8 @@ DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # ranks is : N" on stdout for every CPU device as its collectives connect, from several threads
 # at once, so the pieces of these lines interleave: a line made of nothing but such pieces (and
 # digits and spaces) is gloo's, not the command's.
-_GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to",
-                r"peer ranks\. Expected number of connected peer ranks is :")
+_GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to", r"peer ranks\.",
+                r"Expected number of connected peer ranks is :")
 NOISE = re.compile(r"^(?=.*(?:%s))(?:\s|\d|%s)+$" % ("|".join(_GLOO_PIECES),
                                                     "|".join(_GLOO_PIECES)))
 KEEP_LINES = 200           # lines of a quiet process's output kept for its failure report
