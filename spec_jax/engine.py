@@ -399,19 +399,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
   if drafter is not None and not isinstance(drafter, Drafter):
     raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
                      f"{type(drafter).__name__}")
-  gov = None
-  if tree is not None:   # tree drafting: num_draft is ignored, depth bounds the accepted drafts
-    from spec_jax import tree as tree_lib
-    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
-    k, extent = tree.depth, tree.cache_extent
-  elif is_auto(num_draft):
-    from spec_jax import governor as governor_lib
-    gov = governor_lib.resolve(governor, drafter)
-    k = extent = max(gov.candidates(drafter))
-  else:
-    if governor is not None:
-      raise ValueError("governor= is used only with num_draft='auto'")
-    k = extent = check_num_draft(drafter, num_draft)
+  k, extent, gov, tree = drafting_plan(drafter, num_draft, tree, governor)
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -438,6 +426,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
                          max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                          stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache, width=k,
                          lazy_drafter=gov is not None)
+  from spec_jax import governor as governor_lib, tree as tree_lib   # (they import this module)
   if gov is None:
     if tree is not None:
       round_ = functools.partial(tree_lib.tree_round, env, spec=tree)
@@ -455,6 +444,27 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config: ModelConfi
                       rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
                       accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
                       iterations=final.iterations, k_rounds=k_rounds)
+
+
+def drafting_plan(drafter, num_draft, tree, governor) -> tuple:
+  """Checks how a call drafts -> (K, cache extent, Governor or None, TreeSpec or None).
+
+  A tree ignores num_draft (its depth bounds the accepted drafts; extent: its cache reach);
+  num_draft="auto" takes the governor's largest candidate; otherwise K = num_draft. ValueError
+  on a bad combination (shared by decode and generate, so their messages agree)."""
+  if tree is not None:
+    from spec_jax import tree as tree_lib
+    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
+    return tree.depth, tree.cache_extent, None, tree
+  if is_auto(num_draft):
+    from spec_jax import governor as governor_lib
+    gov = governor_lib.resolve(governor, drafter)
+    k = max(gov.candidates(drafter))
+    return k, k, gov, None
+  if governor is not None:
+    raise ValueError("governor= is used only with num_draft='auto'")
+  k = check_num_draft(drafter, num_draft)
+  return k, k, None, None
 
 
 def is_auto(num_draft) -> bool:
@@ -768,19 +778,7 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
-  gov = None
-  if tree is not None:
-    from spec_jax import tree as tree_lib
-    tree = tree_lib.check_tree(tree, drafter, num_draft, governor)
-    k, extent = tree.depth, tree.cache_extent
-  elif is_auto(num_draft):
-    from spec_jax import governor as governor_lib
-    gov = governor_lib.resolve(governor, drafter)
-    k = extent = max(gov.candidates(drafter))
-  else:
-    if governor is not None:
-      raise ValueError("governor= is used only with num_draft='auto'")
-    k = extent = check_num_draft(drafter, num_draft)
+  k, extent, gov, tree = drafting_plan(drafter, num_draft, tree, governor)
   if drafter is not None:
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
@@ -816,6 +814,7 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
 
   costs = None
   if gov is not None:   # the cost table (calibrated on first use, then cached): not timed
+    from spec_jax import governor as governor_lib
     costs = governor_lib.round_costs_for(gov, target, drafter, batch, capacity, greedy,
                                          max_new_tokens, prompt_len=prompt_tokens.shape[1],
                                          stop_count=len(stop), mesh=mesh)
