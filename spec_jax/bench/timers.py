@@ -142,23 +142,8 @@ def time_propose(drafter, target, batch: int, k: int, fill: int, capacity: int, 
                  temperature: float = 0.0, call_only: bool = False):
   """Seconds per jitted drafter.propose() of K tokens (the whole draft of one round, sampling
   of q included) on a [B, capacity] buffer with `fill` committed tokens per row."""
-  import jax
-  import jax.numpy as jnp
-  import spec_jax as sj
-  fn = _propose_loop_fn(drafter, k, target.config)
-  tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
-  lengths = jnp.full((batch,), fill, jnp.int32)
-  sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
-  st = {"state": _initial_drafter_state(drafter, target, tokens, fill, sampling)}
-  key = jax.random.key(0)
-
-  def call(n):
-    toks, st["state"] = fn(drafter.params, st["state"], tokens, lengths, key, sampling,
-                           target.params, jnp.int32(n))
-    jax.block_until_ready(toks)
-  if call_only:
-    return call
-  return time_calls(call, repeats)
+  return _time_drafter_loop(_propose_loop_fn(drafter, k, target.config), drafter, target,
+                            batch, fill, capacity, repeats, temperature, call_only)
 
 
 def _propose_tree_loop_fn(drafter, spec, target_config):
@@ -200,10 +185,18 @@ def _propose_tree_loop_fn(drafter, spec, target_config):
 def time_propose_tree(drafter, target, batch: int, spec, fill: int, capacity: int,
                       repeats: int = 0, temperature: float = 0.0, call_only: bool = False):
   """Seconds per jitted drafter.propose_tree() + commit_tree() of one tree round."""
+  return _time_drafter_loop(_propose_tree_loop_fn(drafter, spec, target.config), drafter,
+                            target, batch, fill, capacity, repeats, temperature, call_only)
+
+
+def _time_drafter_loop(fn, drafter, target, batch, fill, capacity, repeats, temperature,
+                       call_only):
+  """Times fn(params, state, tokens [B, capacity], lengths, key, sampling, target_params, n),
+  a jitted loop of n drafter calls, on a text-like buffer with `fill` committed tokens per row
+  (call_only: the call itself, for interleaved timing)."""
   import jax
   import jax.numpy as jnp
   import spec_jax as sj
-  fn = _propose_tree_loop_fn(drafter, spec, target.config)
   tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
   lengths = jnp.full((batch,), fill, jnp.int32)
   sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
