@@ -42,7 +42,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import types
 from typing import Optional
 
@@ -424,23 +423,8 @@ def export(drafter, out_dir, format: str = "eagle3", overwrite: bool = False) ->
                      f"or choose a new folder")
   config = eagle3_config(drafter)
   tensors = eagle3_tensors(drafter)
-  out_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-  if tmp.exists():
-    shutil.rmtree(tmp)
-  tmp.mkdir()
-  try:
+  from spec_jax.models.hf_export import atomic_folder
+  with atomic_folder(out_dir) as tmp:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
-    old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
-    if out_dir.is_dir():
-      os.replace(out_dir, old)
-    elif out_dir.exists():
-      out_dir.unlink()
-    os.replace(tmp, out_dir)
-    if old.exists():
-      shutil.rmtree(old)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp)
   return out_dir

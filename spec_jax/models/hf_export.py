@@ -21,6 +21,7 @@ half-written model. An existing non-empty destination is refused unless `overwri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -229,12 +230,7 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
                      f"(CLI: --overwrite) or choose a new folder")
   config = hf_config(model.config)
   tensors = hf_tensors(model)
-  out_dir.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-  if tmp.exists():
-    shutil.rmtree(tmp)
-  tmp.mkdir()
-  try:
+  with atomic_folder(out_dir) as tmp:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
                   "_from_model_config": True}
@@ -242,6 +238,21 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
     save_file(tensors, os.fspath(tmp / "model.safetensors"),
               metadata={"format": "pt", **(metadata or {})})
     _write_tokenizer(model.tokenizer, tmp)
+  return out_dir
+
+
+@contextlib.contextmanager
+def atomic_folder(out_dir: pathlib.Path):
+  """Yields a fresh temporary folder beside out_dir; when the block ends without an error it
+  replaces out_dir (a reader sees the old folder or the whole new one, never a half-written
+  one); the temporary folder is removed either way."""
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+  if tmp.exists():
+    shutil.rmtree(tmp)
+  tmp.mkdir()
+  try:
+    yield tmp
     old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
     if out_dir.is_dir():
       os.replace(out_dir, old)     # a directory cannot be renamed over a non-empty one
@@ -253,4 +264,3 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
   finally:
     if tmp.exists():
       shutil.rmtree(tmp)
-  return out_dir
