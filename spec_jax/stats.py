@@ -171,7 +171,10 @@ def alpha_from_tau(tau: float, num_draft: int) -> float:
   lo, hi = 0.0, 1.0
   for _ in range(60):
     mid = 0.5 * (lo + hi)
-    if tau_of_alpha(mid, num_draft) < tau:
+    value = 1.0
+    for _ in range(num_draft):           # Horner: 1 + mid (1 + mid (1 + ...)) = tau_of_alpha
+      value = 1.0 + mid * value
+    if value < tau:
       lo = mid
     else:
       hi = mid

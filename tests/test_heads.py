@@ -523,7 +523,7 @@ def test_native_mtp_matches_an_independent_torch_forward(tmp_path, layout):
   """The MTP drafter loaded from a synthetic checkpoint computes, for every slot of a sequence,
   the logits of the torch reference above (<= 1e-5): through the training unroll (all slots at
   once) and through the drafting path (init_state's first draft distribution)."""
-  torch = pytest.importorskip("torch")
+  pytest.importorskip("torch")
   folder = tmp_path / "ckpt"
   tensors = _write_qwen3_with_mtp(folder, layout)
   cfg = json.loads((folder / "config.json").read_text())

@@ -5,7 +5,6 @@ prompts: stories260K with the salty279K draft model and with n-gram lookup, tiny
 with n-gram lookup. Also the classic mistake: a draft with another vocabulary is refused.
 """
 
-import jax
 import pytest
 
 import spec_jax as sj

@@ -141,7 +141,6 @@ def test_lossless_against_known_p_q(k):
 
 
 def test_lossless_deterministic_drafts():
-  k = 3
   # Fixed drafts: a likely token, one with p = 0 at position 1 (always rejected), a varied one.
   drafts = jnp.asarray(np.tile(np.array([[0, 4, 2]], np.int32), (N, 1)))
   drafts = drafts.at[: N // 2, 1].set(2)         # half the rows draft a likely token instead

@@ -35,7 +35,6 @@ heads, eval.json) and every printed line by process 0, which also runs the accep
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import sys

@@ -31,6 +31,8 @@ rounds, no catch_up).
 
 from __future__ import annotations
 
+import weakref
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,22 @@ class DraftModelState:
   synced: jax.Array
 
 
+# Tokenizer pairs already compared piece by piece (generate() checks on every call, and a
+# Hugging Face vocabulary of 150k pieces takes tens of ms to list): draft tokenizer ->
+# {target tokenizer: (both vocabulary sizes then)}. Weak, so a dropped tokenizer is forgotten.
+_SAME_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _known_same(dt, tt) -> bool:
+  if dt is tt:
+    return True
+  try:
+    seen = _SAME_PIECES.get(dt, {}).get(tt)
+  except TypeError:                        # a tokenizer that cannot be weakly referenced
+    return False
+  return seen == (dt.vocab_size, tt.vocab_size)
+
+
 def check_same_vocabulary(draft, target, what="draft model"):
   """Raises ValueError when `draft` and `target` (Models) do not share one vocabulary."""
   dv, tv = draft.config.vocab_size, target.config.vocab_size
@@ -60,9 +78,14 @@ def check_same_vocabulary(draft, target, what="draft model"):
     raise ValueError(f"the {what} has a vocabulary of {dv} tokens but the target has {tv}: "
                      "speculative decoding needs the same tokenizer and vocabulary for both")
   dt, tt = draft.tokenizer, target.tokenizer
-  if dt is not None and tt is not None:
+  if dt is not None and tt is not None and not _known_same(dt, tt):
     dp, tp = list(dt.pieces()), list(tt.pieces())
-    if dp != tp:
+    if dp == tp:
+      try:
+        _SAME_PIECES.setdefault(dt, weakref.WeakKeyDictionary())[tt] = (len(dp), len(tp))
+      except TypeError:                    # not weakly referenceable: compared every call
+        pass
+    else:
       diff = next((i for i, (a, b) in enumerate(zip(dp, tp)) if a != b), min(len(dp), len(tp)))
       raise ValueError(
           f"the {what}'s tokenizer differs from the target's (first difference at token id "

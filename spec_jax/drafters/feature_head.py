@@ -51,7 +51,6 @@ prefix up to slot j-s+1 plus the s-1 drafted slots j-s+2..j).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import flax.struct

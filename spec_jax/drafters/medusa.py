@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import lm_head as target_lm_head
 
 
 def _row_keys(key, batch):
