@@ -6,31 +6,10 @@ import jax
 import jax.numpy as jnp
 
 
-def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
-                               sliding_window=None):
-  """T new queries per row attend to a KV cache whose last T valid entries are the new tokens.
-
-  Args:
-    q: [B, T, Hq, D] queries (already RoPE'd).
-    k_cache, v_cache: [B, S, Hkv, D]; Hq is a multiple of Hkv (grouped-query attention).
-    kv_lengths: int32 [B], valid cache entries INCLUDING the T new tokens, which sit at
-      positions kv_lengths[b]-T .. kv_lengths[b]-1.
-    tree_mask: optional bool [B, T, W] with T <= W: tree_mask[b, t, j] lets new query t see
-      cache entry kv_lengths[b]-W+j, one of the last W entries (which end with the T new
-      tokens); entries before them are all visible. W = T (the kernels' form): among the new
-      tokens only. None means causal (j <= t). (W > T lets draft trees add nodes to a tree
-      whose earlier nodes are already in the cache.)
-    sliding_window: optional int; key positions <= query position - window are hidden.
-
-  Returns:
-    [B, T, Hq, D] in q's dtype; softmax in float32.
-  """
-  b, t, hq, d = q.shape
-  s, hkv = k_cache.shape[1], k_cache.shape[2]
-  group = hq // hkv
-  qg = q.reshape(b, t, hkv, group, d).astype(jnp.float32)
-  scores = jnp.einsum("bthgd,bshd->bhgts", qg, k_cache.astype(jnp.float32)) * (d ** -0.5)
-
+def visibility(kv_lengths, t: int, s: int, tree_mask=None, sliding_window=None):
+  """bool [B, T, S]: which cache entries each of the T new queries may attend to (the masking
+  rules of verify_attention_reference, shared by both cache layouts)."""
+  b = kv_lengths.shape[0]
   kv_lengths = kv_lengths.astype(jnp.int32)
   key_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]                  # [1,1,S]
   query_pos = (kv_lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32))[:, :, None]  # [B,T,1]
@@ -46,8 +25,62 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   visible = prefix | (is_new & new_ok)                                       # [B,T,S]
   if sliding_window is not None:
     visible &= key_pos > query_pos - sliding_window
+  return visible
+
+
+def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
+                               sliding_window=None, *, head_major: bool = False):
+  """T new queries per row attend to a KV cache whose last T valid entries are the new tokens.
+
+  Args:
+    q: [B, T, Hq, D] queries (already RoPE'd).
+    k_cache, v_cache: [B, S, Hkv, D]; Hq is a multiple of Hkv (grouped-query attention). With
+      head_major=True they are [B, Hkv, S, D] instead (spec_jax's KV cache on the jnp path:
+      the attention's batched dots then read each head's keys in place, where the [B, S, Hkv,
+      D] layout costs XLA:CPU a transposing copy of every layer's cache per step).
+    kv_lengths: int32 [B], valid cache entries INCLUDING the T new tokens, which sit at
+      positions kv_lengths[b]-T .. kv_lengths[b]-1.
+    tree_mask: optional bool [B, T, W] with T <= W: tree_mask[b, t, j] lets new query t see
+      cache entry kv_lengths[b]-W+j, one of the last W entries (which end with the T new
+      tokens); entries before them are all visible. W = T (the kernels' form): among the new
+      tokens only. None means causal (j <= t). (W > T lets draft trees add nodes to a tree
+      whose earlier nodes are already in the cache.)
+    sliding_window: optional int; key positions <= query position - window are hidden.
+
+  Returns:
+    [B, T, Hq, D] in q's dtype; softmax in float32.
+  """
+  b, t, hq, d = q.shape
+  if head_major:
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+  else:
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+  group = hq // hkv
+  visible = visibility(kv_lengths, t, s, tree_mask, sliding_window)          # [B,T,S]
+  if head_major:
+    return _head_major_attention(q, k_cache, v_cache, visible, group)
+  qg = q.reshape(b, t, hkv, group, d).astype(jnp.float32)
+  scores = jnp.einsum("bthgd,bshd->bhgts", qg, k_cache.astype(jnp.float32)) * (d ** -0.5)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   # A query always sees itself, so no row is all -inf when inputs are valid.
   weights = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bhgts,bshd->bthgd", weights, v_cache.astype(jnp.float32))
+  return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _head_major_attention(q, k_cache, v_cache, visible, group: int):
+  """The same attention over k_cache, v_cache [B, Hkv, S, D]. Each kv head's G query heads and
+  T queries are folded into one M = G*T axis, so both products are plain batched matmuls over
+  (B, Hkv) with no operand relaid out (an einsum keeping g and t apart was 2x slower on
+  XLA:CPU, measured)."""
+  b, t, hq, d = q.shape
+  hkv, s = k_cache.shape[1], k_cache.shape[2]
+  qm = (q.reshape(b, t, hkv, group, d).astype(jnp.float32)
+        .transpose(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d))           # [B,Hkv,G*T,D]
+  scores = jnp.einsum("bhmd,bhsd->bhms", qm, k_cache.astype(jnp.float32)) * (d ** -0.5)
+  mask = jnp.broadcast_to(visible[:, None, None], (b, 1, group, t, s)).reshape(b, 1, group * t, s)
+  scores = jnp.where(mask, scores, -jnp.inf)
+  weights = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bhms,bhsd->bhmd", weights, v_cache.astype(jnp.float32))  # [B,Hkv,G*T,D]
+  out = out.reshape(b, hkv, group, t, d).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -501,10 +501,12 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config: ModelCo
   # never attended by real tokens, and its KV slots are overwritten by generated tokens).
   if cache is None:
     cache = KVCache.zeros(config, b, s)
-  elif cache.k.shape != (config.num_layers, b, s, config.num_kv_heads, config.head_dim):
-    raise ValueError(f"cache must be [L, B, S, Hkv, Dh] = "
-                     f"{(config.num_layers, b, s, config.num_kv_heads, config.head_dim)}, "
-                     f"got {cache.k.shape}")
+  else:
+    want = jax.eval_shape(lambda: KVCache.zeros(config, b, s, head_major=cache.head_major))
+    if cache.k.shape != want.k.shape or cache.v.shape != want.k.shape:
+      layout = "[L, B, Hkv, S, Dh]" if cache.head_major else "[L, B, S, Hkv, Dh]"
+      raise ValueError(f"cache must be {layout} = {want.k.shape} (sj.KVCache.zeros(config, B, "
+                       f"capacity)), got {cache.k.shape}")
   cache = sharding_lib.constrain_cache(mesh, cache)
   pre = forward(target_params, config, prompt_tokens, cache, jnp.zeros((b,), jnp.int32),
                 return_layers=layers)

@@ -630,20 +630,22 @@ def move_accepted_kv(cache: KVCache, lengths, path, n_accepted) -> KVCache:
   lengths[b]-1). One gather of the D entries per row and layer, then one scatter into the
   stacked cache (entries past n_accepted go out of range and are dropped).
 
-  cache: KVCache [L, B, S, Hkv, Dh]; lengths int32 [B] (before the round); path int32 [B, D];
-  n_accepted int32 [B]."""
-  s = cache.k.shape[2]
+  cache: KVCache [L, B, S, Hkv, Dh] (or head-major [L, B, Hkv, S, Dh]); lengths int32 [B]
+  (before the round); path int32 [B, D]; n_accepted int32 [B]."""
+  s = cache.capacity
   d = path.shape[1]
   rows = jnp.arange(path.shape[0])[:, None]
   j = jnp.arange(d, dtype=jnp.int32)[None, :]
-  src = lengths[:, None] - 1 + jnp.maximum(path, 0)
+  src = jnp.minimum(lengths[:, None] - 1 + jnp.maximum(path, 0), s - 1)
   dst = jnp.where(j < n_accepted[:, None], lengths[:, None] + j, s)
 
   def move(buf):
-    picked = buf[:, rows, jnp.minimum(src, s - 1)]                      # [L, B, D, Hkv, Dh]
+    if cache.head_major:     # advanced (rows, slots) around the head slice: [B, D, L, Hkv, Dh]
+      return buf.at[:, rows, :, dst].set(buf[:, rows, :, src], mode="drop")
+    picked = buf[:, rows, src]                                           # [L, B, D, Hkv, Dh]
     return buf.at[:, rows, dst].set(picked, mode="drop")
 
-  return KVCache(k=move(cache.k), v=move(cache.v))
+  return KVCache(k=move(cache.k), v=move(cache.v), head_major=cache.head_major)
 
 
 # ----------------------------------------------------------------------------- one round

@@ -232,6 +232,33 @@ if pytest is not None:
     np.testing.assert_allclose(naive_attention(q, k, v, np.asarray(lengths), None),
                                np.asarray(ref), atol=1e-5)
 
+  @pytest.mark.parametrize("t", [1, 4])
+  def test_head_major_reference_matches_naive_and_seq_major(t):
+    """The reference over a head-major cache [B, Hkv, S, D] (spec_jax's cache on the jnp path)
+    equals the naive loop for causal, tree and wide tree masks, and the [B, S, Hkv, D]
+    reference under a sliding window."""
+    rng = np.random.default_rng(11 + t)
+    b, hq, hkv, d, s, w = 3, 6, 2, 16, 24, 7
+    q = rng.standard_normal((b, t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+    k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    lengths = np.array([w, 13, s], np.int32)
+    masks = [None, random_tree_mask(rng, b, t), random_tree_mask(rng, b, w)[:, w - t:]]
+    with jax.default_matmul_precision("highest"):
+      for mask in masks:
+        got = verify_attention_reference(q, k_hm, v_hm, jnp.asarray(lengths),
+                                         None if mask is None else jnp.asarray(mask),
+                                         head_major=True)
+        np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, lengths, mask),
+                                   atol=1e-5)
+      got = verify_attention_reference(q, k_hm, v_hm, jnp.asarray(lengths), sliding_window=5,
+                                       head_major=True)
+      want = verify_attention_reference(q, k, v, jnp.asarray(lengths), sliding_window=5)
+      full = verify_attention_reference(q, k, v, jnp.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    assert not np.allclose(np.asarray(got), np.asarray(full), atol=1e-3)   # the window bites
+
 
 # ---------------------------------------------------------------------------- script mode
 

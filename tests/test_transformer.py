@@ -93,3 +93,38 @@ def test_execution_layouts_give_the_canonical_logits(chunks):
   got = sj.forward(layout, CFG, tokens, cache, offsets)
   np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
   np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding-window"])
+def test_head_major_cache_gives_the_seq_major_logits_and_entries(window):
+  """A prefill then a ragged 3-token verify step: the head-major cache (the jnp path's layout)
+  gives the [L, B, S, Hkv, Dh] cache's logits and, transposed back, its entries."""
+  import dataclasses
+  config = dataclasses.replace(CFG, sliding_window=window, attention_impl="reference")
+  params = model().params
+  prompt = jnp.asarray([[5, 9, 1, 7, 2, 30, 8], [7, 2, 30, 3, 0, 0, 0]], jnp.int32)
+  step = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+  offsets = jnp.asarray([7, 4], jnp.int32)
+  outs = {}
+  for head_major in (False, True):
+    cache = sj.KVCache.zeros(config, 2, 16, head_major=head_major)
+    assert cache.k.shape[2 if head_major else 3] == config.num_kv_heads
+    pre = _forward(params, config, prompt, cache, jnp.zeros(2, jnp.int32))
+    out = _forward(params, config, step, pre.cache, offsets)
+    assert out.cache.head_major == head_major
+    outs[head_major] = (pre.logits, out.logits, out.cache.seq_major())
+  np.testing.assert_allclose(outs[True][0], outs[False][0], atol=1e-5)
+  np.testing.assert_allclose(outs[True][1], outs[False][1], atol=1e-5)
+  np.testing.assert_array_equal(outs[True][2].k, outs[False][2].k)
+  np.testing.assert_array_equal(outs[True][2].v, outs[False][2].v)
+
+
+def test_cache_layout_follows_the_attention_impl():
+  """Head-major where the jnp attention runs (the reference; "auto" on CPU), the kernels'
+  [L, B, S, Hkv, Dh] where a Pallas kernel runs."""
+  import dataclasses
+  shape = lambda impl: sj.KVCache.zeros(dataclasses.replace(CFG, attention_impl=impl), 1, 8).k.shape
+  assert shape("reference") == (2, 1, 2, 8, 16)
+  assert shape("pallas") == (2, 1, 8, 2, 16)
+  if jax.default_backend() == "cpu":
+    assert shape("auto") == (2, 1, 2, 8, 16)

@@ -466,16 +466,17 @@ def test_head_tree_expansion_matches_chain_drafting(monkeypatch):
 
 # ----------------------------------------------------------------------------- the KV move
 
-def test_kv_move_matches_a_full_forward():
+@pytest.mark.parametrize("head_major", [False, True], ids=["seq-major", "head-major"])
+def test_kv_move_matches_a_full_forward(head_major):
   """Verify a tree over a prompt, move the accepted path's KV entries: the cache then equals
-  the cache of one causal forward over prompt + root + path."""
+  the cache of one causal forward over prompt + root + path (in both cache layouts)."""
   target, _ = _models()
   cfg = target.config
   params = prepare_params(target.params, cfg)
   fwd = jax.jit(functools.partial(forward, config=cfg))
   prompt = jnp.asarray([[1, 4, 2, 5, 3]], jnp.int32)
   lengths = jnp.asarray([5])                      # the root (token 3) is fed with the tree
-  cache = fwd(params, tokens=prompt[:, :4], cache=KVCache.zeros(cfg, 1, 24),
+  cache = fwd(params, tokens=prompt[:, :4], cache=KVCache.zeros(cfg, 1, 24, head_major),
               offsets=jnp.zeros((1,), jnp.int32)).cache
   # root 3; children 6, 7; 7's children 1, 2; 2's child 0 (depth 3).
   tree = tree_lib.DraftTree(tokens=jnp.asarray([[3, 6, 7, 1, 2, 0]], jnp.int32),
@@ -488,8 +489,10 @@ def test_kv_move_matches_a_full_forward():
   path, n = jnp.asarray([[2, 4, 5]], jnp.int32), jnp.asarray([3])
   move = jax.jit(tree_lib.move_accepted_kv)
   moved = move(out.cache, lengths, path, n)
+  assert moved.head_major == head_major
   full = fwd(params, tokens=jnp.asarray([[1, 4, 2, 5, 3, 7, 2, 0]], jnp.int32),
-             cache=KVCache.zeros(cfg, 1, 24), offsets=jnp.zeros((1,), jnp.int32))
+             cache=KVCache.zeros(cfg, 1, 24, False), offsets=jnp.zeros((1,), jnp.int32))
+  moved = moved.seq_major()
   np.testing.assert_allclose(np.asarray(moved.k[:, :, :8]), np.asarray(full.cache.k[:, :, :8]),
                              atol=1e-5)
   np.testing.assert_allclose(np.asarray(moved.v[:, :, :8]), np.asarray(full.cache.v[:, :, :8]),
@@ -498,7 +501,7 @@ def test_kv_move_matches_a_full_forward():
   np.testing.assert_allclose(np.asarray(out.logits[0, [0, 2, 4, 5]]),
                              np.asarray(full.logits[0, 4:8]), atol=1e-4)
   # A shorter path moves only its nodes.
-  part = move(out.cache, lengths, path, jnp.asarray([1]))
+  part = move(out.cache, lengths, path, jnp.asarray([1])).seq_major()
   np.testing.assert_allclose(np.asarray(part.k[:, :, :6]), np.asarray(full.cache.k[:, :, :6]),
                              atol=1e-5)
 

@@ -41,21 +41,49 @@ from spec_jax.models.config import ModelConfig
 class KVCache:
   """Stacked key/value cache.
 
-  k, v: [L, B, S, Hkv, Dh]. Which entries are valid is tracked by the caller (per-row lengths);
-  entries past a row's length are stale and masked by attention.
+  k, v: [L, B, S, Hkv, Dh], or with head_major [L, B, Hkv, S, Dh]. Which entries are valid is
+  tracked by the caller (per-row lengths); entries past a row's length are stale and masked by
+  attention. The layout is the one the attention reads without relaying it out: the Pallas
+  kernels' [B, S, Hkv, Dh] where a kernel runs, head-major where the jnp attention runs (CPU):
+  there the [S, Hkv] layout cost a transposing copy of every layer's keys and values per step,
+  ~1.3 of the 16.6 ms of a plain step of the 78M widened model (profiled; README Speed).
   """
   k: jax.Array
   v: jax.Array
+  head_major: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @property
+  def seq_axis(self) -> int:
+    """The axis of the S cache slots in k and v."""
+    return 3 if self.head_major else 2
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[self.seq_axis]
 
   @classmethod
-  def zeros(cls, config: ModelConfig, batch: int, capacity: int) -> "KVCache":
-    shape = (config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim)
+  def zeros(cls, config: ModelConfig, batch: int, capacity: int,
+            head_major: Optional[bool] = None) -> "KVCache":
+    """head_major None: the layout config's attention reads in place (default_head_major)."""
+    if head_major is None:
+      head_major = default_head_major(config)
+    l, h, dh = config.num_layers, config.num_kv_heads, config.head_dim
+    shape = (l, batch, h, capacity, dh) if head_major else (l, batch, capacity, h, dh)
     dtype = jnp.dtype(config.dtype)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), head_major=bool(head_major))
+
+  def seq_major(self) -> "KVCache":
+    """The same entries in the [L, B, S, Hkv, Dh] layout (a copy when head-major)."""
+    if not self.head_major:
+      return self
+    return KVCache(k=jnp.swapaxes(self.k, 2, 3), v=jnp.swapaxes(self.v, 2, 3), head_major=False)
+
+
+def default_head_major(config: ModelConfig) -> bool:
+  """Whether config's verify attention runs the jnp path on this backend (then the cache is
+  head-major), rather than a Pallas kernel (which reads [B, S, Hkv, Dh])."""
+  kernel, _ = kernels_pallas.dispatch.resolve(config.attention_impl)
+  return kernel is None
 
 
 class ForwardOutput(NamedTuple):
@@ -123,27 +151,40 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _write_rows(cache, layer: int, new, offsets):
-  """cache [L,B,S,H,Dh] <- new [B,T,H,Dh] at [layer, b, offsets[b]:offsets[b]+T].
+def _write_rows(cache, layer: int, new, offsets, head_major: bool = False):
+  """cache [L,B,S,H,Dh] (head_major: [L,B,H,S,Dh]) <- new [B,T,H,Dh] at layer, row b, slots
+  offsets[b] .. offsets[b]+T-1.
 
   One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
   it and stacking it back would copy the whole cache every layer)."""
   b, t = new.shape[:2]
   rows = jnp.arange(b, dtype=jnp.int32)[:, None]
   cols = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  if head_major:   # the advanced indices (rows, cols) around the head slice index [B, T, H, Dh]
+    return cache.at[layer, rows, :, cols].set(new.astype(cache.dtype), mode="drop")
   return cache.at[layer, rows, cols].set(new.astype(cache.dtype), mode="drop")
 
 
-def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask):
+def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
+  """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
+  [B,Hkv,S,Dh]."""
   t = q.shape[1]
+  s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
-  needs_window = window is not None and window < k_layer.shape[1]
+  needs_window = window is not None and window < s
   wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
   if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 32 new tokens) with a square tree mask.
     return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                      sliding_window=window if needs_window else None)
+                                      sliding_window=window if needs_window else None,
+                                      head_major=head_major)
+  if head_major:
+    if kernels_pallas.dispatch.resolve(config.attention_impl)[0] is None:
+      return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                        head_major=True)
+    # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
+    k_layer, v_layer = jnp.swapaxes(k_layer, 1, 2), jnp.swapaxes(v_layer, 1, 2)
   return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
                                          impl=config.attention_impl)
 
@@ -195,17 +236,20 @@ def _out_projection(lp, attn):
 
 
 def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
-                  inv_freq, layer: Optional[int] = None, rope: Optional[tuple] = None):
+                  inv_freq, layer: Optional[int] = None, rope: Optional[tuple] = None,
+                  head_major: bool = False):
   """One pre-norm block. lp: this layer's params (no [L] axis), canonical or execution layout
   (see prepare_params).
 
-  k_cache, v_cache: with `layer` given, the stacked [L,B,S,Hkv,Dh] caches, of which slab `layer`
-  is written and read; with layer None, one layer's [B,S,Hkv,Dh] cache (drafter heads).
+  k_cache, v_cache: with `layer` given, the stacked [L,B,S,Hkv,Dh] caches (head_major:
+  [L,B,Hkv,S,Dh]; see KVCache), of which slab `layer` is written and read; with layer None, one
+  layer's [B,S,Hkv,Dh] (or [B,Hkv,S,Dh]) cache (drafter heads).
   rope: optional (cos, sin) tables from rope_tables(positions, inv_freq), shared by all layers.
   Returns (x, k_cache, v_cache)."""
   if layer is None:
     x, k_cache, v_cache = decoder_layer(config, lp, x, positions, k_cache[None], v_cache[None],
-                                        offsets, tree_mask, inv_freq, layer=0, rope=rope)
+                                        offsets, tree_mask, inv_freq, layer=0, rope=rope,
+                                        head_major=head_major)
     return x, k_cache[0], v_cache[0]
   b, t, _ = x.shape
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
@@ -221,9 +265,10 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offse
     k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
   q = apply_rope(q, positions, tables=rope)
   k = apply_rope(k, positions, tables=rope)
-  k_cache = _write_rows(k_cache, layer, k, offsets)
-  v_cache = _write_rows(v_cache, layer, v, offsets)
-  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask)
+  k_cache = _write_rows(k_cache, layer, k, offsets, head_major)
+  v_cache = _write_rows(v_cache, layer, v, offsets, head_major)
+  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask,
+                    head_major)
   x = x + _out_projection(lp, attn.reshape(b, t, hq * dh))
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + _mlp(lp, h)
@@ -254,7 +299,7 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
     params: the model pytree (module docstring).
     config: ModelConfig (static).
     tokens: int32 [B, T]; entries must be valid ids (pad with any valid id).
-    cache: KVCache with capacity S >= offsets + T for every row.
+    cache: KVCache (either layout) with capacity S >= offsets + T for every row.
     offsets: int32 [B], where row b's new tokens go: positions offsets[b] .. offsets[b]+T-1.
       Row b attends to cache entries < offsets[b] plus its new tokens (causally).
     positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
@@ -287,13 +332,13 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
     else:
       lp = jax.tree.map(lambda w: w[layer], layers)
     x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
-                                    inv_freq, layer=layer, rope=rope)
+                                    inv_freq, layer=layer, rope=rope, head_major=cache.head_major)
     if layer in wanted:
       layer_hidden[layer] = x
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
   logits = lm_head(params, config, hidden)
   return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
-                       KVCache(k=k_all, v=v_all))
+                       KVCache(k=k_all, v=v_all, head_major=cache.head_major))
 
 
 def unstack_layers(params):
