@@ -180,16 +180,16 @@ def check_draft_tokens(draft_tokens, vocab_size: int, what: str = "draft_tokens"
 
 
 def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, offsets, inv_freq,
-             tree_mask=None):
+             tree_mask=None, head_major: bool = False):
   """EAGLE-3's decoder layer over T new slots with a one-layer cache.
 
   Args:
     cfg: the head's layer ModelConfig; lp: its params (wq/wk/wv [2D, H*Dh] read h).
     residual: [B, T, D] the feature f (the residual stream the layer adds to).
     h: [B, T, 2D] concat(input_layernorm(embedding), hidden_norm(f)).
-    positions: int32 [B, T]; k_cache, v_cache: [B, S, Hkv, Dh]; offsets: int32 [B] where the T
-      new keys go (slot offsets[b] + t), attending to slots < offsets[b] and causally among
-      the new ones.
+    positions: int32 [B, T]; k_cache, v_cache: [B, S, Hkv, Dh] (head_major: [B, Hkv, S, Dh]);
+      offsets: int32 [B] where the T new keys go (slot offsets[b] + t), attending to slots
+      < offsets[b] and causally among the new ones.
     tree_mask: optional bool [B, T, W] (draft trees): replaces the causal mask over the last W
       slots, which end with the new ones (kernels_pallas.reference).
   Returns:
@@ -201,9 +201,9 @@ def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, off
   q, k, v = _qkv_projections(cfg, lp, h)
   q = apply_rope(q.reshape(b, t, hq, dh), positions, tables=rope)
   k = apply_rope(k.reshape(b, t, hkv, dh), positions, tables=rope)
-  k_cache = _write_rows(k_cache[None], 0, k, offsets)[0]
-  v_cache = _write_rows(v_cache[None], 0, v.reshape(b, t, hkv, dh), offsets)[0]
-  attn = _attention(cfg, q, k_cache, v_cache, offsets + t, tree_mask)
+  k_cache = _write_rows(k_cache[None], 0, k, offsets, head_major)[0]
+  v_cache = _write_rows(v_cache[None], 0, v.reshape(b, t, hkv, dh), offsets, head_major)[0]
+  attn = _attention(cfg, q, k_cache, v_cache, offsets + t, tree_mask, head_major)
   x = residual + _out_projection(lp, attn.reshape(b, t, hq * dh))
   x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
   return x, k_cache, v_cache
@@ -283,7 +283,7 @@ class EAGLE3(FeatureHead):
     if positions is None:
       positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     return midlayer(self.layer_config, params["layer"], residual, h, positions, k, v, offsets,
-                    rope_inv_freq(self.layer_config), tree_mask)
+                    rope_inv_freq(self.layer_config), tree_mask, self.head_major_cache)
 
   def draft_logits(self, params, out):
     """Head output o [..., D] -> float32 logits [..., V_draft] over the draft vocabulary."""

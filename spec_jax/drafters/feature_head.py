@@ -61,8 +61,8 @@ from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import (apply_rope, decoder_layer, embed, lm_head, rms_norm,
-                                         rope_inv_freq)
+from spec_jax.models.transformer import (apply_rope, decoder_layer, default_head_major, embed,
+                                         lm_head, rms_norm, rope_inv_freq)
 
 KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
@@ -195,11 +195,20 @@ class FeatureHead(Drafter):
     if positions is None:
       positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     return decoder_layer(self.layer_config, params["layer"], x, positions, k, v, offsets,
-                         tree_mask, rope_inv_freq(self.layer_config))
+                         tree_mask, rope_inv_freq(self.layer_config),
+                         head_major=self.head_major_cache)
+
+  @property
+  def head_major_cache(self) -> bool:
+    """The head's one-layer cache is [B, Hkv, S, Dh] where its attention runs the jnp path
+    (CPU), else the kernels' [B, S, Hkv, Dh] (the target's rule: transformer.KVCache)."""
+    return default_head_major(self.layer_config)
 
   def _empty_cache(self, batch, capacity):
+    """(k, v) of the head's one-layer cache, zeros in its layout (head_major_cache)."""
     c = self.layer_config
-    shape = (batch, capacity, c.num_kv_heads, c.head_dim)
+    shape = ((batch, c.num_kv_heads, capacity, c.head_dim) if self.head_major_cache else
+             (batch, capacity, c.num_kv_heads, c.head_dim))
     return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
 
   def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
