@@ -8,6 +8,7 @@ which turns rejection sampling into exact matching.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -33,8 +34,24 @@ class Sampling:
     if all(_is_concrete(v) for v in (self.temperature, self.top_k, self.top_p)):
       self.check()
 
+  def _scalars(self) -> bool:
+    """All three fields are host scalars (Python or numpy numbers): the cheap paths below."""
+    return all(isinstance(v, numbers.Real)
+               for v in (self.temperature, self.top_k, self.top_p))
+
   def check(self, batch_size: Optional[int] = None) -> "Sampling":
     """Raises ValueError on invalid values or per-row arrays whose length is not batch_size."""
+    if self._scalars():       # the same checks and messages without numpy (generate() per call)
+      t, k, p = float(self.temperature), self.top_k, float(self.top_p)
+      if not math.isfinite(t) or t < 0:
+        raise ValueError(f"Sampling.temperature must be finite and >= 0 (0 = greedy), got {t}")
+      if not float(k).is_integer():
+        raise ValueError(f"Sampling.top_k must be a non-negative integer (0 = off), got {k}")
+      if k < 0:
+        raise ValueError(f"Sampling.top_k must be >= 0 (0 = off), got {k}")
+      if not math.isfinite(p) or p <= 0 or p > 1:
+        raise ValueError(f"Sampling.top_p must lie in (0, 1] (1 = off), got {p}")
+      return self
     t = np.asarray(self.temperature, dtype=np.float64)
     k = np.asarray(self.top_k)
     p = np.asarray(self.top_p, dtype=np.float64)
@@ -57,6 +74,10 @@ class Sampling:
   def as_arrays(self, batch_size: int) -> "Sampling":
     """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
     self.check(batch_size)
+    if self._scalars():
+      return Sampling(temperature=np.full((batch_size,), self.temperature, np.float32),
+                      top_k=np.full((batch_size,), self.top_k, np.int32),
+                      top_p=np.full((batch_size,), self.top_p, np.float32))
     fields = (self.temperature, self.top_k, self.top_p)
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
     xp = jnp if any(isinstance(x, jax.Array) for x in fields) else np
@@ -67,6 +88,8 @@ class Sampling:
 
   @property
   def is_greedy(self) -> bool:
+    if isinstance(self.temperature, numbers.Real):
+      return bool(self.temperature == 0)
     return bool(np.all(np.asarray(self.temperature) == 0))
 
 

@@ -81,6 +81,28 @@ def test_bad_sampling_values_raise(kwargs, match):
     sj.Sampling(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=-0.1), dict(temperature=float("inf")), dict(top_p=0.0), dict(top_p=1.5),
+    dict(top_k=-1), dict(top_k=2.5)])
+def test_scalar_and_array_settings_are_checked_alike(kwargs):
+  """Host scalars take a numpy-free path (generate() checks on every call): the same errors
+  with the same messages as the 0-d and 1-row array forms, and the same per-row arrays."""
+  messages = set()
+  for wrap in (lambda v: v, np.asarray, lambda v: np.asarray([v])):
+    with pytest.raises(ValueError) as err:
+      sj.Sampling(**{k: wrap(v) for k, v in kwargs.items()})
+    messages.add(str(err.value).replace("[", "").replace("]", ""))
+  assert len(messages) == 1, messages
+  for settings in ((0.7, 5, 0.9), (0, 0, 1), (np.float32(1.5), np.int64(3), 0.5)):
+    scalar = sj.Sampling(*settings).as_arrays(3)
+    array = sj.Sampling(*(np.asarray(v) for v in settings)).as_arrays(3)
+    for a, b in zip((scalar.temperature, scalar.top_k, scalar.top_p),
+                    (array.temperature, array.top_k, array.top_p)):
+      assert a.dtype == b.dtype and a.shape == (3,)
+      np.testing.assert_array_equal(a, b)
+    assert sj.Sampling(*settings).is_greedy == (settings[0] == 0)
+
+
 def test_wrong_number_of_rows_raises():
   with pytest.raises(ValueError, match="2 entries but the batch has 3"):
     sj.Sampling(temperature=np.array([1.0, 0.5])).as_arrays(3)
