@@ -180,7 +180,7 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
                                       sliding_window=window if needs_window else None,
                                       head_major=head_major)
   if head_major:
-    if kernels_pallas.dispatch.resolve(config.attention_impl)[0] is None:
+    if default_head_major(config):      # the jnp path: the layout it reads in place
       return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                         head_major=True)
     # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.

@@ -327,7 +327,6 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         # with the governor's per-K loops exhausts the process's memory maps (LLVM "Cannot
         # allocate memory" after ~13 cells of `--pairs default -K 2 4 auto -B 1 16 32`).
         release_compiled()
-    release_compiled()
   return partial()
 
 
