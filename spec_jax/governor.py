@@ -552,6 +552,7 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
   from spec_jax import engine
   from spec_jax.bench.timing import interleaved_rounds, summarize
+  from spec_jax import global_batch, sharding as sharding_lib
   from spec_jax.sampling import Sampling
   kmax = max(ks)
   p = max(1, min(int(prompt_len), capacity - kmax - 4))
@@ -575,9 +576,11 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
         capacity=capacity, greedy=greedy, mesh=mesh, num_draft="auto", governor=governor,
         round_costs=costs)
     t0 = time.perf_counter()
-    res = compiled(*args, **kwargs)
-    jax.block_until_ready(res.lengths)
-    return (time.perf_counter() - t0, int(res.iterations),
+    packed = compiled(*args, **kwargs)
+    jax.block_until_ready(packed)
+    seconds = time.perf_counter() - t0
+    res = compiled.unpack(global_batch.to_host(packed, sharding_lib.spans_processes(mesh)))
+    return (seconds, int(res.iterations),
             int(np.asarray(res.k_rounds)[ks[i1]]) if i != i1 else 0)
 
   runs = {(i, n_long): (lambda i=i: run(i, n_long)) for i in range(len(ks))}

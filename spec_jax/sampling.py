@@ -8,6 +8,7 @@ which turns rejection sampling into exact matching.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -75,9 +76,8 @@ class Sampling:
     """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
     self.check(batch_size)
     if self._scalars():
-      return Sampling(temperature=np.full((batch_size,), self.temperature, np.float32),
-                      top_k=np.full((batch_size,), self.top_k, np.int32),
-                      top_p=np.full((batch_size,), self.top_p, np.float32))
+      return _scalar_rows(float(self.temperature), float(self.top_k), float(self.top_p),
+                          int(batch_size))
     fields = (self.temperature, self.top_k, self.top_p)
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
     xp = jnp if any(isinstance(x, jax.Array) for x in fields) else np
@@ -91,6 +91,18 @@ class Sampling:
     if isinstance(self.temperature, numbers.Real):
       return bool(self.temperature == 0)
     return bool(np.all(np.asarray(self.temperature) == 0))
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_rows(temperature: float, top_k: float, top_p: float, batch_size: int) -> Sampling:
+  """Sampling.as_arrays of checked scalar settings: read-only numpy rows, made once per
+  (settings, batch) (generate() asks for them on every call)."""
+  rows = (np.full((batch_size,), temperature, np.float32),
+          np.full((batch_size,), top_k, np.int32),
+          np.full((batch_size,), top_p, np.float32))
+  for row in rows:
+    row.flags.writeable = False
+  return Sampling(*rows)
 
 
 def _is_concrete(x) -> bool:

@@ -74,26 +74,33 @@ class SpecStats:
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
-                  num_draft, emitted=None, processes: int = 1) -> "SpecStats":
+                  num_draft, emitted=None, processes: int = 1, **fields) -> "SpecStats":
     """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
     totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
-    ([B] or a total); None means no round was cut (accepted + rounds)."""
-    row_counts = {name: np.asarray(x, np.int64).reshape(-1).tolist()
+    ([B] or a total); None means no round was cut (accepted + rounds). fields: the remaining
+    dataclass fields (k_histogram, auto, tree); with auto or tree, alpha_token is 0.
+
+    Host side and small (B rows): Python lists, not numpy (generate() pays it per call)."""
+    row_counts = {name: _int_list(x)
                   for name, x in (("rounds", rounds), ("drafted", drafted), ("accepted", accepted))}
     n_rows = len(row_counts["rounds"])
-    row_counts["accepted_at"] = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist()
-                                 if num_draft else [[] for _ in range(n_rows)])
-    rounds, drafted, accepted = int(np.sum(rounds)), int(np.sum(drafted)), int(np.sum(accepted))
-    emitted = accepted + rounds if emitted is None else int(np.sum(emitted))
+    at_rows = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist() if num_draft
+               else [[] for _ in range(n_rows)])
+    row_counts["accepted_at"] = at_rows
+    rounds, drafted, accepted = (sum(row_counts[n]) for n in ("rounds", "drafted", "accepted"))
+    emitted = accepted + rounds if emitted is None else sum(_int_list(emitted))
     tau = emitted / rounds if rounds else 1.0
-    accepted_at = np.asarray(accepted_at).reshape(-1, num_draft).sum(0) if num_draft else np.zeros(0)
+    at_totals = [sum(column) for column in zip(*at_rows)] if num_draft else []
+    if num_draft and not at_totals:          # no rows: K zero columns
+      at_totals = [0] * int(num_draft)
+    single_k = not (fields.get("auto") or fields.get("tree"))
     return cls(
         rounds=rounds,
         drafted=drafted,
         accepted=accepted,
         acceptance_rate=accepted / drafted if drafted else 0.0,
         mean_accepted_length=tau,
-        accepted_at=tuple(float(a) / rounds if rounds else 0.0 for a in accepted_at),
+        accepted_at=tuple(float(a) / rounds if rounds else 0.0 for a in at_totals),
         seconds=float(seconds),
         tokens_per_second=new_tokens / seconds if seconds > 0 else 0.0,
         new_tokens=int(new_tokens),
@@ -102,7 +109,8 @@ class SpecStats:
         row_counts=row_counts,
         processes=int(processes),
         emitted=emitted,
-        alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft else 0.0)
+        alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft and single_k else 0.0,
+        **fields)
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
@@ -113,21 +121,18 @@ class SpecStats:
     decode (num_draft is then its depth), or None."""
     accepted_at = np.asarray(result.accepted_at)
     k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
-    new = np.asarray(result.lengths) - np.asarray(result.prompt_lens)
-    stats = cls.from_counts(
-        rounds=np.asarray(result.rounds), drafted=np.asarray(result.drafted),
-        accepted=np.asarray(result.accepted), accepted_at=accepted_at, seconds=seconds,
-        new_tokens=int(new.sum()), iterations=int(np.asarray(result.iterations)), num_draft=k,
-        emitted=np.maximum(new - 1, 0), processes=processes)
+    new = [n - p for n, p in zip(_int_list(result.lengths), _int_list(result.prompt_lens))]
     hist = getattr(result, "k_rounds", None)
     if hist is not None:
-      hist = {k: int(n) for k, n in enumerate(np.asarray(hist).reshape(-1)) if n}
+      hist = {k: n for k, n in enumerate(_int_list(hist)) if n}
     if tree is not None:
       tree = (tree.depth, tree.top_k, tree.num_nodes, tree.candidates)
-      return dataclasses.replace(stats, k_histogram=hist, tree=tree, alpha_token=0.0)
-    if not auto:
-      return dataclasses.replace(stats, k_histogram=hist)
-    return dataclasses.replace(stats, k_histogram=hist, auto=True, alpha_token=0.0)
+    return cls.from_counts(
+        rounds=result.rounds, drafted=result.drafted, accepted=result.accepted,
+        accepted_at=accepted_at, seconds=seconds, new_tokens=sum(new),
+        iterations=int(np.asarray(result.iterations)), num_draft=k,
+        emitted=[max(n - 1, 0) for n in new], processes=processes, k_histogram=hist,
+        auto=bool(auto), tree=tree)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
@@ -151,6 +156,11 @@ class SpecStats:
     return dataclasses.asdict(self)
 
 
+def _int_list(x) -> list:
+  """A count array (any shape) or a number -> a flat list of Python ints."""
+  return np.asarray(x, np.int64).reshape(-1).tolist()
+
+
 def tau_of_alpha(alpha: float, num_draft: int) -> float:
   """Expected tokens per round, (1 - alpha^(K+1)) / (1 - alpha) = 1 + alpha + ... + alpha^K."""
   return float(sum(alpha ** i for i in range(num_draft + 1)))
@@ -159,8 +169,10 @@ def tau_of_alpha(alpha: float, num_draft: int) -> float:
 def alpha_from_tau(tau: float, num_draft: int) -> float:
   """The alpha in [0, 1] with tau_of_alpha(alpha, K) = tau (tau clipped to [1, K+1]).
 
-  tau_of_alpha is strictly increasing on [0, 1] from 1 to K+1, so the root is unique; found by
-  bisection to float64 precision (60 halvings)."""
+  f(a) = tau_of_alpha(a, K) - tau is increasing and convex on [0, 1] (a polynomial with
+  positive coefficients), so Newton's method started at a = 1 (f(1) > 0) falls monotonically
+  onto the unique root; it stops when a step no longer decreases a (float64 precision, a few
+  tens of steps at most; generate() pays this per call)."""
   if num_draft < 1:
     raise ValueError(f"alpha_from_tau needs K >= 1, got {num_draft}")
   tau = float(tau)
@@ -168,14 +180,14 @@ def alpha_from_tau(tau: float, num_draft: int) -> float:
     return 0.0
   if tau >= num_draft + 1.0:
     return 1.0
-  lo, hi = 0.0, 1.0
-  for _ in range(60):
-    mid = 0.5 * (lo + hi)
-    value = 1.0
-    for _ in range(num_draft):           # Horner: 1 + mid (1 + mid (1 + ...)) = tau_of_alpha
-      value = 1.0 + mid * value
-    if value < tau:
-      lo = mid
-    else:
-      hi = mid
-  return 0.5 * (lo + hi)
+  a = 1.0
+  for _ in range(200):
+    value, slope = 1.0, 0.0
+    for _ in range(num_draft):       # Horner for f and f' together: 1 + a (1 + a (1 + ...))
+      slope = value + a * slope
+      value = 1.0 + a * value
+    step = a - (value - tau) / slope
+    if not step < a:
+      break
+    a = step
+  return max(a, 0.0)

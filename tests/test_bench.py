@@ -9,6 +9,7 @@ import gzip
 import json
 import math
 
+import numpy as np
 import pytest
 
 from spec_jax.bench import cli, metrics, report, timing
@@ -338,6 +339,14 @@ def test_spec_stats_alpha_token_inverts_tau():
   assert alpha_from_tau(1.75, 2) == pytest.approx(0.5, abs=1e-12)       # 1 + .5 + .25
   assert alpha_from_tau(1.0, 4) == 0.0 and alpha_from_tau(5.0, 4) == 1.0
   assert alpha_from_tau(2.0, 1) == 1.0 and alpha_from_tau(1.5, 1) == pytest.approx(0.5)
+  # Newton's root over a grid of alpha and K: tau_of_alpha(alpha_from_tau(tau)) = tau, and the
+  # root is the alpha that made tau (unique on [0, 1]).
+  from spec_jax.stats import tau_of_alpha
+  for k in (1, 2, 4, 7, 16):
+    for a in np.linspace(0.0, 1.0, 41):
+      tau = tau_of_alpha(float(a), k)
+      assert alpha_from_tau(tau, k) == pytest.approx(a, abs=1e-7), (k, a)
+      assert tau_of_alpha(alpha_from_tau(tau, k), k) == pytest.approx(tau, abs=1e-12), (k, a)
   # 10 rounds of K = 2 that emitted 17 tokens: tau 1.7, a solves 1 + a + a^2 = 1.7.
   s = SpecStats.from_counts(rounds=[10], drafted=[20], accepted=[7], accepted_at=[[5, 2]],
                             seconds=1.0, new_tokens=18, iterations=10, num_draft=2,

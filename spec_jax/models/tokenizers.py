@@ -71,6 +71,9 @@ class Llama2cTokenizer:
     for i, piece in enumerate(self._vocab):
       self._lookup.setdefault(piece, i)
     self._bytes = [_byte_of_piece(p) for p in self._vocab]
+    # What decode writes for each id: the raw byte of a "<0xXX>" piece, else the piece.
+    self._output = [piece if byte is None else bytes([byte])
+                    for piece, byte in zip(self._vocab, self._bytes)]
 
   @classmethod
   def from_file(cls, path) -> "Llama2cTokenizer":
@@ -174,22 +177,22 @@ class Llama2cTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     """run.c's `decode` over a sequence: special ids are dropped, the first piece after BOS loses
     its leading space, "<0xXX>" pieces are raw bytes; invalid UTF-8 becomes U+FFFD."""
-    out = bytearray()
+    out = []
     prev = None
+    output, size, bos = self._output, len(self._vocab), self.bos_id
     for token in ids:
       token = int(token)
-      if token < 0 or token >= len(self._vocab):
-        raise ValueError(f"token id {token} is outside the vocabulary [0, {len(self._vocab)})")
+      if token < 0 or token >= size:
+        raise ValueError(f"token id {token} is outside the vocabulary [0, {size})")
       if token < _NUM_SPECIAL:
         prev = token
         continue
-      piece = self._vocab[token]
-      if prev == self.bos_id and piece.startswith(b" "):
+      piece = output[token]
+      if prev == bos and self._bytes[token] is None and piece.startswith(b" "):
         piece = piece[1:]
-      byte = self._bytes[token]
-      out += bytes([byte]) if byte is not None else piece
+      out.append(piece)
       prev = token
-    return out.decode("utf-8", errors="replace")
+    return b"".join(out).decode("utf-8", errors="replace")
 
 
 def find_llama2c_tokenizer(folder, vocab_size: Optional[int] = None) -> Optional[pathlib.Path]:
