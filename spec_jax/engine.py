@@ -884,10 +884,10 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
       num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs, tree=tree)
   start = time.perf_counter()
   packed = compiled(*args, **kwargs)
-  jax.block_until_ready(packed)
+  flat = global_batch.to_host(packed, spans)   # waits for the result; every row, every process
   seconds = time.perf_counter() - start
 
-  result = compiled.unpack(global_batch.to_host(packed, spans))   # every row, on every process
+  result = compiled.unpack(flat)
   new = new_tokens(result)[rows.start:rows.stop]
   text = None
   if target.tokenizer is not None:

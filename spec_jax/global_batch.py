@@ -98,6 +98,6 @@ def to_host(tree, spans: bool):
   mesh spans processes (each process then holds every row)."""
   import jax
   if not spans:
-    return jax.tree.map(np.asarray, tree)
+    return np.asarray(tree) if isinstance(tree, jax.Array) else jax.tree.map(np.asarray, tree)
   from jax.experimental import multihost_utils
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))

@@ -31,7 +31,8 @@ class SpecStats:
     for plain decoding.
   accepted_at: [K] fraction of rounds in which draft position i was accepted and emitted (0.0
     each when there were no rounds).
-  seconds: wall time of the compiled generation (prefill + decode loop; compile excluded).
+  seconds: wall time of the compiled generation (prefill + decode loop + the copy of its result
+    to the host; compile excluded).
   tokens_per_second: new tokens / seconds, over all rows.
   new_tokens: new tokens emitted over all rows (stop tokens included; the prefill's included).
   iterations: decode-loop iterations (target forwards after the prefill).
