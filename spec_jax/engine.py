@@ -664,19 +664,28 @@ class PackedDecode:
         for a, b, shape, dtype in self._layout])
 
 
-def _compiled_decode(args, static) -> PackedDecode:
-  """AOT-compiles once per (shapes, static config) so that timings exclude compilation."""
-  leaves, treedef = jax.tree.flatten(args)
-  # shape and dtype objects as they are (hashable): a str() per leaf cost ~1 ms per call.
-  sig = (tuple(sorted(static.items(), key=lambda kv: kv[0])), treedef,
-         tuple(map(_leaf_signature, leaves)))
+def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
+  """AOT-compiles once per (shapes, static config) so that timings exclude compilation.
+
+  params_signature: tree_signature(args[0][0]), the target params, when the caller has it
+  cached (execution_params); they are then not walked again."""
+  positional, keywords = args
+  if params_signature is None:
+    params_signature = tree_signature(positional[0])
+  # static items in the caller's (fixed) order; shapes and dtypes as they are (hashable).
+  sig = (tuple(static.items()), params_signature, tree_signature((positional[1:], keywords)))
   if sig not in _COMPILED:
-    positional, keywords = args
     layout = []
     packed = jax.jit(functools.partial(_packed_decode, layout), static_argnames=_DECODE_STATIC)
     compiled = packed.lower(*positional, **keywords, **static).compile()
     _COMPILED[sig] = PackedDecode(compiled, *layout)
   return _COMPILED[sig]
+
+
+def tree_signature(tree) -> tuple:
+  """(treedef, ((shape, dtype) of every leaf)): what a compiled call depends on."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(map(_leaf_signature, leaves))
 
 
 def _leaf_signature(x) -> tuple:
@@ -692,7 +701,8 @@ def _host(x, dtype):
   return x if isinstance(x, jax.Array) else np.asarray(x, dtype)
 
 
-_EXECUTION_PARAMS: dict = {}   # id(params) -> (weakrefs to every leaf, prepared params)
+# id(params) -> (weakrefs to every leaf, prepared params, their tree_signature)
+_EXECUTION_PARAMS: dict = {}
 _prepare_jit = jax.jit(prepare_params, static_argnums=(1,))
 
 
@@ -707,22 +717,28 @@ def execution_params(target, mesh=None):
 
   The cache is keyed by the identity of every leaf (arrays are immutable, so a params dict
   changed in place is a miss) and dropped when the model's first layer weight is freed."""
+  return _signed_execution_params(target, mesh)[0]
+
+
+def _signed_execution_params(target, mesh=None) -> tuple:
+  """(execution_params(target, mesh), their tree_signature or None when not cached): the
+  cache hit that checks every leaf also saves generate() a second walk of the weights."""
   params = target.params
   if mesh is not None or jax.default_backend() != "cpu":
-    return params
+    return params, None
   layers = params.get("layers") if isinstance(params, dict) else None
   if not isinstance(layers, dict) or "wq" not in layers:     # already prepared, or not ours
-    return params
+    return params, None
   leaves = jax.tree.leaves(params)
   key = id(params)
   hit = _EXECUTION_PARAMS.get(key)
   if hit is not None and len(hit[0]) == len(leaves) and all(
       r() is x for r, x in zip(hit[0], leaves)):
-    return hit[1]
+    return hit[1], hit[2]
   prepared = _prepare_jit(params, target.config)
-  _EXECUTION_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared)
+  _EXECUTION_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared, tree_signature(prepared))
   weakref.finalize(layers["wq"], _EXECUTION_PARAMS.pop, key, None)
-  return prepared
+  return prepared, _EXECUTION_PARAMS[key][2]
 
 
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
@@ -739,7 +755,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   drafter_params = None if drafter is None else drafter.params
   # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
   # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
-  args = (sharding_lib.shard_params(mesh, execution_params(target, mesh)),
+  params, params_signature = _signed_execution_params(target, mesh)
+  args = (sharding_lib.shard_params(mesh, params),
           *sharding_lib.shard_rows(mesh, (_host(prompt_tokens, np.int32),
                                           _host(prompt_lens, np.int32))),
           sharding_lib.replicate(mesh, key))
@@ -755,7 +772,7 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
     static["tree"] = tree
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
-  return _compiled_decode((args, kwargs), static), args, kwargs
+  return _compiled_decode((args, kwargs), static, params_signature), args, kwargs
 
 
 def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,

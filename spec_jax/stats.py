@@ -159,6 +159,8 @@ class SpecStats:
 
 def _int_list(x) -> list:
   """A count array (any shape) or a number -> a flat list of Python ints."""
+  if isinstance(x, np.ndarray) and x.dtype.kind in "iu":    # the common case: one C call
+    return x.reshape(-1).tolist()
   return np.asarray(x, np.int64).reshape(-1).tolist()
 
 
