@@ -67,6 +67,14 @@ def test_decode_in_user_jit_equals_generate(models, temperature):
   assert np.all(np.isfinite(np.asarray(score))) and np.all(np.asarray(score) < 0)
   stats = sj.SpecStats.from_result(res)
   assert stats.rounds == out.stats.rounds and stats.accepted == out.stats.accepted
+  # generate() gets its DecodeResult back packed into one vector (PackedDecode): every field
+  # unpacks to the values, shape and dtype that decode returned.
+  for name in ("lengths", "prompt_lens", "rounds", "drafted", "accepted", "accepted_at",
+               "finished_at_round", "iterations", "k_rounds"):
+    got, want = getattr(out.result, name), np.asarray(getattr(res, name))
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got, want)
+    np.testing.assert_array_equal(got, want, err_msg=name)
+  assert out.result.tokens.shape == res.tokens.shape
 
 
 def test_decode_jaxpr_has_one_while_and_no_callbacks(models):
