@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -134,6 +134,33 @@ class SpecStats:
         iterations=int(np.asarray(result.iterations)), num_draft=k,
         emitted=[max(n - 1, 0) for n in new], processes=processes, k_histogram=hist,
         auto=bool(auto), tree=tree)
+
+  @classmethod
+  def merge(cls, parts: Sequence["SpecStats"]) -> "SpecStats":
+    """One SpecStats over several generate() calls of the same configuration (their rows side
+    by side): counts, seconds, new tokens and iterations summed, so tokens_per_second is all
+    their tokens over all their seconds. Each part needs row_counts."""
+    if not parts:
+      raise ValueError("SpecStats.merge needs at least one SpecStats")
+    first = parts[0]
+    if any((p.num_draft, p.auto, p.tree) != (first.num_draft, first.auto, first.tree)
+           for p in parts) or any(p.row_counts is None for p in parts):
+      raise ValueError("SpecStats.merge takes statistics of one configuration (same num_draft, "
+                       "auto and tree), each with its row_counts")
+    rows = lambda name: [x for p in parts for x in p.row_counts[name]]
+    hist = None
+    if any(p.k_histogram for p in parts):
+      hist = {}
+      for p in parts:
+        for k, n in (p.k_histogram or {}).items():
+          hist[k] = hist.get(k, 0) + n
+    return cls.from_counts(
+        rounds=rows("rounds"), drafted=rows("drafted"), accepted=rows("accepted"),
+        accepted_at=rows("accepted_at"), seconds=sum(p.seconds for p in parts),
+        new_tokens=sum(p.new_tokens for p in parts),
+        iterations=sum(p.iterations for p in parts), num_draft=first.num_draft,
+        emitted=sum(p.emitted for p in parts), processes=first.processes, k_histogram=hist,
+        auto=first.auto, tree=first.tree)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)

@@ -357,3 +357,38 @@ def test_spec_stats_alpha_token_inverts_tau():
   none = SpecStats.from_counts(rounds=[0], drafted=[0], accepted=[0], accepted_at=[[0, 0]],
                                seconds=1.0, new_tokens=1, iterations=0, num_draft=2, emitted=[0])
   assert (none.mean_accepted_length, none.acceptance_rate, none.alpha_token) == (1.0, 0.0, 0.0)
+
+
+def test_batches_per_cell_merges_consecutive_batches(tmp_path, capsys):
+  """--batches-per-cell 2 at B = 1: each measurement is two prompts; the merged statistics are
+  the two calls' rows side by side (SpecStats.merge), tokens/s over both."""
+  from spec_jax.stats import SpecStats
+  a = SpecStats.from_counts(rounds=[4], drafted=[8], accepted=[5], accepted_at=[[3, 2]],
+                            seconds=1.0, new_tokens=10, iterations=4, num_draft=2, emitted=[9])
+  b = SpecStats.from_counts(rounds=[6], drafted=[12], accepted=[3], accepted_at=[[2, 1]],
+                            seconds=3.0, new_tokens=10, iterations=6, num_draft=2, emitted=[9])
+  m = SpecStats.merge([a, b])
+  assert m.row_counts["rounds"] == [4, 6] and m.row_counts["accepted_at"] == [[3, 2], [2, 1]]
+  assert (m.rounds, m.drafted, m.accepted, m.emitted) == (10, 20, 8, 18)
+  assert m.tokens_per_second == pytest.approx(20 / 4.0) and m.iterations == 10
+  assert m.mean_accepted_length == pytest.approx(1.8)
+  assert m.accepted_at == pytest.approx((0.5, 0.3))
+  with pytest.raises(ValueError, match="one configuration"):
+    SpecStats.merge([a, SpecStats.from_counts(rounds=[1], drafted=[0], accepted=[0],
+                                              accepted_at=[], seconds=1.0, new_tokens=1,
+                                              iterations=1, num_draft=0)])
+
+  out = tmp_path / "spec.json"
+  argv = ["--pairs", "random:tiny@draft:random:tiny-draft", "-K", "2", "-B", "1",
+          "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+          "--temperatures", "0", "--batches-per-cell", "2", "--out", str(out)]
+  assert cli.main(argv) == 0
+  rows = json.loads(out.read_text())["rows"]
+  for r in rows:
+    assert r["batches_per_cell"] == 2 and r["new_tokens_per_run"] == 16
+  spec = next(r for r in rows if r["K"] == 2)
+  # tau * rounds = the tokens the rounds emitted: 7 per prompt (the prefill gives the 8th),
+  # over both prompts.
+  assert spec["tau"] * spec["rounds"] == pytest.approx(2 * 7)
+  assert cli.main(argv[:-4] + ["--batches-per-cell", "0", "--out", str(out)]) == 2
+  assert "--batches-per-cell must be >= 1" in capsys.readouterr().err

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "',sampled' for i.i.d. candidates) for every drafter that builds trees; "
                  "repeatable, one tree row per flag beside the chain rows")
   p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
+  p.add_argument("--batches-per-cell", type=int, default=1, metavar="N",
+                 help="spec suite: every timed measurement runs N consecutive batches of "
+                 "distinct prompts (N x B prompts per cell; tokens/s = their tokens / their "
+                 "seconds, tau and alpha over all their rows). A B = 1 cell is otherwise one "
+                 "prompt, and at temperature 1 one sampled story moves it a lot")
   p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                  default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
   p.add_argument("--max-new-tokens", type=int, default=128,
@@ -152,7 +157,7 @@ def parse_args(argv) -> argparse.Namespace:
     for k, v in QUICK.items():
       setattr(args, k, v)
   for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
-               "peer_prompts", "peer_rounds", "peer_lookup_tokens"):
+               "peer_prompts", "peer_rounds", "peer_lookup_tokens", "batches_per_cell"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
   if any(b < 1 for b in args.batch + args.plain_batch + args.peer_batch):

@@ -2,7 +2,11 @@
 
 SPEC_DEFINITIONS = {
     "tokens_per_s": "new tokens over all rows / wall seconds of one compiled generate() call "
-                    "(prefill + decode loop, compile excluded); median, min, max over `n` repeats",
+                    "(prefill + decode loop, compile excluded); median, min, max over `n` repeats. "
+                    "With batches_per_cell N > 1 one measurement is N consecutive generate() calls "
+                    "on N batches of distinct prompts: their tokens / their seconds",
+    "batches_per_cell": "batches of distinct prompts per measurement (--batches-per-cell); tau, "
+                        "alpha and the rounds count every row of all of them",
     "speedup": "median tokens/s of this row / median tokens/s of plain decoding (K=0) of the same "
                "target, batch and temperature, measured in this same run on the same prompts; "
                "< 1 means speculation is SLOWER than plain decoding at that batch",

@@ -20,7 +20,7 @@ from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_capacity
 from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
-from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_generate
+from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_batches
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.bench.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 
@@ -94,7 +94,8 @@ def governor_row(meta: dict, dspec: str, stats: list, tokens_per_s: list, base: 
       "target_params": meta["target_params"],
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": "auto",
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
-      "new_tokens_per_run": meta["batch"] * max_new, "prompt_tokens_longest": lb,
+      "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
+      "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
       "capacity": engine_capacity(lb, max_new, kmax),
       "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
       "speedup": tps["median"] / base["median"],
@@ -154,7 +155,8 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
       "tree": None if tree is None else _tree_text(tree),
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
-      "new_tokens_per_run": meta["batch"] * max_new, "prompt_tokens_longest": lb,
+      "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
+      "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
       "capacity": engine_capacity(lb, max_new, k if tree is None else tree.cache_extent),
       "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
       "speedup": speedup, "alpha": alpha, "tau": tau,
@@ -191,8 +193,11 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
                  opts) -> tuple:
   """Warm-up, then `repeats` interleaved rounds of every configuration of one cell ->
   (baseline dict, rows)."""
-  prompts = setup.ids[:batch]
-  cell = f"{setup.label} B={batch} T={temp:g}"
+  n = opts.batches_per_cell
+  batches = [setup.ids[i * batch:(i + 1) * batch] for i in range(n)]
+  prompts = batches[0]
+  cell = f"{setup.label} B={batch} T={temp:g}" + (f" ({n} batches per measurement)" if n > 1
+                                                   else "")
   log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
   runs, tables = {}, {}
   for dspec, k in configs:
@@ -205,12 +210,12 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
             f"({'from cache' if table.from_cache else 'measured'} in "
             f"{table.measure_seconds:.1f} s): t(K)/t(0) = {{{rel}}}")
     t0 = time.perf_counter()
-    run_generate(setup.model, prompts, setup.drafters.get(dspec), k, setup.max_new, temp,
-                 opts.seed)
+    run_batches(setup.model, batches, setup.drafters.get(dspec), k, setup.max_new, temp,
+                opts.seed)
     log(f"[bench]   warm {drafter_label(dspec)} {config_label(k)}: "
         f"{time.perf_counter() - t0:.1f} s")
-    runs[(dspec, k)] = (lambda d=dspec, k=k: run_generate(
-        setup.model, prompts, setup.drafters.get(d), k, setup.max_new, temp, opts.seed).stats)
+    runs[(dspec, k)] = (lambda d=dspec, k=k: run_batches(
+        setup.model, batches, setup.drafters.get(d), k, setup.max_new, temp, opts.seed))
 
   def on_round(rep, res):
     plain = [s.tokens_per_second for s in res[configs[0]]]
@@ -225,8 +230,8 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   t1, tv, td = costs
   meta = {"target": setup.label, "target_spec": setup.spec,
           "target_params": setup.model.config.num_params, "batch": batch, "temperature": temp,
-          "max_new_tokens": setup.max_new,
-          "prompt_tokens_longest": max(len(r) for r in prompts),
+          "max_new_tokens": setup.max_new, "batches_per_cell": n,
+          "prompt_tokens_longest": max(len(r) for b in batches for r in b),
           "cost_fill": setup.fill, "cost_capacity": cost_capacity}
   rows = []
   for dspec, k in configs:
@@ -298,7 +303,8 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
     if all((label, b, t) in done for b in grid.batches for t in grid.temps):
       continue
     log(f"[bench] loading target {target_spec}")
-    setup = prepare_target(target_spec, drafter_specs, opts, grid.ks, max(grid.batches))
+    setup = prepare_target(target_spec, drafter_specs, opts, grid.ks,
+                           max(grid.batches) * opts.batches_per_cell)
     if setup.note and not any(n.startswith(label + ": max_new_tokens") for n in notes):
       notes.append(setup.note)
       log("[bench] note: " + setup.note)

@@ -87,6 +87,14 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) ->
                      fill=longest + max_new // 2, note=note)
 
 
+def run_batches(target, batches, drafter, k, max_new: int, temperature: float, seed: int):
+  """run_generate over consecutive batches of prompts -> one merged SpecStats (their rows side
+  by side; tokens/s over all of them)."""
+  from spec_jax.stats import SpecStats
+  return SpecStats.merge([run_generate(target, prompts, drafter, k, max_new, temperature,
+                                       seed).stats for prompts in batches])
+
+
 def run_generate(target, prompts, drafter, k, max_new: int, temperature: float, seed: int):
   """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
   an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
