@@ -46,6 +46,29 @@ _GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to", r"peer ranks\.",
                 r"Expected number of connected peer ranks is :")
 NOISE = re.compile(r"^(?=.*(?:%s))(?:\s|\d|%s)+$" % ("|".join(_GLOO_PIECES),
                                                     "|".join(_GLOO_PIECES)))
+_DIGITS = re.compile(r"^[\s\d]*$")
+
+
+class GlooFilter:
+  """Drops gloo's connection lines from one output stream (NOISE). Their pieces interleave
+  across threads at any boundary, so a line can also be left holding nothing but digits of one
+  of them (a lone "7" was seen at the top of a launched command's output): such a line is
+  dropped too, but only while nothing but gloo lines (and blank ones) came since the last gloo
+  line, never once the command's own text has started again."""
+
+  def __init__(self):
+    self.after_gloo = False
+
+  def keep(self, line: str) -> bool:
+    if NOISE.match(line):
+      self.after_gloo = True
+      return False
+    if _DIGITS.match(line):
+      return not (self.after_gloo and line.strip())
+    self.after_gloo = False
+    return True
+
+
 KEEP_LINES = 200           # lines of a quiet process's output kept for its failure report
 GRACE_SECONDS = 5.0
 
@@ -88,9 +111,10 @@ class _Child:
       t.start()
 
   def _copy(self, pipe, sink) -> None:
+    gloo = GlooFilter()
     for raw in iter(pipe.readline, b""):
       line = raw.decode(errors="replace")
-      if NOISE.match(line):
+      if not gloo.keep(line):
         continue
       if self.quiet:
         self.kept.append(line)

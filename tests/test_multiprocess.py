@@ -91,6 +91,14 @@ def test_gloo_noise_filter_takes_interleaved_pieces_only():
                             "connected peer ranks is : 1")
   for text in ("Once upon a time 7 peer ranks.", "The cat and 3 year Tom bec", "", "12 34"):
     assert not launch.NOISE.match(text), text
+  # A line left with only a gloo line's digits ("7", seen at the top of a launched generate's
+  # output) is dropped right after gloo's lines; the command's own digits never are.
+  lines = ["12 34\n", "[Gloo] Rank 1[Gloo] Rank 0 is connected to  is connected to 7\n",
+           "7\n", "\n", " 7 \n", "Once upon a time\n", "7\n", "[Gloo] Rank 0 is connected to 1 "
+           "peer ranks. Expected number of connected peer ranks is : 1\n", "The end\n", "8\n"]
+  gloo = launch.GlooFilter()
+  assert [line for line in lines if gloo.keep(line)] == [
+      "12 34\n", "\n", "Once upon a time\n", "7\n", "The end\n", "8\n"]
 
 
 def test_launcher_output_all_prefixes_every_process(tmp_path):
