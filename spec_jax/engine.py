@@ -559,8 +559,6 @@ def new_tokens(result) -> list:
 
 _DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy",
                   "governor")
-_decode_jit = jax.jit(decode, static_argnames=_DECODE_STATIC)
-_generate_loop = _decode_jit  # the name earlier code and tests use to clear the jit cache
 
 
 # ----------------------------------------------------------------------------- generate()
@@ -622,7 +620,13 @@ def _stop_array(target, stop_tokens) -> np.ndarray:
   return np.asarray(stop, np.int32).reshape(-1)
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = {}   # tree signature -> PackedDecode (see _compiled_decode)
+
+
+def clear_compiled() -> None:
+  """Drops generate()'s compiled executables: the next call traces decode afresh (tests that
+  patch the engine; long benchmarks bounding their memory)."""
+  _COMPILED.clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -140,13 +140,11 @@ def test_the_check_catches_a_lossy_sampler(monkeypatch):
   target, draft = _models()
   sampling = SETTINGS["T1.3_topp0.8"]
   monkeypatch.setattr(engine, "rejection_sample", _wrong_top_p_sampler)
-  engine._generate_loop.clear_cache()
-  engine._COMPILED.clear()
+  engine.clear_compiled()
   try:
     toks, _ = sample_joint(target, sj.drafters.DraftModel(draft), sampling, 2)
   finally:
-    engine._generate_loop.clear_cache()
-    engine._COMPILED.clear()
+    engine.clear_compiled()
   stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 

@@ -604,14 +604,12 @@ def test_the_engine_check_catches_a_lossy_tree_verifier(monkeypatch, candidates,
   target, draft = _models()
   sampling = SETTINGS[setting]
   monkeypatch.setattr(tree_lib, "verify_tree", functools.partial(tree_lib.verify_tree, **hooks))
-  engine._generate_loop.clear_cache()
-  engine._COMPILED.clear()
+  engine.clear_compiled()
   try:
     toks, _ = _tree_joint(sj.drafters.DraftModel(draft), sampling,
                           TREES[candidates])
   finally:
-    engine._generate_loop.clear_cache()
-    engine._COMPILED.clear()
+    engine.clear_compiled()
   stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 

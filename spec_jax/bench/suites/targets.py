@@ -119,6 +119,6 @@ def release_compiled() -> None:
   import jax
   from spec_jax import engine
   from spec_jax.bench import timers
-  getattr(engine, "_COMPILED", {}).clear()
+  engine.clear_compiled()
   timers.clear_cache()
   jax.clear_caches()
