@@ -133,6 +133,15 @@ def test_llama2c_tokenizer_round_trip(stories260k):
   once = tok.encode("Once", add_bos=False)
   assert tok.decode([1] + once) == "Once" and tok.decode(once) == " Once"
   assert tok.decode([1] + once + [1, 2, 0]) == "Once"
+  # Lists free of special ids take a join fast path; it must give what the general loop gives
+  # (a tuple takes the loop), byte pieces and broken UTF-8 included.
+  rng = np.random.default_rng(0)
+  for n in (1, 2, 7, 64):
+    ids = rng.integers(3, tok.vocab_size, size=n).tolist()
+    assert tok.decode(ids) == tok.decode(tuple(ids)), ids
+  assert tok.decode([3 + 0xE4, 3 + 0xBD]) == tok.decode((3 + 0xE4, 3 + 0xBD)) == "\ufffd"
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode([300, tok.vocab_size])
 
 
 def test_llama2c_encoder_matches_sentencepiece(stories260k):

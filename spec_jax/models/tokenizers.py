@@ -177,9 +177,13 @@ class Llama2cTokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     """run.c's `decode` over a sequence: special ids are dropped, the first piece after BOS loses
     its leading space, "<0xXX>" pieces are raw bytes; invalid UTF-8 becomes U+FFFD."""
+    output, size, bos = self._output, len(self._vocab), self.bos_id
+    if type(ids) is list and ids and all(type(t) is int for t in ids) and \
+        _NUM_SPECIAL <= min(ids) and max(ids) < size:
+      # The common case, generated text: no special id, so no piece follows BOS.
+      return b"".join(map(output.__getitem__, ids)).decode("utf-8", errors="replace")
     out = []
     prev = None
-    output, size, bos = self._output, len(self._vocab), self.bos_id
     for token in ids:
       token = int(token)
       if token < 0 or token >= size:
