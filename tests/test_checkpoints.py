@@ -139,6 +139,7 @@ def test_llama2c_tokenizer_round_trip(stories260k):
   for n in (1, 2, 7, 64):
     ids = rng.integers(3, tok.vocab_size, size=n).tolist()
     assert tok.decode(ids) == tok.decode(tuple(ids)), ids
+  assert tok.decode([300.0, 301]) == tok.decode((300, 301))        # as the loop: int(300.0)
   assert tok.decode([3 + 0xE4, 3 + 0xBD]) == tok.decode((3 + 0xE4, 3 + 0xBD)) == "\ufffd"
   with pytest.raises(ValueError, match="outside the vocabulary"):
     tok.decode([300, tok.vocab_size])

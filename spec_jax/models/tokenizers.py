@@ -178,10 +178,12 @@ class Llama2cTokenizer:
     """run.c's `decode` over a sequence: special ids are dropped, the first piece after BOS loses
     its leading space, "<0xXX>" pieces are raw bytes; invalid UTF-8 becomes U+FFFD."""
     output, size, bos = self._output, len(self._vocab), self.bos_id
-    if type(ids) is list and ids and all(type(t) is int for t in ids) and \
-        _NUM_SPECIAL <= min(ids) and max(ids) < size:
+    if type(ids) is list and ids and _NUM_SPECIAL <= min(ids) and max(ids) < size:
       # The common case, generated text: no special id, so no piece follows BOS.
-      return b"".join(map(output.__getitem__, ids)).decode("utf-8", errors="replace")
+      try:
+        return b"".join(map(output.__getitem__, ids)).decode("utf-8", errors="replace")
+      except TypeError:       # ids that are not integers (5.0): the loop below converts them
+        pass
     out = []
     prev = None
     for token in ids:
