@@ -1,12 +1,13 @@
 """Overhead of sj.generate over a bare jitted sj.decode call (issue 16's goal: <= 5 %).
 
-    python scripts/generate_overhead.py [--model ../shared/models/stories260K] [--repeats 21]
+    python scripts/generate_overhead.py [--model ../shared/models/stories260K] [--repeats 21] [--block 1]
 
 Both run the same compiled loop: stories260K, batch 1, 128 new tokens, plain decoding and
 salty279K with K = 4, greedy. generate() is timed as its caller sees it (wall clock of the
 whole call: prompt preparation, the cached AOT executable, the host copy of the result,
 detokenising); decode is one call of the user's own jax.jit plus block_until_ready. The two
-alternate, medians over repeats; the spread (max - min) / median of each is printed.
+alternate (call by call, or in blocks of --block calls each), medians over all calls; the
+spread (max - min) / median of each is printed.
 """
 
 import argparse
@@ -27,6 +28,9 @@ def main():
   ap.add_argument("--draft", default="../shared/models/salty279K")
   ap.add_argument("--max-new-tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=21)
+  ap.add_argument("--block", type=int, default=1,
+                  help="calls of each in a row (1: the two alternate call by call; B > 1: B "
+                       "decode calls, then B generate calls, as a loop over either makes them)")
   args = ap.parse_args()
   target = sj.load(args.model)
   draft = sj.drafters.DraftModel(sj.load(args.draft))
@@ -51,14 +55,15 @@ def main():
     times = {"decode": [], "generate": [], "host": []}
     for _ in range(args.repeats):
       for name, fn in (("decode", call_decode), ("generate", call_generate)):
-        start = time.perf_counter()
-        out = fn()
-        times[name].append(time.perf_counter() - start)
-      # generate()'s own work around its compiled call: prompts, dispatch, results, text
-      times["host"].append(times["generate"][-1] - out.stats.seconds)
+        for _ in range(args.block):
+          start = time.perf_counter()
+          out = fn()
+          times[name].append(time.perf_counter() - start)
+          if name == "generate":   # its own work around the compiled call: prompts, results, text
+            times["host"].append(times["generate"][-1] - out.stats.seconds)
     med = {n: statistics.median(v) for n, v in times.items()}
     spread = {n: (max(v) - min(v)) / med[n] for n, v in times.items()}
-    # Paired per repeat (neighbouring calls share the machine's state), then the median.
+    # Paired call by call (neighbouring calls share the machine's state), then the median.
     paired = statistics.median(g / d - 1 for g, d in zip(times["generate"], times["decode"]))
     label = "plain" if drafter is None else f"salty279K K={k}"
     print(f"{label}: decode {med['decode'] * 1e3:.2f} ms (spread {spread['decode']:.0%}), "
