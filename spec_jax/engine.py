@@ -678,12 +678,13 @@ def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
     params_signature = tree_signature(positional[0])
   # static items in the caller's (fixed) order; shapes and dtypes as they are (hashable).
   sig = (tuple(static.items()), params_signature, tree_signature((positional[1:], keywords)))
-  if sig not in _COMPILED:
+  hit = _COMPILED.get(sig)
+  if hit is None:
     layout = []
     packed = jax.jit(functools.partial(_packed_decode, layout), static_argnames=_DECODE_STATIC)
     compiled = packed.lower(*positional, **keywords, **static).compile()
-    _COMPILED[sig] = PackedDecode(compiled, *layout)
-  return _COMPILED[sig]
+    hit = _COMPILED[sig] = PackedDecode(compiled, *layout)
+  return hit
 
 
 def tree_signature(tree) -> tuple:

@@ -550,9 +550,8 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   lengths for every K was tried: with few rounds at large K, a loaded machine's noise swamped
   the difference.)
   -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
-  from spec_jax import engine
+  from spec_jax import engine, global_batch, sharding as sharding_lib
   from spec_jax.bench.timing import interleaved_rounds, summarize
-  from spec_jax import global_batch, sharding as sharding_lib
   from spec_jax.sampling import Sampling
   kmax = max(ks)
   p = max(1, min(int(prompt_len), capacity - kmax - 4))

@@ -76,7 +76,7 @@ class Sampling:
     """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
     self.check(batch_size)
     if self._scalars():
-      return _scalar_rows(float(self.temperature), float(self.top_k), float(self.top_p),
+      return _scalar_rows(float(self.temperature), int(self.top_k), float(self.top_p),
                           int(batch_size))
     fields = (self.temperature, self.top_k, self.top_p)
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
@@ -94,7 +94,7 @@ class Sampling:
 
 
 @functools.lru_cache(maxsize=256)
-def _scalar_rows(temperature: float, top_k: float, top_p: float, batch_size: int) -> Sampling:
+def _scalar_rows(temperature: float, top_k: int, top_p: float, batch_size: int) -> Sampling:
   """Sampling.as_arrays of checked scalar settings: read-only numpy rows, made once per
   (settings, batch) (generate() asks for them on every call)."""
   rows = (np.full((batch_size,), temperature, np.float32),
