@@ -281,7 +281,7 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
   else:
     ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
                        sampling=env.sampling, target_params=env.target_params, num_draft=k,
-                       greedy=env.greedy, rolled=env.rolled)
+                       greedy=env.greedy, rolled=env.rolled, target_cache=st.cache)
     draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
         env.drafter, env.drafter_params, st.drafter_state, ctx)
     if draft_rows is not None:

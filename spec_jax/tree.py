@@ -660,7 +660,8 @@ def tree_round(env, st, *, spec: TreeSpec):
 
   key, draft_key, accept_key = jax.random.split(st.key, 3)
   ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
-                     target_params=env.target_params, num_draft=spec.depth, greedy=env.greedy)
+                     target_params=env.target_params, num_draft=spec.depth, greedy=env.greedy,
+                     target_cache=st.cache)
   tree, dstate = env.drafter.propose_tree(env.drafter_params, st.drafter_state, ctx, spec)
   last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
   tree = tree.replace(tokens=jnp.where(tree.valid, tree.tokens, 0).at[:, 0].set(last))

@@ -82,6 +82,9 @@ class DraftContext:
   rolled: (static) a hint that autoregressive drafters should run their K-1 later steps as a
     loop (lax.fori_loop) instead of unrolling them: the same drafts, a smaller program (the
     governor compiles a round for every candidate K). Drafters may ignore it.
+  target_cache: the target's KV cache as the round starts (entries for positions
+    < lengths[b] - 1, the target's own layout), for drafters that attend to it (the Gemma 4
+    assistant's KV-shared layers); None where a caller has none (the bench's drafter timers).
   """
   key: jax.Array
   tokens: jax.Array
@@ -91,6 +94,7 @@ class DraftContext:
   num_draft: int = flax.struct.field(pytree_node=False)
   greedy: bool = flax.struct.field(pytree_node=False, default=False)
   rolled: bool = flax.struct.field(pytree_node=False, default=False)
+  target_cache: Any = None
 
 
 @flax.struct.dataclass
