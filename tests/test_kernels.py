@@ -28,6 +28,7 @@ except ImportError:  # the script mode below needs no pytest
 
 from kernels_pallas import pallas_gpu, pallas_tpu
 from kernels_pallas.reference import verify_attention_reference
+from tests.numerics import assert_f32_close
 
 MODE = os.environ.get("SPEC_JAX_KERNEL_TEST_BACKEND", "interpret")
 if MODE not in ("interpret", "gpu", "tpu"):
@@ -195,7 +196,7 @@ if pytest is not None:
     for n in (lengths, shorter):
       with jax.default_matmul_precision("highest"):
         ref = verify_attention_reference(q, k, v, n, mask)
-      np.testing.assert_allclose(np.asarray(f(n, mask)), np.asarray(ref), atol=1e-5)
+      assert_f32_close(f(n, mask), ref)
 
   def test_random_tree_masks_are_valid_trees():
     rng = np.random.default_rng(0)
@@ -221,7 +222,7 @@ if pytest is not None:
                                                   jnp.asarray(mask)))
       square = np.asarray(verify_attention_reference(q, k, v, jnp.asarray(lengths),
                                                      jnp.asarray(mask[:, :, w - t:])))
-    np.testing.assert_allclose(ref, naive_attention(q, k, v, lengths, mask), atol=1e-5)
+    assert_f32_close(ref, naive_attention(q, k, v, lengths, mask))
     assert not np.allclose(ref, square, atol=1e-3)      # the hidden cached nodes matter
 
   def test_naive_matches_reference_on_causal():
@@ -229,8 +230,7 @@ if pytest is not None:
     q, k, v, lengths, _ = make_inputs(case)
     with jax.default_matmul_precision("highest"):
       ref = verify_attention_reference(q, k, v, lengths)
-    np.testing.assert_allclose(naive_attention(q, k, v, np.asarray(lengths), None),
-                               np.asarray(ref), atol=1e-5)
+    assert_f32_close(ref, naive_attention(q, k, v, np.asarray(lengths), None))
 
   @pytest.mark.parametrize("t", [1, 4])
   def test_head_major_reference_matches_naive_and_seq_major(t):
@@ -250,8 +250,7 @@ if pytest is not None:
         got = verify_attention_reference(q, k_hm, v_hm, jnp.asarray(lengths),
                                          None if mask is None else jnp.asarray(mask),
                                          head_major=True)
-        np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, lengths, mask),
-                                   atol=1e-5)
+        assert_f32_close(got, naive_attention(q, k, v, lengths, mask))
       got = verify_attention_reference(q, k_hm, v_hm, jnp.asarray(lengths), sliding_window=5,
                                        head_major=True)
       want = verify_attention_reference(q, k, v, jnp.asarray(lengths), sliding_window=5)

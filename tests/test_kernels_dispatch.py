@@ -12,6 +12,7 @@ import pytest
 import kernels_pallas
 from kernels_pallas import dispatch
 from kernels_pallas.reference import verify_attention_reference
+from tests.numerics import MODEL_ULPS, assert_f32_close
 
 B, T, HQ, HKV, D, S = 2, 3, 4, 2, 16, 40
 
@@ -124,8 +125,7 @@ def test_pallas_on_any_backend_matches_reference(kernel):
   mask = jnp.asarray(np.tril(np.ones((T, T), bool))[None].repeat(B, 0))
   out = kernels_pallas.verify_attention(q, k, v, lengths, mask, impl="pallas", kernel=kernel,
                                         block_k=32)
-  np.testing.assert_allclose(out, verify_attention_reference(q, k, v, lengths, mask),
-                             atol=1e-5, rtol=1e-5)
+  assert_f32_close(out, verify_attention_reference(q, k, v, lengths, mask))
 
 
 def test_pallas_under_jit_with_traced_lengths_and_mask():
@@ -134,8 +134,7 @@ def test_pallas_under_jit_with_traced_lengths_and_mask():
   f = jax.jit(lambda n, m: kernels_pallas.verify_attention(q, k, v, n, m, impl="pallas",
                                                            block_k=16))
   for n in (lengths, jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)):
-    np.testing.assert_allclose(f(n, mask), verify_attention_reference(q, k, v, n, mask),
-                               atol=1e-5, rtol=1e-5)
+    assert_f32_close(f(n, mask), verify_attention_reference(q, k, v, n, mask))
 
 
 # ---------------------------------------------------------------------------- fallback
@@ -176,8 +175,7 @@ def test_float32_queries_on_a_bfloat16_cache(kernel):
   out = kernels_pallas.verify_attention(q, k, v, lengths, impl="pallas", kernel=kernel,
                                         block_k=16)
   assert out.dtype == jnp.float32
-  np.testing.assert_allclose(out, verify_attention_reference(q, k, v, lengths),
-                             atol=1e-5, rtol=1e-5)
+  assert_f32_close(out, verify_attention_reference(q, k, v, lengths))
 
 
 def test_model_forward_with_pallas_attention_matches_reference():
@@ -196,4 +194,4 @@ def test_model_forward_with_pallas_attention_matches_reference():
   ref = run(params, config, step, prefill.cache, offsets)
   out = run(params, dataclasses.replace(config, attention_impl="pallas"), step, prefill.cache,
             offsets)
-  np.testing.assert_allclose(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+  assert_f32_close(out.logits, ref.logits, MODEL_ULPS)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 import spec_jax as sj
 from spec_jax.models import hf as hf_loader
 from spec_jax.models.transformer import KVCache, forward
+from tests.numerics import MODEL_ULPS, assert_f32_close
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -54,6 +55,14 @@ def make_torch_model(class_name, seed=0, **kwargs):
   return model.eval()
 
 
+def float64_logits(torch_model, tokens):
+  """transformers' logits for int tokens [B, T], computed in float64 from the (float32) weights
+  that were saved: the reference error is then negligible (tests/numerics.py)."""
+  import copy
+  with torch.no_grad():
+    return copy.deepcopy(torch_model).double()(torch.tensor(tokens)).logits.numpy()
+
+
 def jax_logits(model, tokens, capacity=16):
   cache = KVCache.zeros(model.config, tokens.shape[0], capacity)
   fwd = jax.jit(forward, static_argnums=1)
@@ -83,10 +92,9 @@ def test_logits_match_transformers(case, tmp_path):
     assert cfg.rope_theta == 500000.0 and cfg.rope_scaling_dict["rope_type"] == "llama3"
 
   tokens = np.random.default_rng(0).integers(0, TINY["vocab_size"], size=(2, 12))
-  with torch.no_grad():
-    want = torch_model(torch.tensor(tokens)).logits.numpy()
+  want = float64_logits(torch_model, tokens)
   got = jax_logits(model, tokens)
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  assert_f32_close(got, want, MODEL_ULPS)
 
   if "llama3rope" in case:
     # A pre-5.x config.json (rope_theta + rope_scaling) gives the same config.
@@ -165,8 +173,7 @@ def test_sliding_window_cached_prefill_verify_and_decode_match_transformers(tmp_
   assert cfg.sliding_window == 8
   total = 24
   tokens = np.random.default_rng(1).integers(0, TINY["vocab_size"], size=(2, total))
-  with torch.no_grad():
-    want = torch_model(torch.tensor(tokens)).logits.numpy()          # [2, total, V]
+  want = float64_logits(torch_model, tokens)                        # [2, total, V]
   fwd = jax.jit(forward, static_argnums=1)
   cache = KVCache.zeros(cfg, 2, 32)
   lengths = np.asarray([10, 7], np.int32)                           # ragged prefill
@@ -174,14 +181,14 @@ def test_sliding_window_cached_prefill_verify_and_decode_match_transformers(tmp_
   out = fwd(model.params, cfg, jnp.asarray(prefill, jnp.int32), cache, jnp.zeros(2, jnp.int32))
   got = np.asarray(out.logits)
   for b in range(2):
-    np.testing.assert_allclose(got[b, :lengths[b]], want[b, :lengths[b]], atol=1e-4, rtol=1e-4)
+    assert_f32_close(got[b, :lengths[b]], want[b, :lengths[b]], MODEL_ULPS)
   cache = out.cache
   for step in (4, 4, 4, 1, 1):                                     # verify chunks, then decode
     chunk = np.stack([tokens[b, lengths[b]:lengths[b] + step] for b in range(2)])
     out = fwd(model.params, cfg, jnp.asarray(chunk, jnp.int32), cache, jnp.asarray(lengths))
     got = np.asarray(out.logits)
     for b in range(2):
-      np.testing.assert_allclose(got[b], want[b, lengths[b]:lengths[b] + step], atol=1e-4,
-                                 rtol=1e-4, err_msg=f"row {b} at offset {lengths[b]}")
+      assert_f32_close(got[b], want[b, lengths[b]:lengths[b] + step], MODEL_ULPS,
+                       err_msg=f"row {b} at offset {lengths[b]}")
     cache, lengths = out.cache, lengths + step
   assert lengths.min() > 2 * cfg.sliding_window

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
+from tests.numerics import MODEL_ULPS, assert_f32_close
 
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, max_position_embeddings=128)   # head_dim 16
@@ -68,8 +69,7 @@ def test_tree_forward_over_a_cached_prefix_equals_each_path_forwarded_alone(impl
         path.insert(0, trees[b][j])
         j = parent[j]
       want = full_logits(m.params, CFG, prefixes[b] + path)[-1]
-      np.testing.assert_allclose(got[b, node], want, atol=2e-4, rtol=2e-4,
-                                 err_msg=f"row {b} node {node}")
+      assert_f32_close(got[b, node], want, MODEL_ULPS, err_msg=f"row {b} node {node}")
   # Sanity: the siblings really differ (the mask matters): b's logits are not a's.
   assert np.abs(got[0, 1] - got[0, 2]).max() > 1e-2
 
@@ -91,8 +91,8 @@ def test_execution_layouts_give_the_canonical_logits(chunks):
   cache = sj.KVCache.zeros(CFG, 2, 16)
   want = sj.forward(m.params, CFG, tokens, cache, offsets)
   got = sj.forward(layout, CFG, tokens, cache, offsets)
-  np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
-  np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), atol=1e-5)
+  assert_f32_close(got.logits, want.logits, MODEL_ULPS)
+  assert_f32_close(got.cache.k, want.cache.k, MODEL_ULPS)
 
 
 @pytest.mark.parametrize("window", [None, 4], ids=["full", "sliding-window"])
@@ -113,8 +113,8 @@ def test_head_major_cache_gives_the_seq_major_logits_and_entries(window):
     out = _forward(params, config, step, pre.cache, offsets)
     assert out.cache.head_major == head_major
     outs[head_major] = (pre.logits, out.logits, out.cache.seq_major())
-  np.testing.assert_allclose(outs[True][0], outs[False][0], atol=1e-5)
-  np.testing.assert_allclose(outs[True][1], outs[False][1], atol=1e-5)
+  assert_f32_close(outs[True][0], outs[False][0], MODEL_ULPS)
+  assert_f32_close(outs[True][1], outs[False][1], MODEL_ULPS)
   np.testing.assert_array_equal(outs[True][2].k, outs[False][2].k)
   np.testing.assert_array_equal(outs[True][2].v, outs[False][2].v)
 

@@ -26,6 +26,7 @@ from spec_jax.models.transformer import KVCache, forward, prepare_params
 from tests.conftest import need_shared
 from tests.stats_helpers import assert_same_distribution, chi2_critical, chi_square
 from tests.test_lossless import (N, NEW, PROMPT, exact_joint, joint_counts, _models)
+from tests.numerics import MODEL_ULPS, assert_f32_close
 
 V = 8
 GREEDY = sj.Sampling(temperature=0.0)
@@ -427,7 +428,7 @@ def test_draft_model_tree_expansion_matches_causal_forwards(monkeypatch):
     want = forward(draft.params, draft.config, seq, KVCache.zeros(draft.config, 1, s),
                    jnp.zeros((1,), jnp.int32)).logits[0, -1]
     have = got["root"][0] if i == 0 else logits[i - 1]
-    np.testing.assert_allclose(np.asarray(have), np.asarray(want), atol=1e-4, err_msg=str(path))
+    assert_f32_close(have, want, MODEL_ULPS, err_msg=str(path))
 
 
 def test_head_tree_expansion_matches_chain_drafting(monkeypatch):
@@ -460,8 +461,7 @@ def test_head_tree_expansion_matches_chain_drafting(monkeypatch):
                            feature[:, None], k, v, lengths - 2 + depth)
       feature = o[:, 0]
     want = head.logits(head.params, target.params, feature)[0]
-    np.testing.assert_allclose(np.asarray(logits[i]), np.asarray(want), atol=1e-4,
-                               err_msg=str(path))
+    assert_f32_close(logits[i], want, MODEL_ULPS, err_msg=str(path))
 
 
 # ----------------------------------------------------------------------------- the KV move
@@ -493,17 +493,13 @@ def test_kv_move_matches_a_full_forward(head_major):
   full = fwd(params, tokens=jnp.asarray([[1, 4, 2, 5, 3, 7, 2, 0]], jnp.int32),
              cache=KVCache.zeros(cfg, 1, 24, False), offsets=jnp.zeros((1,), jnp.int32))
   moved = moved.seq_major()
-  np.testing.assert_allclose(np.asarray(moved.k[:, :, :8]), np.asarray(full.cache.k[:, :, :8]),
-                             atol=1e-5)
-  np.testing.assert_allclose(np.asarray(moved.v[:, :, :8]), np.asarray(full.cache.v[:, :, :8]),
-                             atol=1e-5)
+  assert_f32_close(moved.k[:, :, :8], full.cache.k[:, :, :8], MODEL_ULPS)
+  assert_f32_close(moved.v[:, :, :8], full.cache.v[:, :, :8], MODEL_ULPS)
   # The tree forward's logits at the path's nodes are the causal forward's.
-  np.testing.assert_allclose(np.asarray(out.logits[0, [0, 2, 4, 5]]),
-                             np.asarray(full.logits[0, 4:8]), atol=1e-4)
+  assert_f32_close(out.logits[0, jnp.asarray([0, 2, 4, 5])], full.logits[0, 4:8], MODEL_ULPS)
   # A shorter path moves only its nodes.
   part = move(out.cache, lengths, path, jnp.asarray([1])).seq_major()
-  np.testing.assert_allclose(np.asarray(part.k[:, :, :6]), np.asarray(full.cache.k[:, :, :6]),
-                             atol=1e-5)
+  assert_f32_close(part.k[:, :, :6], full.cache.k[:, :, :6], MODEL_ULPS)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -718,6 +714,4 @@ def test_the_gpu_kernel_verifies_a_32_node_tree():
   mask = tree_lib.ancestor_mask(jnp.asarray(parents, jnp.int32), t)
   lengths = jnp.asarray([40, 60], jnp.int32)
   out = kernels_pallas.verify_attention(q, k, v, lengths, mask, impl="pallas", kernel="gpu")
-  np.testing.assert_allclose(np.asarray(out),
-                             np.asarray(verify_attention_reference(q, k, v, lengths, mask)),
-                             atol=1e-5)
+  assert_f32_close(out, verify_attention_reference(q, k, v, lengths, mask))
