@@ -6,6 +6,16 @@ import jax
 import jax.numpy as jnp
 
 
+def _products(q, k_cache, v_cache):
+  """(q, k, v, preferred element type) for the two products: in the promoted dtype of q and
+  the cache, with a float32 accumulator when that is bfloat16 / float16 (the kernels' rule:
+  bf16 operands, f32 accumulation; a float32 query on a bf16 cache computes in float32)."""
+  dtype = jnp.promote_types(q.dtype, k_cache.dtype)
+  low = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return (q.astype(dtype), k_cache.astype(dtype), v_cache.astype(dtype),
+          jnp.float32 if low else None)
+
+
 def visibility(kv_lengths, t: int, s: int, tree_mask=None, sliding_window=None):
   """bool [B, T, S]: which cache entries each of the T new queries may attend to (the masking
   rules of verify_attention_reference, shared by both cache layouts)."""
@@ -48,7 +58,9 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
     sliding_window: optional int; key positions <= query position - window are hidden.
 
   Returns:
-    [B, T, Hq, D] in q's dtype; softmax in float32.
+    [B, T, Hq, D] in q's dtype; scores, softmax and the weighted sum accumulate in float32 (with
+    bf16 q and cache: bf16 operands, f32 accumulators, the weights rounded to bf16 for the
+    second product, as the kernels do).
   """
   b, t, hq, d = q.shape
   if head_major:
@@ -59,12 +71,14 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   visible = visibility(kv_lengths, t, s, tree_mask, sliding_window)          # [B,T,S]
   if head_major:
     return _head_major_attention(q, k_cache, v_cache, visible, group)
-  qg = q.reshape(b, t, hkv, group, d).astype(jnp.float32)
-  scores = jnp.einsum("bthgd,bshd->bhgts", qg, k_cache.astype(jnp.float32)) * (d ** -0.5)
+  qc, kc, vc, acc = _products(q, k_cache, v_cache)
+  qg = qc.reshape(b, t, hkv, group, d)
+  scores = jnp.einsum("bthgd,bshd->bhgts", qg, kc, preferred_element_type=acc)
+  scores = scores.astype(jnp.float32) * (d ** -0.5)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   # A query always sees itself, so no row is all -inf when inputs are valid.
   weights = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bhgts,bshd->bthgd", weights, v_cache.astype(jnp.float32))
+  out = jnp.einsum("bhgts,bshd->bthgd", weights.astype(vc.dtype), vc, preferred_element_type=acc)
   return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
@@ -75,12 +89,15 @@ def _head_major_attention(q, k_cache, v_cache, visible, group: int):
   XLA:CPU, measured)."""
   b, t, hq, d = q.shape
   hkv, s = k_cache.shape[1], k_cache.shape[2]
-  qm = (q.reshape(b, t, hkv, group, d).astype(jnp.float32)
+  qc, kc, vc, acc = _products(q, k_cache, v_cache)
+  qm = (qc.reshape(b, t, hkv, group, d)
         .transpose(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d))           # [B,Hkv,G*T,D]
-  scores = jnp.einsum("bhmd,bhsd->bhms", qm, k_cache.astype(jnp.float32)) * (d ** -0.5)
+  scores = jnp.einsum("bhmd,bhsd->bhms", qm, kc, preferred_element_type=acc)
+  scores = scores.astype(jnp.float32) * (d ** -0.5)
   mask = jnp.broadcast_to(visible[:, None, None], (b, 1, group, t, s)).reshape(b, 1, group * t, s)
   scores = jnp.where(mask, scores, -jnp.inf)
   weights = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bhms,bhsd->bhmd", weights, v_cache.astype(jnp.float32))  # [B,Hkv,G*T,D]
+  out = jnp.einsum("bhms,bhsd->bhmd", weights.astype(vc.dtype), vc,
+                   preferred_element_type=acc)                               # [B,Hkv,G*T,D]
   out = out.reshape(b, hkv, group, t, d).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
+from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (_attention, _mlp, _out_projection, _qkv_projections,
                                          _write_rows, apply_rope, embed, rms_norm, rope_inv_freq,
@@ -124,7 +125,7 @@ class EAGLE3Fused(FeatureHead):
 
   def target_feature(self, params, hidden, layer_hidden):
     cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-    return cat @ params["fuse"]
+    return matmul.dense(cat, params["fuse"])
 
   @classmethod
   def init(cls, target, key=None, target_layers: Optional[Sequence[int]] = None,
@@ -265,7 +266,7 @@ class EAGLE3(FeatureHead):
 
   def target_feature(self, params, hidden, layer_hidden):
     cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-    return cat @ params["fc"]
+    return matmul.dense(cat, params["fc"])
 
   def _embed(self, params, target_params, tokens):
     table = params if "embed" in params else target_params
@@ -288,7 +289,7 @@ class EAGLE3(FeatureHead):
   def draft_logits(self, params, out):
     """Head output o [..., D] -> float32 logits [..., V_draft] over the draft vocabulary."""
     o = rms_norm(out.astype(jnp.float32), params["norm"], self.layer_config.rms_norm_eps)
-    return o @ params["lm_head"]
+    return matmul.dense(o, params["lm_head"], out_dtype=jnp.float32)
 
   def logits(self, params, target_params, out):
     """Logits over the target's full vocabulary [..., V]: the draft logits at their target ids,

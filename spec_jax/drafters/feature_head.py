@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import (apply_rope, decoder_layer, default_head_major, embed,
                                          lm_head, rms_norm, rope_inv_freq)
@@ -178,8 +179,8 @@ class FeatureHead(Drafter):
     if self.kind == "mtp":
       cat = jnp.concatenate([rms_norm(e, params["enorm"], eps),
                              rms_norm(feature, params["hnorm"], eps)], axis=-1)
-      return cat @ params["fc"]
-    return jnp.concatenate([e, feature], axis=-1) @ params["fc"] + params["fc_b"]
+      return matmul.dense(cat, params["fc"])
+    return matmul.dense(jnp.concatenate([e, feature], axis=-1), params["fc"]) + params["fc_b"]
 
   def logits(self, params, target_params, out):
     """Head output o [..., D] -> float32 logits [..., V] through the target's LM head."""
@@ -369,7 +370,7 @@ class FeatureHead(Drafter):
       if s > 1:
         feature = _shift_right(outs[-1], 1)
       x, h = self._pre_attention(params, target_params, nxt, feature)
-      q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+      q, k, v = (matmul.dense(h, lp[name]) for name in ("wq", "wk", "wv"))
       if cfg.qkv_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
       q = q.reshape(b, t, hkv, group, dh)
@@ -384,21 +385,22 @@ class FeatureHead(Drafter):
       vs.append(v)
       scale = dh ** -0.5
       # Real prefix: step-1 keys at slots i <= j-(s-1).
-      scores = jnp.einsum("bthgd,bshd->bhgts", q, ks[0]) * scale
+      scores = matmul.einsum("bthgd,bshd->bhgts", q, ks[0]) * scale
       visible = slot[None, :] <= slot[:, None] - (s - 1)                   # [T(query), T(key)]
       scores = jnp.where(visible, scores, -1e30)
       # Drafted slots: step-r keys at slot j-(s-r), r = 2..s (a diagonal each).
       diag_k = [_shift_right(ks[r - 1], s - r) for r in range(2, s + 1)]
       diag_v = [_shift_right(vs[r - 1], s - r) for r in range(2, s + 1)]
-      diag = [jnp.einsum("bthgd,bthd->bhgt", q, kk)[..., None] * scale for kk in diag_k]
+      diag = [matmul.einsum("bthgd,bthd->bhgt", q, kk)[..., None] * scale for kk in diag_k]
       all_scores = jnp.concatenate([scores] + diag, axis=-1)
       weights = jax.nn.softmax(all_scores, axis=-1)
-      attn = jnp.einsum("bhgts,bshd->bthgd", weights[..., :t], vs[0])
+      attn = matmul.einsum("bhgts,bshd->bthgd", weights[..., :t], vs[0])
       for r, vv in enumerate(diag_v):
-        attn = attn + jnp.einsum("bhgt,bthd->bthgd", weights[..., t + r], vv)
-      x = x + attn.reshape(b, t, hq * dh) @ lp["wo"]
+        attn = attn + matmul.einsum("bhgt,bthd->bthgd", weights[..., t + r], vv)
+      x = x + matmul.dense(attn.reshape(b, t, hq * dh), lp["wo"])
       h = rms_norm(x, lp["mlp_norm"], eps)
-      x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+      inner = jax.nn.silu(matmul.dense(h, lp["w_gate"])) * matmul.dense(h, lp["w_up"])
+      x = x + matmul.dense(inner, lp["w_down"])
       outs.append(x)
     return outs
 

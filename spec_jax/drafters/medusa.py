@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
+from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 
 
@@ -62,9 +63,9 @@ def medusa_logits(params, hidden):
   k, n = params["w"].shape[:2]
   r = jnp.broadcast_to(h[..., None, :], h.shape[:-1] + (k, h.shape[-1]))   # [..., K, D]
   for layer in range(n):
-    pre = jnp.einsum("...kd,kde->...ke", r, params["w"][:, layer]) + params["b"][:, layer]
+    pre = matmul.einsum("...kd,kde->...ke", r, params["w"][:, layer]) + params["b"][:, layer]
     r = r + jax.nn.silu(pre)
-  return jnp.einsum("...kd,kdv->...kv", r, params["lm_head"])
+  return matmul.einsum("...kd,kdv->...kv", r, params["lm_head"])
 
 
 class Medusa(Drafter):

@@ -34,6 +34,7 @@ import numpy as np
 import kernels_pallas
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
+from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 
 
@@ -189,15 +190,11 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
                                          impl=config.attention_impl)
 
 
-def _dense(x, w, transposed: bool):
-  """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True); with
-  transposed, w may be a tuple of row chunks [out_i, in] (see fuse_layers' chunks): one dot
-  each, concatenated along out."""
-  contract = 1 if transposed else 0
-  dot = lambda w: jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), ((), ())))
-  if isinstance(w, (tuple, list)):
-    return jnp.concatenate([dot(c) for c in w], axis=-1)
-  return dot(w)
+def _dense(x, w, transposed: bool = False):
+  """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True), in x's
+  dtype, accumulated in float32 for bf16 (spec_jax.models.matmul); with transposed, w may be a
+  tuple of row chunks [out_i, in] (see fuse_layers' chunks)."""
+  return matmul.dense(x, w, transposed)
 
 
 def _qkv_projections(config: ModelConfig, lp, h):
@@ -209,7 +206,7 @@ def _qkv_projections(config: ModelConfig, lp, h):
     if config.qkv_bias:
       y = y + lp["bqkv"]
     return y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
-  q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+  q, k, v = _dense(h, lp["wq"]), _dense(h, lp["wk"]), _dense(h, lp["wv"])
   if config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   return q, k, v
@@ -223,16 +220,16 @@ def _mlp(lp, h):
     gate, up = jnp.split(gu, 2, axis=-1)
     inner = jax.nn.silu(gate) * up
   else:
-    inner = jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])
+    inner = jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"])
   if "w_down_t" in lp:
     return _dense(inner, lp["w_down_t"], True)
-  return inner @ lp["w_down"]
+  return _dense(inner, lp["w_down"])
 
 
 def _out_projection(lp, attn):
   if "wo_t" in lp:
     return _dense(attn, lp["wo_t"], True)
-  return attn @ lp["wo"]
+  return _dense(attn, lp["wo"])
 
 
 def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
@@ -287,8 +284,7 @@ def lm_head(params, config: ModelConfig, hidden):
     w, transposed = params["lm_head_t"], True            # execution layout [V, D]
   else:
     w, transposed = params["lm_head"], False             # [D, V]
-  return jax.lax.dot_general(hidden, w, (((hidden.ndim - 1,), (1 if transposed else 0,)),
-                                         ((), ())), preferred_element_type=jnp.float32)
+  return matmul.dense(hidden, w, transposed, out_dtype=jnp.float32)
 
 
 def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
