@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import spec_jax as sj
-from spec_jax import engine
+from spec_jax.decoding.prompts import prepare_batch
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
   greedy = sj.Sampling(0.0)
   for drafter, k in ((None, 0), (draft, 4)):
     ids = [target.tokenizer.encode(p) for p in prompts]
-    toks, lens, capacity = engine.prepare_batch(target, ids, args.max_new_tokens, k)
+    toks, lens, capacity = prepare_batch(target, ids, args.max_new_tokens, k)
     toks, lens = jnp.asarray(toks), jnp.asarray(lens)
     run = jax.jit(functools.partial(
         sj.decode, config=target.config, drafter=drafter, num_draft=max(k, 1),

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from spec_jax.bench import cli, metrics, report, timing
+from spec_jax import timing
+from spec_jax.bench import cli, metrics, report
 from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.prompts import read_prompt_texts
 from spec_jax.bench.results import ROOT, SCHEMA_VERSION
@@ -78,12 +79,12 @@ def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, cap
   """-K 1 auto: the governor is one more row per drafter, with its K histogram, cost table and
   share of the best fixed K; --prompts mixed gives half random-token rows. The cost table's
   timing is replaced by fixed numbers (calibration is tested in tests/test_governor.py)."""
-  from spec_jax import governor as governor_lib
+  from spec_jax import calibration
   from spec_jax.bench.prompts import prompt_token_lists
   from spec_jax.bench.specs import load_model
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  governor_lib.clear_memory()
-  monkeypatch.setattr(governor_lib, "measure_round_costs", lambda target, drafter, batch,
+  calibration.clear_memory()
+  monkeypatch.setattr(calibration, "measure_round_costs", lambda target, drafter, batch,
                       capacity, greedy, ks, repeats=3, **kw: {
                           k: {"per_iter_s": 1e-3 * (1 + 0.2 * k), "spread_pct": 0.0}
                           for k in ks})
@@ -107,7 +108,7 @@ def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, cap
   ids, _ = prompt_token_lists(load_model("random:tiny"), "mixed", 4, 8, 128, 0)
   assert len(ids) == 4 and ids[0] != ids[1] and len(ids[0]) == len(ids[1])
   assert cli.parse_args(["-K", "2", "auto"]).num_draft == [2, "auto"]
-  governor_lib.clear_memory()
+  calibration.clear_memory()
 
 
 def test_plain_suite_tiny(tmp_path):

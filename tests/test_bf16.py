@@ -13,11 +13,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
+from spec_jax.decoding.prompts import prepare_batch
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
@@ -84,7 +83,7 @@ def make_drafter(kind):
 
 
 def decode_jaxpr(model, drafter=None, *, greedy=True, num_draft=3, tree=None, governor=None):
-  prompts, lens, capacity = engine.prepare_batch(model, PROMPTS, 8, 8)
+  prompts, lens, capacity = prepare_batch(model, PROMPTS, 8, 8)
   sampling = sj.Sampling(temperature=0.0 if greedy else 1.0, top_p=1.0 if greedy else 0.9)
   run = functools.partial(
       sj.decode, config=model.config, drafter=drafter, num_draft=num_draft, max_new_tokens=8,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
+from spec_jax.decoding.plan import check_num_draft
+from spec_jax.decoding.prompts import prepare_batch
 
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, max_position_embeddings=128, eos_token_ids=())
@@ -27,7 +28,7 @@ def models():
 
 
 def _batch(target):
-  prompt_tokens, prompt_lens, capacity = engine.prepare_batch(target, PROMPTS, MAX_NEW, K)
+  prompt_tokens, prompt_lens, capacity = prepare_batch(target, PROMPTS, MAX_NEW, K)
   return jnp.asarray(prompt_tokens), jnp.asarray(prompt_lens), capacity
 
 
@@ -135,5 +136,5 @@ def test_decode_and_generate_share_messages(models):
                                                                   key=jax.random.key(0)),
                 num_draft=3)
   with pytest.raises(ValueError) as from_decode:
-    engine.check_num_draft(sj.drafters.Medusa.init(target, num_heads=2, key=jax.random.key(0)), 3)
+    check_num_draft(sj.drafters.Medusa.init(target, num_heads=2, key=jax.random.key(0)), 3)
   assert str(from_generate.value) == str(from_decode.value)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
+from spec_jax.decoding import compiled as compiled_lib
+from spec_jax.decoding.compiled import execution_params
 from spec_jax.drafters.base import DraftContext
 
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -175,7 +176,7 @@ def test_capacity_exactly_what_is_needed(monkeypatch):
 
   def accepted(capacity):
     with monkeypatch.context() as m:
-      m.setattr(engine, "_compiled_decode", lambda *a: (_ for _ in ()).throw(Accepted()))
+      m.setattr(compiled_lib, "_compiled_decode", lambda *a: (_ for _ in ()).throw(Accepted()))
       try:
         sj.generate(target, PROMPTS, capacity=capacity, **kw)
       except ValueError as e:
@@ -322,7 +323,7 @@ def test_more_bad_arguments_raise_value_error_before_compiling(kwargs, match, mo
   """Each is refused with a ValueError (not a TypeError / AttributeError, not a silent
   truncation) before anything is compiled."""
   target, _ = models()
-  monkeypatch.setattr(engine, "_compiled_decode", lambda *a: pytest.fail("compiled bad input"))
+  monkeypatch.setattr(compiled_lib, "_compiled_decode", lambda *a: pytest.fail("compiled bad input"))
   prompts = kwargs.pop("prompts", PROMPTS)
   with pytest.raises(ValueError, match=match):
     sj.generate(target, prompts, max_new_tokens=4, **kwargs)
@@ -345,14 +346,14 @@ def test_draft_model_with_another_vocabulary_is_refused():
 
 
 def test_cached_execution_layout_follows_weight_changes():
-  """generate() keeps each model's execution layout between calls (engine.execution_params);
+  """generate() keeps each model's execution layout between calls (execution_params);
   weights swapped in the same params dict afterwards must be used, not the cached layout."""
   target = sj.init_model(CFG, jax.random.key(11))
   target.params["embed"] = target.params["embed"] * 40
   run = lambda m: sj.generate(m, PROMPTS, max_new_tokens=8, sampling=GREEDY, stop_tokens=[])
   first = run(target).tokens
   assert run(target).tokens == first                       # a cache hit: same tokens
-  assert engine.execution_params(target) is engine.execution_params(target)
+  assert execution_params(target) is execution_params(target)
   layers = dict(target.params["layers"])
   layers["wq"] = layers["wq"] * 3.0                        # a layer weight the layout fuses
   target.params["layers"] = layers

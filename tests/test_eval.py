@@ -101,10 +101,10 @@ def test_eval_num_draft_auto(tmp_path, prompt_file, monkeypatch):
   """--num-draft auto runs the governor (its cost table replaced by a flat one: calibration is
   tested in tests/test_governor.py) and passes the greedy check against plain decoding."""
   import numpy as np
-  from spec_jax import governor as governor_lib
+  from spec_jax import calibration
   model = need_shared("models", TINY)
   assert auto_supported()
-  monkeypatch.setattr(governor_lib, "round_costs_for",
+  monkeypatch.setattr(calibration, "round_costs_for",
                       lambda gov, target, drafter, *a, **kw: np.ones(
                           len(gov.candidates(drafter)), np.float32))
   out = tmp_path / "auto"

@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
-from spec_jax import governor as governor_lib
+from spec_jax.decoding import compiled as compiled_lib
+from spec_jax.decoding.loop import init_loop
+from spec_jax.decoding.prompts import prepare_batch
+from spec_jax.decoding.state import DecodeState
+from spec_jax import calibration, governor as governor_lib
 from spec_jax.drafters.base import DraftContext, PrefillInfo
 from spec_jax.drafters.eagle import EAGLE, EAGLE3
 from spec_jax.drafters.medusa import Medusa
@@ -41,9 +44,9 @@ CAPACITY = 64
 def _private_cache(tmp_path, monkeypatch):
   """Cost tables go to a temporary cache folder, never the user's."""
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  governor_lib.clear_memory()
+  calibration.clear_memory()
   yield
-  governor_lib.clear_memory()
+  calibration.clear_memory()
 
 
 def _context_sensitive(model, embed_scale):
@@ -93,12 +96,12 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
   In sync, (a) == (b)."""
   target = greedy_target()
   gov = sj.Governor(ks=(0, 1, 2, 3), schedule=schedule, gate_alpha=0.0)
-  prompts, lens, _ = engine.prepare_batch(target, PROMPTS, MAX_NEW, 3, CAPACITY)
+  prompts, lens, _ = prepare_batch(target, PROMPTS, MAX_NEW, 3, CAPACITY)
   b = len(PROMPTS)
 
   @jax.jit
   def run(tp, dp, prompts, lens):
-    env, st = engine.init_loop(tp, prompts, lens, jax.random.key(0), config=CFG,
+    env, st = init_loop(tp, prompts, lens, jax.random.key(0), config=CFG,
                                drafter=drafter, drafter_params=dp, max_new_tokens=MAX_NEW,
                                capacity=CAPACITY, sampling=GREEDY, greedy=True, width=3,
                                lazy_drafter=True)
@@ -246,7 +249,7 @@ def test_alpha_estimate_counts_accepted_and_first_failure():
   gov = sj.Governor(ks=(0, 4), smoothing=0.5, prior_alpha=0.6, prior_weight=2.0)
   gs = gov.init_state(sj.drafters.NGram(), 3)
   np.testing.assert_allclose(governor_lib.row_alpha(gs), [0.6, 0.6, 0.6])
-  before = engine.DecodeState(
+  before = DecodeState(
       tokens=None, lengths=None, done=jnp.asarray([False, False, True]), cache=None,
       drafter_state=(), key=None, rounds=None, drafted=None,
       accepted=jnp.zeros((3,), jnp.int32), accepted_at=None, finished_at_round=None,
@@ -267,7 +270,7 @@ def test_alpha_estimate_counts_accepted_and_first_failure():
 
 def test_bad_input_raises_before_compiling():
   target = greedy_target()
-  compiled = len(engine._COMPILED)
+  compiled = len(compiled_lib._COMPILED)
   medusa = Medusa.init(target, num_heads=2, key=jax.random.key(0))
   cases = [
       (dict(drafter=None, num_draft="auto"), "needs a drafter"),
@@ -286,7 +289,7 @@ def test_bad_input_raises_before_compiling():
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):
       sj.generate(target, PROMPTS, max_new_tokens=4, **kwargs)
-  assert len(engine._COMPILED) == compiled
+  assert len(compiled_lib._COMPILED) == compiled
   for options, message in [
       (dict(bogus=1), r"unknown governor option\(s\) \['bogus'\]"),
       (dict(ks=(0, 12)), "above max_draft=8"),
@@ -305,7 +308,7 @@ def test_bad_input_raises_before_compiling():
 
 def test_decode_auto_needs_a_cost_table_of_the_right_shape():
   target = greedy_target()
-  prompts, lens, capacity = engine.prepare_batch(target, PROMPTS, 8, 8)
+  prompts, lens, capacity = prepare_batch(target, PROMPTS, 8, 8)
   args = dict(config=CFG, drafter=sj.drafters.NGram(), num_draft="auto", max_new_tokens=8,
               capacity=capacity, sampling=GREEDY)
   fn = lambda **kw: jax.make_jaxpr(functools.partial(sj.decode, **args, **kw))(
@@ -339,7 +342,7 @@ def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
   assert path.startswith(str(tmp_path / "xdg" / "spec_jax" / "governor"))
   data = json.loads(open(path).read())
   assert data["key"]["batch"] == 2 and data["key"]["capacity"] == 64 and data["ks"] == [0, 1, 2]
-  governor_lib.clear_memory()                   # a new process: read from disk
+  calibration.clear_memory()                   # a new process: read from disk
   t0 = time.perf_counter()
   again = sj.calibrate(target, drafter, 2, capacity=64, governor=gov)
   assert again.from_cache and again.seconds == first.seconds
@@ -348,7 +351,7 @@ def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
   assert sj.calibrate(target, drafter, 3, capacity=64, governor=gov, repeats=1).fingerprint \
       != first.fingerprint
   other = sj.init_model(CFG, jax.random.key(3))
-  assert governor_lib.fingerprint(other, drafter, 2, 64, True, (0, 1, 2))[0] != first.fingerprint
+  assert calibration.fingerprint(other, drafter, 2, 64, True, (0, 1, 2))[0] != first.fingerprint
   # generate(num_draft="auto") with this batch and capacity reads the same table.
   out = sj.generate(target, PROMPTS[:2], drafter=drafter, num_draft="auto", governor=gov,
                     max_new_tokens=8, sampling=GREEDY, stop_tokens=[], capacity=64)

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
+from spec_jax.decoding import rounds
+from spec_jax.decoding.compiled import clear_compiled
 from spec_jax.models.transformer import KVCache, forward
 from tests.stats_helpers import chi_square, chi2_critical, assert_same_distribution
 
@@ -139,12 +140,12 @@ def _wrong_top_p_sampler(key, draft_tokens, draft_probs, target_probs, draft_len
 def test_the_check_catches_a_lossy_sampler(monkeypatch):
   target, draft = _models()
   sampling = SETTINGS["T1.3_topp0.8"]
-  monkeypatch.setattr(engine, "rejection_sample", _wrong_top_p_sampler)
-  engine.clear_compiled()
+  monkeypatch.setattr(rounds, "rejection_sample", _wrong_top_p_sampler)
+  clear_compiled()
   try:
     toks, _ = sample_joint(target, sj.drafters.DraftModel(draft), sampling, 2)
   finally:
-    engine.clear_compiled()
+    clear_compiled()
   stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 

@@ -27,25 +27,25 @@ from tests.conftest import ROOT, SHARED
 MUTANTS = {
     # commit: no cut after a stop token inside the block
     "commit-stop-cut": (
-        "spec_jax/engine.py",
+        "spec_jax/decoding/rounds.py",
         "  n_emit = jnp.minimum(n_emit, first_stop + 1)\n",
         "  n_emit = n_emit\n",
         ["tests/test_engine.py::test_stop_token_inside_an_accepted_block_ends_the_row"]),
     # commit: the block written one slot early
     "commit-offset": (
-        "spec_jax/engine.py",
+        "spec_jax/decoding/rounds.py",
         "      tokens, emitted, lengths)\n",
         "      tokens, emitted, lengths - 1)\n",
         ["tests/test_engine.py::test_plain_decoding_matches_full_forward_argmax"]),
     # stats: drafts thrown away by a cut counted as accepted
     "stats-cut-accepted": (
-        "spec_jax/engine.py",
+        "spec_jax/decoding/rounds.py",
         "  n_used = jnp.minimum(n_emit, n_accepted) * active\n",
         "  n_used = n_accepted * active\n",
         ["tests/test_engine.py::test_stats_count_only_what_a_cut_block_emitted"]),
     # capacity: the bound one slot short
     "capacity-bound": (
-        "spec_jax/engine.py",
+        "spec_jax/decoding/plan.py",
         "  needed = longest_prompt + max_new_tokens + k + 1\n",
         "  needed = longest_prompt + max_new_tokens + k - 1\n",
         ["tests/test_engine.py::test_capacity_exactly_what_is_needed"]),

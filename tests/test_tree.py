@@ -20,9 +20,12 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax import engine
 from spec_jax import tree as tree_lib
-from spec_jax.models.transformer import KVCache, forward, prepare_params
+from spec_jax.tree import round as tree_round_lib
+from spec_jax.decoding.compiled import clear_compiled
+from spec_jax.models.cache import move_kv
+from spec_jax.models.layout import prepare_params
+from spec_jax.models.transformer import KVCache, forward
 from tests.conftest import need_shared
 from tests.stats_helpers import assert_same_distribution, chi2_critical, chi_square
 from tests.test_lossless import (N, NEW, PROMPT, exact_joint, joint_counts, _models)
@@ -487,7 +490,7 @@ def test_kv_move_matches_a_full_forward(head_major):
             positions=lengths[:, None] - 1 + tree.depths,
             tree_mask=tree_lib.ancestor_mask(tree.parents, 3))
   path, n = jnp.asarray([[2, 4, 5]], jnp.int32), jnp.asarray([3])
-  move = jax.jit(tree_lib.move_accepted_kv)
+  move = jax.jit(move_kv)
   moved = move(out.cache, lengths, path, n)
   assert moved.head_major == head_major
   full = fwd(params, tokens=jnp.asarray([[1, 4, 2, 5, 3, 7, 2, 0]], jnp.int32),
@@ -599,13 +602,14 @@ def test_mixed_greedy_and_sampled_rows_in_one_tree_batch():
 def test_the_engine_check_catches_a_lossy_tree_verifier(monkeypatch, candidates, setting, hooks):
   target, draft = _models()
   sampling = SETTINGS[setting]
-  monkeypatch.setattr(tree_lib, "verify_tree", functools.partial(tree_lib.verify_tree, **hooks))
-  engine.clear_compiled()
+  monkeypatch.setattr(tree_round_lib, "verify_tree",    # what the tree round calls
+                      functools.partial(tree_lib.verify_tree, **hooks))
+  clear_compiled()
   try:
     toks, _ = _tree_joint(sj.drafters.DraftModel(draft), sampling,
                           TREES[candidates])
   finally:
-    engine.clear_compiled()
+    clear_compiled()
   stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 

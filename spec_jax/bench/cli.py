@@ -13,8 +13,9 @@ import time
 
 from spec_jax.bench.prompts import PROMPT_SETS
 from spec_jax.bench.report import FORMATTERS
-from spec_jax.bench.results import ROOT, SCHEMA_VERSION, atomic_write_json, log, machine_info
+from spec_jax.bench.results import ROOT, SCHEMA_VERSION, log, machine_info
 from spec_jax.bench.specs import DEFAULT_PAIRS, resolve_path
+from spec_jax.files import atomic_write_json
 
 DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinystories656K",
                         "random:100m")
@@ -33,9 +34,8 @@ def k_or_auto(value):
 
 def build_parser() -> argparse.ArgumentParser:
   """The flags of python -m spec_jax.bench (the --config file's keys are the same names)."""
-  import spec_jax.bench
   p = argparse.ArgumentParser(prog="python -m spec_jax.bench",
-                              description=spec_jax.bench.__doc__.split("\n")[0],
+                              description="The honest side-by-side benchmark.",
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", help="YAML file whose keys are these flags (dashes or "
                  "underscores); flags given on the command line win")

@@ -29,8 +29,8 @@ def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
 
 def engine_capacity(longest: int, max_new: int, k: int) -> int:
   """The KV-cache capacity generate() picks by default for these prompts and K."""
-  from spec_jax import engine
-  return engine._round_up(longest + max_new + k + 1, engine.CAPACITY_BUCKET)
+  from spec_jax.decoding.prompts import CAPACITY_BUCKET, round_up
+  return round_up(longest + max_new + k + 1, CAPACITY_BUCKET)
 
 
 def first_difference(a_rows, b_rows):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 
-from spec_jax.bench.results import atomic_write_bytes
+from spec_jax.files import atomic_write_bytes
 
 PLOTS_HINT = ("plots need matplotlib: pip install 'spec_jax[plot]' (or pip install matplotlib), "
               "then rerun the same command: finished measurements are reused")

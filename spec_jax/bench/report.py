@@ -1,30 +1,11 @@
-"""One way to print results: aligned text tables (the terminal) and Markdown tables (reports),
-and the text reports of the bench's suites."""
+"""The text reports of the bench's suites (tables from spec_jax.bench.tables)."""
 
 from __future__ import annotations
 
 import statistics
 
-def fmt(x, nd=2, none="-") -> str:
-  """x with nd decimals, or `none` for None."""
-  if x is None:
-    return none
-  return f"{x:.{nd}f}"
-
-
-def table(headers, rows, markdown: bool = False) -> str:
-  """Rows of cells under headers: right-aligned columns with a dashed rule (text), or a
-  GitHub-flavoured Markdown table (markdown=True; '|' in a cell is escaped)."""
-  if markdown:
-    cell = lambda c: str(c).replace("|", "\\|")
-    line = lambda cells: "| " + " | ".join(cell(c) for c in cells) + " |"
-    return "\n".join([line(headers), "|" + "|".join(" --- " for _ in headers) + "|"]
-                     + [line(r) for r in rows])
-  widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-            for i, h in enumerate(headers)]
-  line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))
-  return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
+from spec_jax.bench.suites.peer import format_peer
+from spec_jax.bench.tables import fmt, table
 
 def format_spec(result: dict) -> str:
   """The spec suite's table, legend, noise line, notes and one verdict line per pair."""
@@ -198,11 +179,6 @@ def format_breakdown(result: dict) -> str:
              "other = round - propose - verify - accept. speedup = tau * round(plain) / round; "
              "bound = tau / ((K draft fwd + fwd(K+1)) / fwd(1)); eff = speedup / bound.")
   return "\n".join(out)
-
-
-def format_peer(result: dict) -> str:
-  from spec_jax.bench.suites.peer import format_peer as fmt_peer
-  return fmt_peer(result)
 
 
 FORMATTERS = {"spec": format_spec, "plain": format_plain, "breakdown": format_breakdown,

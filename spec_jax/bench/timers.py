@@ -1,6 +1,6 @@
 """Jitted timing loops of the engine's pieces: target forward, drafter propose + commit, verify
 step, accept step. Each time_* builds a `call(n)` (n iterations of a fori_loop, blocking) and
-times it with spec_jax.bench.timing; with call_only=True it returns the call itself, for
+times it with spec_jax.timing; with call_only=True it returns the call itself, for
 several timers measured round-robin by timing.time_interleaved.
 
 The loops mirror what generate() does once per call (unstacked layers on CPU, drafter.prepare)
@@ -9,16 +9,16 @@ outside the loop, so the differencing in timing cancels it as the engine's loop 
 
 from __future__ import annotations
 
-from spec_jax.bench.timing import time_calls
+from spec_jax.timing import time_calls
 
 _FN_CACHE: dict = {}
 
 
 def _as_engine_prepares(params, config):
   """The target params as decode() hands them to its loop: the execution layout of
-  transformer.prepare_params (fused projections; on CPU stored [out, in] and unstacked), made
+  models.layout.prepare_params (fused projections; on CPU stored [out, in] and unstacked), made
   once per call. Timers do the same, before their loop."""
-  from spec_jax.models.transformer import prepare_params
+  from spec_jax.models.layout import prepare_params
   return prepare_params(params, config)
 
 
@@ -219,14 +219,14 @@ def _verify_loop_fn(config):
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax import engine
+    from spec_jax.decoding.rounds import verify_step
 
     def run(params, tokens, cache, offsets, sampling, n):
       params = _as_engine_prepares(params, config)
 
       def body(_, carry):
         toks, c = carry
-        probs, out = engine.verify_step(params, config, c, toks[:, 0], toks[:, 1:], offsets + 1,
+        probs, out = verify_step(params, config, c, toks[:, 0], toks[:, 1:], offsets + 1,
                                         sampling)
         return jnp.argmax(probs, axis=-1).astype(jnp.int32), out.cache
       return jax.lax.fori_loop(0, n, body, (tokens, cache))
@@ -237,7 +237,7 @@ def _verify_loop_fn(config):
 
 def time_verify_step(model, batch: int, t: int, fill: int, capacity: int, repeats: int,
                      temperature: float) -> dict:
-  """Seconds per engine.verify_step over t tokens (forward + the probs transform)."""
+  """Seconds per verify_step over t tokens (forward + the probs transform)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -258,17 +258,17 @@ def time_verify_step(model, batch: int, t: int, fill: int, capacity: int, repeat
 
 def time_accept(batch: int, k: int, vocab: int, with_draft_probs: bool, temperature: float,
                 repeats: int) -> dict:
-  """Seconds per engine.accept_step (rejection sampling of K drafts, [B,K+1,V] target probs)."""
+  """Seconds per accept_step (rejection sampling of K drafts, [B,K+1,V] target probs)."""
   import jax
   import jax.numpy as jnp
   import spec_jax as sj
-  from spec_jax import engine
+  from spec_jax.decoding.rounds import accept_step
   key = ("accept", k, with_draft_probs)
   if key not in _FN_CACHE:
     def run(rng, drafts, q, p, n):
       def body(i, carry):
         d, acc = carry
-        emitted, n_acc = engine.accept_step(jax.random.fold_in(rng, i), d, q, p,
+        emitted, n_acc = accept_step(jax.random.fold_in(rng, i), d, q, p,
                                             jnp.full((d.shape[0],), k, jnp.int32))
         d = (d + jnp.maximum(emitted[:, :k], 0) + n_acc[:, None]) % vocab
         return d, acc + jnp.sum(emitted) + jnp.sum(n_acc)

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
-from spec_jax.models.transformer import KVCache, forward, prepare_params
+from spec_jax.models.layout import prepare_params
+from spec_jax.models.transformer import KVCache, forward
 
 
 def _row_keys(key, batch):

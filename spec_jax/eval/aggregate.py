@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from spec_jax.bench.metrics import alpha_per_verified_token
-from spec_jax.bench.timing import percentiles
+from spec_jax.timing import percentiles
 from spec_jax.eval.latency import request_latencies
 from spec_jax.eval.runner import PLAIN
 from spec_jax.stats import SpecStats

@@ -6,14 +6,14 @@ import argparse
 import sys
 
 from spec_jax.bench.plots import PLOTS_HINT
-from spec_jax.bench.report import fmt, table
+from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
-  import spec_jax.eval
   p = argparse.ArgumentParser(prog="python -m spec_jax.eval",
-                              description=spec_jax.eval.__doc__.split("\n")[0],
+                              description="Spec-Bench-format evaluations of drafters against "
+                              "plain decoding.",
                               epilog="Writes DIR/results.json, DIR/report.md and DIR/*.png; "
                               "rerun the same command to resume a killed run.")
   p.add_argument("--target", required=True,

@@ -15,8 +15,7 @@ import time
 
 from spec_jax import distributed, sharding
 from spec_jax.bench.prompts import read_prompt_records, source_path
-from spec_jax.bench.results import (SCHEMA_VERSION, atomic_write_json, atomic_write_text, log,
-                                    machine_info)
+from spec_jax.bench.results import SCHEMA_VERSION, log, machine_info
 from spec_jax.bench.specs import (draft_model_of, drafter_label, load_model, make_drafter,
                                   model_label, resolve_path)
 from spec_jax.eval import aggregate
@@ -26,6 +25,7 @@ from spec_jax.eval.prompting import build_requests, prompt_format, select_record
 from spec_jax.eval.report import render_markdown, write_plots
 from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
 from spec_jax.eval.store import RunDir, prompt_hash
+from spec_jax.files import atomic_write_json, atomic_write_text
 
 
 def make_configs(target, opts: EvalOptions) -> list:

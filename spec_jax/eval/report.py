@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from spec_jax.bench import plots
-from spec_jax.bench.report import fmt, table
+from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.aggregate import ALL
 
 PLOT_FILES = {"speedup": "speedup_vs_batch.png", "tau": "tau_per_category.png",

@@ -10,7 +10,7 @@ import statistics
 from typing import Any
 
 from spec_jax.bench.metrics import engine_capacity, first_difference
-from spec_jax.bench.timing import interleaved_rounds
+from spec_jax.timing import interleaved_rounds
 from spec_jax.eval.latency import row_counts
 from spec_jax.eval.store import prompt_hash
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import pathlib
 
-from spec_jax.bench.results import atomic_write_json
+from spec_jax.files import atomic_write_json
 
 EVAL_VERSION = 1
 

@@ -54,7 +54,7 @@ def dense(x, w: Union[jax.Array, Sequence[jax.Array]], transposed: bool = False,
   """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True)
   -> [..., out] in out_dtype (default x's dtype), accumulated in float32 for bf16.
 
-  With transposed, w may be a tuple of row chunks [out_i, in] (transformer.fuse_layers'
+  With transposed, w may be a tuple of row chunks [out_i, in] (models.layout.fuse_layers'
   chunks): one dot each, concatenated along out."""
   contract = 1 if transposed else 0
   dims = (((x.ndim - 1,), (contract,)), ((), ()))

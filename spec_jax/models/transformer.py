@@ -16,17 +16,16 @@ q/k weights use the Hugging Face "rotate_half" RoPE layout; llama2.c checkpoints
 into it when loaded (as the HF conversion script does), so one RoPE serves every family.
 
 `forward` writes the T new tokens of every row at that row's offset of a fixed-capacity KV
-cache (in place: a scatter on the stacked cache, no copy) and attends through
-`kernels_pallas.verify_attention`.
+cache (spec_jax.models.cache; in place: a scatter on the stacked cache, no copy) and attends
+through `kernels_pallas.verify_attention`. It takes the canonical params above or the
+execution layout of spec_jax.models.layout (fused, on CPU [out, in] and unstacked).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,56 +34,11 @@ import kernels_pallas
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
+from spec_jax.models.cache import KVCache, default_head_major, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
+from spec_jax.models.layout import pick_weight
 
 
-@flax.struct.dataclass
-class KVCache:
-  """Stacked key/value cache.
-
-  k, v: [L, B, S, Hkv, Dh], or with head_major [L, B, Hkv, S, Dh]. Which entries are valid is
-  tracked by the caller (per-row lengths); entries past a row's length are stale and masked by
-  attention. The layout is the one the attention reads without relaying it out: the Pallas
-  kernels' [B, S, Hkv, Dh] where a kernel runs, head-major where the jnp attention runs (CPU):
-  there the [S, Hkv] layout cost a transposing copy of every layer's keys and values per step,
-  ~1.3 of the 16.6 ms of a plain step of the 78M widened model (profiled; README Speed).
-  """
-  k: jax.Array
-  v: jax.Array
-  head_major: bool = flax.struct.field(pytree_node=False, default=False)
-
-  @property
-  def seq_axis(self) -> int:
-    """The axis of the S cache slots in k and v."""
-    return 3 if self.head_major else 2
-
-  @property
-  def capacity(self) -> int:
-    return self.k.shape[self.seq_axis]
-
-  @classmethod
-  def zeros(cls, config: ModelConfig, batch: int, capacity: int,
-            head_major: Optional[bool] = None) -> "KVCache":
-    """head_major None: the layout config's attention reads in place (default_head_major)."""
-    if head_major is None:
-      head_major = default_head_major(config)
-    l, h, dh = config.num_layers, config.num_kv_heads, config.head_dim
-    shape = (l, batch, h, capacity, dh) if head_major else (l, batch, capacity, h, dh)
-    dtype = jnp.dtype(config.dtype)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), head_major=bool(head_major))
-
-  def seq_major(self) -> "KVCache":
-    """The same entries in the [L, B, S, Hkv, Dh] layout (a copy when head-major)."""
-    if not self.head_major:
-      return self
-    return KVCache(k=jnp.swapaxes(self.k, 2, 3), v=jnp.swapaxes(self.v, 2, 3), head_major=False)
-
-
-def default_head_major(config: ModelConfig) -> bool:
-  """Whether config's verify attention runs the jnp path on this backend (then the cache is
-  head-major), rather than a Pallas kernel (which reads [B, S, Hkv, Dh])."""
-  kernel, _ = kernels_pallas.dispatch.resolve(config.attention_impl)
-  return kernel is None
 
 
 class ForwardOutput(NamedTuple):
@@ -152,18 +106,6 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
   return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _write_rows(cache, layer: int, new, offsets, head_major: bool = False):
-  """cache [L,B,S,H,Dh] (head_major: [L,B,H,S,Dh]) <- new [B,T,H,Dh] at layer, row b, slots
-  offsets[b] .. offsets[b]+T-1.
-
-  One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
-  it and stacking it back would copy the whole cache every layer)."""
-  b, t = new.shape[:2]
-  rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-  cols = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  if head_major:   # the advanced indices (rows, cols) around the head slice index [B, T, H, Dh]
-    return cache.at[layer, rows, :, cols].set(new.astype(cache.dtype), mode="drop")
-  return cache.at[layer, rows, cols].set(new.astype(cache.dtype), mode="drop")
 
 
 def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
@@ -193,16 +135,27 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
 def _dense(x, w, transposed: bool = False):
   """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True), in x's
   dtype, accumulated in float32 for bf16 (spec_jax.models.matmul); with transposed, w may be a
-  tuple of row chunks [out_i, in] (see fuse_layers' chunks)."""
+  tuple of row chunks [out_i, in] (see models.layout.fuse_layers' chunks)."""
   return matmul.dense(x, w, transposed)
+
+
+def _rows(x) -> int:
+  """The rows of a product over x [..., in] (B*T): what picks a weight's orientation."""
+  return math.prod(x.shape[:-1])
+
+
+def _project(lp, name: str, x):
+  """x times projection `name` of layer params lp, in whichever orientation it is stored for
+  this many rows (models.layout.pick_weight); None when lp has no such projection."""
+  picked = pick_weight(lp, name, _rows(x))
+  return None if picked is None else _dense(x, *picked)
 
 
 def _qkv_projections(config: ModelConfig, lp, h):
   """q [B,T,Hq*Dh], k, v [B,T,Hkv*Dh] from the normed input, in either param layout."""
   nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  fused_key = "wqkv_t" if "wqkv_t" in lp else ("wqkv" if "wqkv" in lp else None)
-  if fused_key is not None:
-    y = _dense(h, lp[fused_key], transposed=fused_key.endswith("_t"))
+  y = _project(lp, "wqkv", h)
+  if y is not None:
     if config.qkv_bias:
       y = y + lp["bqkv"]
     return y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
@@ -214,22 +167,17 @@ def _qkv_projections(config: ModelConfig, lp, h):
 
 def _mlp(lp, h):
   """SwiGLU: down(silu(gate h) * up h), in either param layout."""
-  if "w_gu_t" in lp or "w_gu" in lp:
-    transposed = "w_gu_t" in lp
-    gu = _dense(h, lp["w_gu_t" if transposed else "w_gu"], transposed)
+  gu = _project(lp, "w_gu", h)
+  if gu is not None:
     gate, up = jnp.split(gu, 2, axis=-1)
     inner = jax.nn.silu(gate) * up
   else:
     inner = jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"])
-  if "w_down_t" in lp:
-    return _dense(inner, lp["w_down_t"], True)
-  return _dense(inner, lp["w_down"])
+  return _project(lp, "w_down", inner)
 
 
 def _out_projection(lp, attn):
-  if "wo_t" in lp:
-    return _dense(attn, lp["wo_t"], True)
-  return _dense(attn, lp["wo"])
+  return _project(lp, "wo", attn)
 
 
 def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
@@ -280,10 +228,8 @@ def lm_head(params, config: ModelConfig, hidden):
   """hidden [..., D] (after the final norm) -> float32 logits [..., V]."""
   if config.tie_embeddings:
     w, transposed = params["embed"], True                # [V, D]
-  elif "lm_head_t" in params:
-    w, transposed = params["lm_head_t"], True            # execution layout [V, D]
-  else:
-    w, transposed = params["lm_head"], False             # [D, V]
+  else:                                                  # [D, V], or [V, D] as lm_head_t
+    w, transposed = pick_weight(params, "lm_head", _rows(hidden))
   return matmul.dense(hidden, w, transposed, out_dtype=jnp.float32)
 
 
@@ -337,91 +283,6 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
                        KVCache(k=k_all, v=v_all, head_major=cache.head_major))
 
 
-def unstack_layers(params):
-  """The same params with `layers` as a list of per-layer dicts (forward accepts both).
-
-  XLA:CPU materialises a static slice of a stacked weight that feeds a dot: inside a decode
-  loop every step would copy every layer's weights before reading them again (measured: about
-  half the speed of a weight-streaming loop). Unstacking once per generate() call, outside the
-  loop, costs one copy of the weights per call instead of one per token.
-  """
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)):
-    return params
-  num_layers = jax.tree.leaves(layers)[0].shape[0]
-  out = dict(params)
-  out["layers"] = [jax.tree.map(lambda w: w[i], layers) for i in range(num_layers)]
-  return out
-
-
-def fuse_layers(layers, transpose: bool, chunks: int = 1):
-  """Stacked canonical layer weights -> the fused execution layout (same math).
-
-  wq|wk|wv -> wqkv [L, D, (Hq+2Hkv)Dh] (bq|bk|bv -> bqkv), w_gate|w_up -> w_gu [L, D, 2F]; with
-  transpose, every projection is stored [out, in] under a `_t` name (wqkv_t, wo_t, w_gu_t,
-  w_down_t): XLA:CPU's dot reads a weight whose contraction axis is the last one 23-45 % faster
-  at the T = 1..17 rows of decode and verify (a measured microbenchmark, DESIGN.md).
-  chunks > 1 (with transpose): each `_t` weight becomes a tuple of `chunks` row blocks
-  [L, out/chunks, in] (fewer where out does not divide): XLA:CPU runs one small-M dot on one
-  thread, but independent dots concurrently, so a projection split into row blocks streams its
-  weights on every core (cpu_weight_chunks).
-  """
-  out = {k: v for k, v in layers.items()
-         if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "wo", "w_gate", "w_up", "w_down")}
-  wqkv = jnp.concatenate([layers["wq"], layers["wk"], layers["wv"]], axis=-1)
-  w_gu = jnp.concatenate([layers["w_gate"], layers["w_up"]], axis=-1)
-  if "bq" in layers:
-    out["bqkv"] = jnp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=-1)
-  if transpose:
-    t = lambda w: _row_chunks(jnp.swapaxes(w, -1, -2), chunks)
-    out.update(wqkv_t=t(wqkv), wo_t=t(layers["wo"]), w_gu_t=t(w_gu), w_down_t=t(layers["w_down"]))
-  else:
-    out.update(wqkv=wqkv, wo=layers["wo"], w_gu=w_gu, w_down=layers["w_down"])
-  return out
-
-
-def _row_chunks(w, chunks: int):
-  """w [..., out, in] -> w itself (chunks 1) or a tuple of row blocks [..., out_i, in]."""
-  n = w.shape[-2]
-  chunks = max(1, min(int(chunks), n // 64))
-  while n % chunks:
-    chunks -= 1
-  if chunks == 1:
-    return w
-  return tuple(jnp.split(w, chunks, axis=-2))
-
-
-def cpu_weight_chunks() -> int:
-  """Row blocks per projection weight in the CPU execution layout: $SPEC_JAX_CPU_WEIGHT_CHUNKS,
-  default 1 (whole weights). A matmul-only microbenchmark on the 2-core machine (48 fp32
-  weights, 302 MB) ran 25-40 % faster with 2-4 row blocks at T = 1..9, but whole decode and
-  verify forwards of the 78M widened model showed no gain (T = 1: 19.9 / 23.2 / 21.9 ms with
-  1 / 2 / 4 blocks, noisy), so the option stays off until a quiet measurement says otherwise."""
-  env = os.environ.get("SPEC_JAX_CPU_WEIGHT_CHUNKS")
-  return max(1, int(env)) if env else 1
-
-
-def prepare_params(params, config: ModelConfig, mesh=None):
-  """The execution layout of `params` for this backend: computed inside the caller's jit once
-  per call, outside any decode loop (forward, decoder_layer and lm_head accept both layouts).
-
-  Without a mesh: q/k/v and gate/up fused into one matmul each (fuse_layers); on CPU also every
-  projection stored [out, in] and the layers unstacked (see unstack_layers). With a mesh the
-  canonical weights are kept (their partition table splits whole heads), unstacked on CPU.
-  Already-prepared params are returned unchanged.
-  """
-  del config
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)) or "wqkv" in layers or "wqkv_t" in layers:
-    return params
-  cpu = jax.default_backend() == "cpu"
-  if mesh is None:
-    out = dict(params)
-    out["layers"] = fuse_layers(layers, transpose=cpu, chunks=cpu_weight_chunks() if cpu else 1)
-    if cpu and "lm_head" in out:
-      out["lm_head_t"] = jnp.swapaxes(out.pop("lm_head"), 0, 1)
-    params = out
-  return unstack_layers(params) if cpu else params
 
 
 # ----------------------------------------------------------------------------- init

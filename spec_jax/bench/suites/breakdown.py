@@ -20,7 +20,7 @@ from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label
 from spec_jax.bench.suites.targets import grid_of, prepare_target
 from spec_jax.bench.timers import time_accept, time_forward, time_propose, time_verify_step
-from spec_jax.bench.timing import interleaved_rounds
+from spec_jax.timing import interleaved_rounds
 
 
 def engine_round(setup, prompts, dspec: str, k: int, temp: float, seed: int, reps: int) -> tuple:

@@ -28,7 +28,8 @@ from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
 from spec_jax.bench.specs import (drafter_label, load_model, model_label, parse_pairs,
                                   resolve_path)
-from spec_jax.bench.timing import decode_roofline, memory_bandwidth, summarize
+from spec_jax.bench.tables import fmt, table
+from spec_jax.timing import decode_roofline, memory_bandwidth, summarize
 
 PEER_DEFINITIONS = {
     "tokens_per_s": "new tokens / wall seconds of the library's generate calls (median, min, max "
@@ -172,7 +173,6 @@ def _summarize_batch(label: str, batch: int, rows: list) -> dict:
 
 def format_peer(result: dict) -> str:
   """The peer suite's table and headline lines."""
-  from spec_jax.bench.report import fmt, table
   rows = sorted(result["rows"], key=lambda r: (r["target"], r["batch"], r["library"],
                                                r["threads"] or 0, r["mode"] != "plain", r["K"]))
   cells = [[r["target"], r["batch"], r["library"], r["threads"] or "-", r["config"],

@@ -16,7 +16,7 @@ from spec_jax.bench.results import log
 from spec_jax.bench.specs import load_model, model_label, resolve_path
 from spec_jax.bench.suites.targets import release_compiled, run_generate
 from spec_jax.bench.timers import time_forward
-from spec_jax.bench.timing import ratio_of, summarize, time_interleaved, time_single_calls
+from spec_jax.timing import ratio_of, summarize, time_interleaved, time_single_calls
 
 
 def hf_model_from(model, spec: str):

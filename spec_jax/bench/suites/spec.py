@@ -22,7 +22,7 @@ from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
 from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_batches
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
-from spec_jax.bench.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
+from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 
 
 def _tree_drafters(setup) -> list:
@@ -250,13 +250,13 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
   """The cost table generate(num_draft='auto') used in this cell (this process's memory or
   the disk cache: no measuring) and the largest candidate K -> (CostTable or None, K max)."""
-  from spec_jax import governor as governor_lib
+  from spec_jax import calibration, governor as governor_lib
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
   kmax = max(gov.candidates(drafter))
   capacity = engine_capacity(max(len(r) for r in prompts), setup.max_new, kmax)
   try:
-    table = governor_lib.calibrate(setup.model, drafter, batch, capacity=capacity,
+    table = calibration.calibrate(setup.model, drafter, batch, capacity=capacity,
                                    greedy=temp == 0, governor=gov)
   except ValueError:
     table = None

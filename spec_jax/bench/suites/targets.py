@@ -117,8 +117,8 @@ def release_compiled() -> None:
   """Bounds the memory of a long run: drops generate()'s compiled executables and the timing
   loops before the next target."""
   import jax
-  from spec_jax import engine
+  from spec_jax.decoding.compiled import clear_compiled
   from spec_jax.bench import timers
-  engine.clear_compiled()
+  clear_compiled()
   timers.clear_cache()
   jax.clear_caches()

@@ -1,0 +1,176 @@
+"""Ahead-of-time compiled decode calls, cached once per shapes and static configuration, and
+the CPU execution-layout cache of the weights: what generate() and the governor's calibration
+time (compilation is never inside a timed call)."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import sharding as sharding_lib
+from spec_jax.decoding.loop import decode
+from spec_jax.decoding.state import DecodeResult
+from spec_jax.decoding.target import as_target, model_config
+from spec_jax.models.layout import prepare_params
+from spec_jax.sampling import Sampling
+
+_DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy",
+                  "governor")
+
+_COMPILED: dict = {}   # tree signature -> PackedDecode (see _compiled_decode)
+
+
+def clear_compiled() -> None:
+  """Drops generate()'s compiled executables: the next call traces decode afresh (tests that
+  patch the engine; long benchmarks bounding their memory)."""
+  _COMPILED.clear()
+
+
+def _packed_decode(layout: list, *args, **kwargs) -> jax.Array:
+  """decode, its DecodeResult packed into one int32 vector, so that generate() copies it to the
+  host in one transfer (a copy per field cost ~0.2 ms a call in place, ~1 % of a 128-token
+  stories260K decode; measured). layout receives (treedef, [(shape, dtype)]) at trace time."""
+  leaves, treedef = jax.tree.flatten(decode(*args, **kwargs))
+  for x in leaves:           # counts and token ids: int32 holds them exactly
+    assert jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits <= 32, x.dtype
+  layout[:] = [treedef, [(x.shape, x.dtype) for x in leaves]]
+  return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in leaves])
+
+
+class PackedDecode:
+  """An AOT-compiled decode whose call returns its DecodeResult as one int32 vector [N];
+  `unpack` turns the host copy of that vector back into a DecodeResult of numpy arrays."""
+
+  def __init__(self, compiled, treedef, shapes: list):
+    self.compiled, self._treedef = compiled, treedef
+    self._layout, start = [], 0
+    for shape, dtype in shapes:
+      size = int(np.prod(shape, dtype=np.int64))
+      self._layout.append((start, start + size, shape, np.dtype(dtype)))
+      start += size
+
+  def __call__(self, *args, **kwargs) -> jax.Array:
+    return self.compiled(*args, **kwargs)
+
+  def unpack(self, flat) -> DecodeResult:
+    flat = np.asarray(flat)
+    return jax.tree.unflatten(self._treedef, [
+        flat[a:b].reshape(shape).astype(dtype, copy=False)
+        for a, b, shape, dtype in self._layout])
+
+
+def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
+  """AOT-compiles once per (shapes, static config) so that timings exclude compilation.
+
+  params_signature: tree_signature(args[0][0]), the target params, when the caller has it
+  cached (execution_params); they are then not walked again."""
+  positional, keywords = args
+  if params_signature is None:
+    params_signature = tree_signature(positional[0])
+  # static items in the caller's (fixed) order; shapes and dtypes as they are (hashable).
+  sig = (tuple(static.items()), params_signature, tree_signature((positional[1:], keywords)))
+  hit = _COMPILED.get(sig)
+  if hit is None:
+    layout = []
+    packed = jax.jit(functools.partial(_packed_decode, layout), static_argnames=_DECODE_STATIC)
+    compiled = packed.lower(*positional, **keywords, **static).compile()
+    hit = _COMPILED[sig] = PackedDecode(compiled, *layout)
+  return hit
+
+
+def tree_signature(tree) -> tuple:
+  """(treedef, ((shape, dtype) of every leaf)): what a compiled call depends on."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(map(_leaf_signature, leaves))
+
+
+def _leaf_signature(x) -> tuple:
+  """(shape, dtype) of an array leaf; ((), type) of a Python scalar."""
+  try:
+    return x.shape, x.dtype
+  except AttributeError:
+    return np.shape(x), type(x)
+
+
+def _host(x, dtype):
+  """A numpy array of dtype, unless x is already a jax array (then as it is)."""
+  return x if isinstance(x, jax.Array) else np.asarray(x, dtype)
+
+
+# id(params) -> (weakrefs to every leaf, prepared params, their tree_signature)
+_EXECUTION_PARAMS: dict = {}
+_prepare_jit = jax.jit(prepare_params, static_argnums=(1,))
+
+
+def execution_params(target, mesh=None):
+  """target.params in the execution layout (models.layout.prepare_params), made once per model
+  and cached while its weights live: on CPU without a mesh, where that layout is a transposed,
+  unstacked copy of every weight. decode() prepares canonical params itself, inside its jit,
+  once per call: for the 78M widened model that copy is ~0.3 s, a quarter of a 64-token
+  generate() (measured; README Speed section). Costs a second copy of the weights in host
+  memory. Elsewhere (accelerators, meshes) the canonical params are returned and decode
+  prepares them in its jit (a fuse at HBM bandwidth, no second copy held).
+
+  The cache is keyed by the identity of every leaf (arrays are immutable, so a params dict
+  changed in place is a miss) and dropped when the model's first layer weight is freed."""
+  return _signed_execution_params(target, mesh)[0]
+
+
+def _signed_execution_params(target, mesh=None) -> tuple:
+  """(execution_params(target, mesh), their tree_signature or None when not cached): the
+  cache hit that checks every leaf also saves generate() a second walk of the weights."""
+  params = target.params
+  config = model_config(as_target(target.config))
+  if config is None or mesh is not None or jax.default_backend() != "cpu":
+    return params, None
+  layers = params.get("layers") if isinstance(params, dict) else None
+  if not isinstance(layers, dict) or "wq" not in layers:     # already prepared, or not ours
+    return params, None
+  leaves = jax.tree.leaves(params)
+  key = id(params)
+  hit = _EXECUTION_PARAMS.get(key)
+  if hit is not None and len(hit[0]) == len(leaves) and all(
+      r() is x for r, x in zip(hit[0], leaves)):
+    return hit[1], hit[2]
+  prepared = _prepare_jit(params, config)
+  _EXECUTION_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared, tree_signature(prepared))
+  weakref.finalize(layers["wq"], _EXECUTION_PARAMS.pop, key, None)
+  return prepared, _EXECUTION_PARAMS[key][2]
+
+
+def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
+                         sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
+                         num_draft=4, governor=None, round_costs=None, tree=None) -> tuple:
+  """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
+  mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
+  per shapes and static configuration. The governor's calibration times this same executable.
+  compiled(*args, **kwargs) returns the DecodeResult packed into one int32 vector;
+  compiled.unpack(np.asarray(it)) is the DecodeResult (PackedDecode).
+
+  prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
+  stop: int32 [N]; round_costs: float32 [len(candidates)] or None; tree: a TreeSpec or None."""
+  drafter_params = None if drafter is None else drafter.params
+  # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
+  # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
+  params, params_signature = _signed_execution_params(target, mesh)
+  args = (sharding_lib.shard_params(mesh, params),
+          *sharding_lib.shard_rows(mesh, (_host(prompt_tokens, np.int32),
+                                          _host(prompt_lens, np.int32))),
+          sharding_lib.replicate(mesh, key))
+  kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
+                max_new_tokens=sharding_lib.replicate(mesh, np.asarray(max_new_tokens, np.int32)),
+                sampling=sharding_lib.shard_rows(mesh, sampling),
+                stop_tokens=sharding_lib.replicate(mesh, np.asarray(stop, np.int32)))
+  static = dict(config=target.config, drafter=drafter, num_draft=num_draft, capacity=capacity,
+                mesh=mesh, greedy=greedy)
+  if governor is not None:
+    static["governor"] = governor
+  if tree is not None:
+    static["tree"] = tree
+  if round_costs is not None:
+    kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
+  return _compiled_decode((args, kwargs), static, params_signature), args, kwargs

@@ -1,0 +1,181 @@
+"""generate: prompts in, text and acceptance statistics out — a host wrapper over `decode`.
+
+It checks and pads the prompts (decoding.prompts), compiles decode ahead of time once per
+shapes (decoding.compiled; compilation is not timed), calibrates the governor's cost table on
+first use (spec_jax.calibration), times the compiled call and decodes the text.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import calibration, global_batch, sharding as sharding_lib
+from spec_jax.decoding.compiled import compiled_decode_call
+from spec_jax.decoding.plan import drafting_plan, is_static_int
+from spec_jax.decoding.prompts import PROMPT_BUCKET, pad_batch, prompt_ids, stop_array
+from spec_jax.decoding.target import as_target
+from spec_jax.drafters.base import Drafter
+from spec_jax.governor import Governed
+from spec_jax.sampling import Sampling
+from spec_jax.stats import SpecStats
+from spec_jax.tree.round import TreeRounds
+
+
+class GenerateOutput(NamedTuple):
+  """tokens: list[list[int]] new tokens per row (a stop token that ended a row is included);
+  text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats;
+  result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round); rows: the
+  global row indices of tokens and text. With a mesh over several processes, tokens and text are
+  this process's rows, result and stats cover every process's rows (new_tokens(result) is every
+  row's tokens, in global order)."""
+  tokens: list
+  text: Optional[list]
+  stats: SpecStats
+  result: Optional[Any] = None
+  rows: Optional[range] = None
+
+
+def new_tokens(result) -> list:
+  """Host side: list[list[int]] of each row's new tokens (a stop token that ended a row
+  included) from a DecodeResult."""
+  tokens = np.asarray(result.tokens)
+  lengths, prompt_lens = np.asarray(result.lengths), np.asarray(result.prompt_lens)
+  return [tokens[b, prompt_lens[b]:lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+
+@functools.lru_cache(maxsize=None)
+def _default_key():
+  """jax.random.key(0), made once (creating a key is an eager device op, ~0.5 ms a call)."""
+  return jax.random.key(0)
+
+
+def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
+             max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
+             stop_tokens=None, capacity: Optional[int] = None, mesh=None,
+             prompt_bucket: int = PROMPT_BUCKET, governor=None, tree=None) -> GenerateOutput:
+  """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
+
+  A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
+  time (one compile per (B, prompt bucket, S, K, greedy); compilation is not timed), times the
+  compiled call, and decodes the text.
+
+  Args:
+    target: a Model (sj.load / sj.init_model).
+    prompts: list[str] (needs a tokenizer; BOS added as the tokenizer does) or list[list[int]];
+      rows may differ in length.
+    drafter: a Drafter (sj.drafters.*) or None for plain decoding (then num_draft is ignored).
+    num_draft: K, draft tokens per round (>= 1 with a drafter), or "auto": the governor picks
+      K (0 = a plain step) every round from a cost table (`sj.calibrate`, measured on first
+      use for this batch and capacity, then cached on disk; not part of the timed seconds)
+      and the batch's live acceptance (spec_jax.governor).
+    max_new_tokens: new tokens per row at most (>= 1).
+    sampling: Sampling, scalars or per-row [B] arrays; temperature 0 = greedy.
+    key: jax PRNG key (default key(0)).
+    stop_tokens: None = the model's end-of-text tokens; [] = never stop early.
+    capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
+      up to a multiple of 64).
+    mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
+      features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
+      A mesh over several processes (after spec_jax.distributed.initialize()): every process
+      calls generate() with the same options and its own prompts (possibly none); the batch
+      is every process's rows in process order (spec_jax.global_batch); each process gets its
+      own rows' tokens and text back, and statistics over all rows (stats.processes says how
+      many processes they sum over).
+    prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
+      length; the padding is masked, so outputs do not depend on it).
+    governor: with num_draft="auto", a `sj.Governor` (or a dict of its options); None = the
+      defaults.
+    tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
+      verify over N+1 tree nodes per round, lossless); num_draft is then ignored. None: a chain.
+
+  Returns:
+    GenerateOutput(tokens, text, stats, result).
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+  max_new_tokens = int(max_new_tokens)
+  strategy = drafting_plan(drafter, num_draft, tree, governor)
+  strategy.check_target(as_target(target.config))
+  k, extent = strategy.width, strategy.extent
+  gov = strategy.governor if isinstance(strategy, Governed) else None
+  tree = strategy.spec if isinstance(strategy, TreeRounds) else None
+  if drafter is not None:
+    drafter.check_compatible(target)
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  if key is None:
+    key = _default_key()
+  elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and key.shape == ()):
+    raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}")
+  if capacity is not None and (not is_static_int(capacity) or capacity < 1):
+    raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
+  sharding_lib.check_mesh(mesh, 0)
+  spans = sharding_lib.spans_processes(mesh)
+  if not spans:
+    ids = prompt_ids(target, prompts)
+    rows, processes = range(len(ids)), 1
+  else:       # each process fed its own rows: every process now gets the whole global batch
+    try:
+      ids, error = prompt_ids(target, prompts, allow_empty=True), None
+    except ValueError as e:
+      ids, error = [], str(e)
+    ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
+        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket,
+        tree), error=error)
+  sharding_lib.check_mesh(mesh, len(ids))
+  prompt_tokens, prompt_lens, capacity = pad_batch(target, ids, max_new_tokens, extent,
+                                                     capacity, prompt_bucket)
+  batch = prompt_tokens.shape[0]
+  mesh = sharding_lib.as_auto(mesh)
+  greedy = sampling.is_greedy
+  sampling = sampling.as_arrays(batch)
+  stop = stop_array(target, stop_tokens)
+
+  costs = None
+  if gov is not None:   # the cost table (calibrated on first use, then cached): not timed
+    costs = calibration.round_costs_for(gov, target, drafter, batch, capacity, greedy,
+                                        max_new_tokens, prompt_len=prompt_tokens.shape[1],
+                                        stop_count=len(stop), mesh=mesh)
+  compiled, args, kwargs = compiled_decode_call(
+      target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
+      sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
+      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs, tree=tree)
+  start = time.perf_counter()
+  packed = compiled(*args, **kwargs)
+  flat = global_batch.to_host(packed, spans)   # waits for the result; every row, every process
+  seconds = time.perf_counter() - start
+
+  result = compiled.unpack(flat)
+  new = new_tokens(result)[rows.start:rows.stop]
+  text = None
+  if target.tokenizer is not None:
+    text = [target.tokenizer.decode(t) for t in new]
+  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes,
+                                auto=gov is not None, tree=tree)
+  return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
+
+
+def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,
+                    prompt_bucket, tree=None) -> dict:
+  """What every process of a multi-process generate() must pass alike (global_batch.assemble
+  compares fingerprints): all options but the prompts and per-row sampling arrays."""
+  scalar = all(np.ndim(v) == 0 for v in (sampling.temperature, sampling.top_k, sampling.top_p))
+  params = lambda pytree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(pytree)]
+  return {"target": [repr(target.config), params(target.params)],
+          "drafter": None if drafter is None else [type(drafter).__name__,
+                                                   params(drafter.params)],
+          "num_draft": k, "max_new_tokens": max_new_tokens,
+          "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)]
+          if scalar else "per-row",
+          "key": np.asarray(jax.random.key_data(key)).tolist(),
+          "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
+          "capacity": capacity, "prompt_bucket": prompt_bucket,
+          "tree": None if tree is None else tree.label()}

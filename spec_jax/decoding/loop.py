@@ -1,0 +1,190 @@
+"""decode: the whole generation as one pure function of arrays — the prefill, then the rounds of
+one round strategy (a chain, a tree, the governor) in `lax.while_loop`s. Jittable: research
+code calls it inside its own `jax.jit`; generate (decoding.generate) is a host wrapper."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import sampling as sampling_lib
+from spec_jax.decoding.plan import check_capacity, drafting_plan, is_static_int
+from spec_jax.decoding.rounds import NoDrafter, row_keys
+from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv
+from spec_jax.decoding.target import as_target
+from spec_jax.drafters.base import Drafter, PrefillInfo
+from spec_jax.sampling import Sampling
+
+
+def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
+           drafter: Optional[Drafter] = None, drafter_params=None, num_draft=4,
+           max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
+           tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
+           governor=None, round_costs=None) -> DecodeResult:
+  """The whole speculative generation as one pure function of arrays: prefill + rounds in one
+  `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
+
+  Args (arrays, traced):
+    target_params: the target's param pytree (`model.params`).
+    prompt_tokens: int32 [B, P] right-padded prompts (any valid id as padding).
+    prompt_lens: int32 [B] real prompt lengths, >= 1.
+    key: a jax PRNG key (the only source of randomness; same key -> same tokens).
+    drafter_params: the drafter's params (`drafter.params`); None uses `drafter.params`, which
+      then become compile-time constants of your jit — pass them as an argument instead.
+    sampling: Sampling with scalars or per-row [B] arrays.
+    stop_tokens: a tuple of ints or an int32 [N] array; () never stops early.
+    max_new_tokens: int, or a traced int32 scalar (then capacity is not checked against it).
+    cache: optional cache to decode into (a KVCache [L, B, S, Hkv, Dh] for spec_jax.models;
+      donate it with `donate_argnums` to reuse its memory); default target.init_cache(B, S).
+    round_costs: with num_draft="auto", float [len(governor.ks)] seconds (or any common unit)
+      of one round at each candidate K, in the order of `governor.candidates(drafter)` —
+      `sj.calibrate(...).round_costs`; None takes the governor's own `costs` table (or, with a
+      `schedule`, needs none).
+  Static (hashable; mark them static in your jit, e.g. with functools.partial):
+    config: the target's ModelConfig, or any spec_jax.Target (the target protocol,
+      spec_jax.decoding.target: a JAX model of your own, wrapped in a few lines).
+    drafter: a Drafter or None (plain decoding, K = 0).
+    num_draft: K, or "auto": the governor picks K every round (spec_jax.governor).
+    governor: with num_draft="auto", a `sj.Governor` (None = the defaults).
+    capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1 (K: the largest
+      candidate with "auto"; a tree's cache_extent).
+    tree: a spec_jax.TreeSpec for tree drafting (spec_jax.tree; num_draft is then ignored, and
+      "auto" refused), or None (a chain).
+    mesh: optional Mesh ("data", "model") for the sharding annotations (spec_jax.sharding).
+    greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
+      infers it from concrete sampling values (traced values: False; both paths give the same
+      tokens, the greedy one is cheaper).
+
+  Returns:
+    DecodeResult (arrays). Host helpers: `new_tokens(result)`, `SpecStats.from_result`.
+
+  Example — sample with speculation, then score the samples, in one jitted function:
+
+      @functools.partial(jax.jit, static_argnames=("n",))
+      def sample_and_score(params, dparams, prompts, lens, key, n):
+        res = sj.decode(params, prompts, lens, key, config=cfg, drafter=drafter,
+                        drafter_params=dparams, num_draft=4, max_new_tokens=n,
+                        capacity=256, sampling=sj.Sampling(temperature=1.0))
+        logits = sj.forward(params, cfg, res.tokens, sj.KVCache.zeros(cfg, B, 256),
+                            jnp.zeros((B,), jnp.int32)).logits
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        tok_logp = jnp.take_along_axis(logp, res.tokens[:, 1:, None], -1)[..., 0]
+        pos = jnp.arange(255)[None]
+        new = (pos >= res.prompt_lens[:, None] - 1) & (pos < res.lengths[:, None] - 1)
+        return res, jnp.sum(jnp.where(new, tok_logp, 0.0), axis=1)
+  """
+  if drafter is not None and not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
+                     f"{type(drafter).__name__}")
+  target = as_target(config)
+  strategy = drafting_plan(drafter, num_draft, tree, governor)
+  strategy.check_target(target)
+  if drafter is None:
+    drafter = NoDrafter()
+  if drafter_params is None:
+    drafter_params = drafter.params
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
+  if prompt_tokens.ndim != 2 or prompt_lens.shape != prompt_tokens.shape[:1]:
+    raise ValueError(f"prompt_tokens must be int32 [B, P] and prompt_lens [B]; got shapes "
+                     f"{prompt_tokens.shape} and {prompt_lens.shape}")
+  p = prompt_tokens.shape[1]
+  extent = strategy.extent
+  if is_static_int(max_new_tokens):
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_capacity(capacity, p, int(max_new_tokens), extent)
+  elif not is_static_int(capacity) or capacity < p + extent + 2:
+    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + extent + 2}, got "
+                     f"{capacity!r}")
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  costs = strategy.round_costs(drafter, round_costs)          # ValueError on a bad table
+  env, state = init_loop(target_params, prompt_tokens, prompt_lens, key, config=target,
+                         drafter=drafter, drafter_params=drafter_params,
+                         max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
+                         stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
+                         width=strategy.width, lazy_drafter=strategy.lazy_drafter)
+  env = env._replace(round_costs=costs)
+  final = strategy.run(env, strategy.init(env, state))
+  return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
+                      rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
+                      accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
+                      iterations=final.iterations, k_rounds=strategy.k_rounds(final))
+
+
+def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
+              drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
+              sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
+              cache=None, width: int = 0,
+              lazy_drafter: bool = False) -> tuple:
+  """Everything before the loop (inputs already checked by `decode`): the execution layout of
+  the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
+  with accepted_at [B, width]. config: a Target or a ModelConfig. lazy_drafter: the loop calls
+  drafter.catch_up before drafting (the governor's loop; PrefillInfo.lazy)."""
+  target = as_target(config)
+  b, p = prompt_tokens.shape
+  if greedy is None:
+    greedy = _concretely_greedy(sampling)
+  sampling = Sampling(
+      temperature=jnp.broadcast_to(jnp.asarray(sampling.temperature, jnp.float32), (b,)),
+      top_k=jnp.broadcast_to(jnp.asarray(sampling.top_k, jnp.int32), (b,)),
+      top_p=jnp.broadcast_to(jnp.asarray(sampling.top_p, jnp.float32), (b,)))
+  stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
+  s = int(capacity)
+  layers = tuple(drafter.target_layers)
+  limit = prompt_lens + jnp.asarray(max_new_tokens, jnp.int32)  # max committed length per row
+  # Loop-invariant work on the weights, once per call, outside the loop (the execution layout:
+  # see models.layout.prepare_params).
+  target_params = target.prepare(target_params, mesh)
+  drafter_params = drafter.prepare(drafter_params)
+
+  # Prefill: the right-padded prompts at offset 0 (padding sits after each row's prompt, is
+  # never attended by real tokens, and its KV slots are overwritten by generated tokens).
+  if cache is None:
+    cache = target.init_cache(b, s)
+  else:
+    target.check_cache(cache, b, s)
+  cache = target.constrain_cache(mesh, cache)
+  pre = target.forward(target_params, prompt_tokens, cache, jnp.zeros((b,), jnp.int32),
+                       return_layers=layers)
+  last_logits = jnp.take_along_axis(pre.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  key, first_key = jax.random.split(key)
+  if greedy:
+    first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+  else:
+    first = jax.vmap(sampling_lib.sample)(row_keys(first_key, b),
+                                          sampling_lib.probs(last_logits, sampling))
+  tokens = jnp.zeros((b, s), jnp.int32).at[:, :p].set(
+      jnp.where(jnp.arange(p)[None] < prompt_lens[:, None], prompt_tokens, 0))
+  tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
+  lengths = prompt_lens + 1
+  done = jnp.any(first[:, None] == stop_tokens[None, :], axis=1) | (lengths >= limit)
+  drafter_state = drafter.init_state(drafter_params, PrefillInfo(
+      tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
+      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
+      lazy=lazy_drafter))
+  zeros = jnp.zeros((b,), jnp.int32)
+  state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
+                      drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,
+                      accepted=zeros, accepted_at=jnp.zeros((b, width), jnp.int32),
+                      finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
+                      iterations=jnp.zeros((), jnp.int32))
+  env = LoopEnv(target=target, drafter=drafter, drafter_params=drafter_params,
+                target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
+                limit=limit, greedy=greedy, layers=layers)
+  return env, state
+
+
+def _concretely_greedy(sampling: Sampling) -> bool:
+  """True when every temperature is a concrete 0 (known at trace time)."""
+  t = sampling.temperature
+  if isinstance(t, jax.core.Tracer):
+    return False
+  try:
+    return bool(np.all(np.asarray(t) == 0))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return False

@@ -1,0 +1,104 @@
+"""Host-side prompt preparation: checks (ValueError naming the bad prompt), token ids, right
+padding to a bucketed length, the stop-token array. Shared by generate() and the benchmarks."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from spec_jax.decoding.plan import check_capacity, is_static_int
+
+PROMPT_BUCKET = 16
+CAPACITY_BUCKET = 64
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def as_token_ids(values, what: str) -> list:
+  """A 1-D sequence of integral values -> list[int]; ValueError on anything else."""
+  arr = np.asarray(values)
+  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or
+                                 np.issubdtype(arr.dtype, np.floating) or arr.dtype == bool):
+    raise ValueError(f"{what} must hold integer token ids, got {values!r}")
+  if arr.dtype == bool:
+    raise ValueError(f"{what} must hold integer token ids, got booleans")
+  if np.issubdtype(arr.dtype, np.floating) and not np.all(np.equal(np.mod(arr, 1), 0)):
+    raise ValueError(f"{what} must hold integer token ids, got non-integral values "
+                     f"{arr.reshape(-1)[np.mod(arr.reshape(-1), 1) != 0][:5].tolist()}")
+  return [int(t) for t in arr.reshape(-1).tolist()]
+
+
+def prompt_ids(target, prompts, allow_empty: bool = False) -> list[list[int]]:
+  """Token ids of every prompt (ValueError on bad ones); allow_empty: a process of a
+  multi-process call may feed no rows."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+      len(prompts) == 0 and not allow_empty):
+    raise ValueError("prompts must be a non-empty list of strings or of token-id lists, got "
+                     f"{type(prompts).__name__}")
+  vocab = target.config.vocab_size
+  out = []
+  for i, prompt in enumerate(prompts):
+    if isinstance(prompt, str):
+      if target.tokenizer is None:
+        raise ValueError("text prompts need a model with a tokenizer; this model has none: pass "
+                         "lists of token ids")
+      ids = target.encode(prompt)
+    else:
+      ids = as_token_ids(prompt, f"prompt {i}")
+    if len(ids) == 0:
+      raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    out.append(ids)
+  return out
+
+
+def stop_array(target, stop_tokens) -> np.ndarray:
+  if stop_tokens is None:
+    stop_tokens = target.config.eos_token_ids
+  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray)):
+    raise ValueError(f"stop_tokens must be None (the model's end-of-text tokens) or a list of "
+                     f"token ids ([] = never stop early), got {stop_tokens!r}")
+  stop = as_token_ids(stop_tokens, "stop_tokens") if len(stop_tokens) else []
+  bad = [t for t in stop if not 0 <= t < target.config.vocab_size]
+  if bad:
+    raise ValueError(f"stop_tokens outside the vocabulary [0, {target.config.vocab_size}): {bad}")
+  return np.asarray(stop, np.int32).reshape(-1)
+
+
+def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
+                  prompt_bucket: int = PROMPT_BUCKET):
+  """Host-side prompt preparation shared by generate() and the benchmarks.
+
+  Returns (prompt_tokens int32 [B, P] right-padded to a multiple of prompt_bucket (one compile
+  per padded length; the padding is masked), prompt_lens int32 [B], capacity). Raises ValueError
+  on bad prompts or a capacity that is too small."""
+  return pad_batch(target, prompt_ids(target, prompts), max_new_tokens, k, capacity,
+                    prompt_bucket)
+
+
+def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_bucket: int):
+  """prepare_batch after the prompts were checked (ids: list[list[int]], non-empty rows)."""
+  if not is_static_int(prompt_bucket) or prompt_bucket < 1:
+    raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
+  longest = max(len(r) for r in ids)
+  max_pos = target.config.max_position_embeddings
+  if longest + max_new_tokens > max_pos:
+    raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+                     f"exceeds the model's context of {max_pos} positions")
+  needed = longest + max_new_tokens + k + 1
+  if capacity is None:
+    capacity = round_up(needed, CAPACITY_BUCKET)
+  else:
+    check_capacity(capacity, longest, max_new_tokens, k)
+  p = min(round_up(longest, prompt_bucket), capacity - max_new_tokens - k - 1)
+  p = max(p, longest)
+  prompt_tokens = np.zeros((len(ids), p), np.int32)
+  for b, r in enumerate(ids):
+    prompt_tokens[b, :len(r)] = r
+  prompt_lens = np.asarray([len(r) for r in ids], np.int32)
+  return prompt_tokens, prompt_lens, int(capacity)

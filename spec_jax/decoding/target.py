@@ -1,0 +1,157 @@
+"""The target protocol: all that the decode core asks of the model it speculates for.
+
+The core (spec_jax.decoding, the tree round, the governor's loop) never reaches into a model's
+params or cache: it calls these methods, so any JAX model can be a target — spec_jax.models'
+transformers (`ModelTarget`, what `sj.decode(config=ModelConfig)` wraps) or a researcher's own
+Flax NNX module or another library's transformer, wrapped in a few lines:
+
+    @dataclasses.dataclass(frozen=True)        # hashable: it is a static argument of the jit
+    class MyTarget(sj.Target):
+      vocab_size: int = 32000
+      max_position_embeddings: int = 4096
+      eos_token_ids: tuple = (2,)
+
+      def init_cache(self, batch, capacity):
+        return my_model.empty_cache(batch, capacity)             # any pytree of arrays
+
+      def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
+                  return_layers=()):
+        logits, hidden, cache = my_model.apply(params, tokens, cache, offsets)
+        return sj.ForwardOutput(logits, hidden, (), cache)
+
+    res = sj.decode(params, prompts, lens, key, config=MyTarget(), drafter=sj.drafters.NGram(),
+                    num_draft=4, max_new_tokens=64, capacity=256, sampling=sj.Sampling(0.0))
+
+The contract of `forward` (what the core relies on for losslessness): tokens int32 [B, T] are
+row b's positions offsets[b] .. offsets[b]+T-1 (or `positions` [B, T] when given: a tree's
+node depths); each new token attends to the row's cache entries before offsets[b] and, among
+the T new ones, to those allowed by tree_mask [B, T, T] (causal when None); the new K/V are
+written at cache slots offsets[b] .. offsets[b]+T-1, overwriting whatever stale entries lie
+there (rejected drafts of earlier rounds). It returns logits [B, T, V] (float32), the hidden
+state that drafters following the target read ([B, T, D] after the final norm; anything of
+that shape, or zeros, for targets whose drafters do not need it), the residual stream after
+each layer in `return_layers` (EAGLE-3 features; () when none are asked), and the new cache.
+Trees also need `move_kv`; the mesh needs `constrain_cache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+
+from spec_jax import sharding
+from spec_jax.models import cache as cache_lib
+from spec_jax.models.cache import KVCache
+from spec_jax.models.config import ModelConfig
+from spec_jax.models.layout import prepare_params
+from spec_jax.models.transformer import forward
+
+
+class Target:
+  """Base class of decode targets (module docstring). Subclasses are hashable (frozen
+  dataclasses, say) and implement init_cache and forward; the rest have defaults.
+
+  Attributes:
+    vocab_size: V, the size of the logits (drafters must share it).
+    max_position_embeddings: the longest context (prompt + new tokens) a generation may reach.
+    eos_token_ids: the tokens that end a generation by default (generate's stop_tokens=None).
+    tree_capable: move_kv is implemented (tree drafting).
+  """
+  vocab_size: int
+  max_position_embeddings: int
+  eos_token_ids: tuple = ()
+  tree_capable: bool = False
+
+  def init_cache(self, batch: int, capacity: int):
+    """A fresh cache for B rows of S slots (a pytree of arrays)."""
+    raise NotImplementedError
+
+  def check_cache(self, cache, batch: int, capacity: int) -> None:
+    """Raises ValueError unless `cache` is a cache for (batch, capacity) (decode's cache=)."""
+
+  def prepare(self, params, mesh=None):
+    """Loop-invariant work on the params, inside the jit, once per decode call before the loop
+    (an execution layout); default: the params as they are."""
+    del mesh
+    return params
+
+  def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
+              return_layers: Sequence[int] = ()):
+    """-> ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache)."""
+    raise NotImplementedError
+
+  def move_kv(self, cache, lengths, path, n_accepted):
+    """After a tree round: the accepted path's entries to contiguous slots. The verify wrote
+    node i of row b at slot lengths[b]-1+i; node path[b, j] (j < n_accepted[b]) moves to slot
+    lengths[b]+j. lengths int32 [B] (before the round); path int32 [B, D]; n_accepted [B]."""
+    raise ValueError(f"{type(self).__name__} has no move_kv: tree drafting needs it (pass "
+                     "tree=None for a chain)")
+
+  def constrain_cache(self, mesh, cache):
+    """Sharding annotations of the cache for a mesh (spec_jax.sharding); default: none."""
+    del mesh
+    return cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTarget(Target):
+  """spec_jax.models' transformers as a Target: one per ModelConfig (equal configs, equal
+  targets: one compile)."""
+  config: ModelConfig
+  tree_capable: bool = True
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_position_embeddings(self) -> int:
+    return self.config.max_position_embeddings
+
+  @property
+  def eos_token_ids(self) -> tuple:
+    return self.config.eos_token_ids
+
+  def init_cache(self, batch, capacity):
+    return KVCache.zeros(self.config, batch, capacity)
+
+  def check_cache(self, cache, batch, capacity):
+    want = jax.eval_shape(lambda: KVCache.zeros(self.config, batch, capacity,
+                                                head_major=cache.head_major))
+    if cache.k.shape != want.k.shape or cache.v.shape != want.k.shape:
+      layout = "[L, B, Hkv, S, Dh]" if cache.head_major else "[L, B, S, Hkv, Dh]"
+      raise ValueError(f"cache must be {layout} = {want.k.shape} (sj.KVCache.zeros(config, B, "
+                       f"capacity)), got {cache.k.shape}")
+
+  def prepare(self, params, mesh=None):
+    return prepare_params(params, self.config, mesh)
+
+  def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
+              return_layers=()):
+    return forward(params, self.config, tokens, cache, offsets, positions=positions,
+                   tree_mask=tree_mask, return_layers=return_layers)
+
+  def move_kv(self, cache, lengths, path, n_accepted):
+    return cache_lib.move_kv(cache, lengths, path, n_accepted)
+
+  def constrain_cache(self, mesh, cache):
+    return sharding.constrain_cache(mesh, cache)
+
+
+def as_target(config) -> Target:
+  """A Target for decode's `config=`: a Target as it is, a ModelConfig wrapped in ModelTarget;
+  ValueError otherwise."""
+  if isinstance(config, Target):
+    return config
+  if isinstance(config, ModelConfig):
+    return ModelTarget(config)
+  raise ValueError(f"config must be a spec_jax ModelConfig or a spec_jax.Target (the target "
+                   f"protocol, spec_jax.decoding.target), got {type(config).__name__}")
+
+
+def model_config(target: Target) -> Optional[ModelConfig]:
+  """The ModelConfig behind a ModelTarget, None for other targets (what host-side helpers that
+  know spec_jax.models, like the CPU execution-layout cache, ask)."""
+  return target.config if isinstance(target, ModelTarget) else None

@@ -1,0 +1,222 @@
+"""The Governor: the knobs of num_draft="auto", checked (ValueError on bad ones), hashable."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.governor.costs import CostTable
+
+DEFAULT_KS = (0, 1, 2, 4, 6, 8)
+OPTIONS = {
+    "max_draft": "largest K the governor may choose (integer >= 1; default 8)",
+    "ks": "candidate K values (integers >= 0; default {0,1,2,4,6,8} up to max_draft and the "
+          "drafter's max_draft)",
+    "smoothing": "per-round decay of the acceptance counts, in [0, 1) (default 0.8)",
+    "prior_alpha": "per-token acceptance assumed before evidence, in [0, 1] (default 0.6)",
+    "prior_weight": "judged drafts the prior is worth, > 0 (default 2)",
+    "warmup_rounds": "first loop iterations that must draft (integer >= 0; default 2)",
+    "gate_alpha": "rows with smoothed alpha below this get draft length 0, in [0, 1] "
+                  "(default 0.05; 0 = never)",
+    "costs": "a cost table {K: seconds per round} to use instead of calibrating",
+    "schedule": "a fixed sequence of K, cycled (tests): overrides the choice",
+}
+
+
+def is_int(x) -> bool:
+  return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+  return isinstance(x, (numbers.Real, np.floating, np.integer)) and not isinstance(x, bool)
+
+
+class Governor:
+  """The knobs of num_draft="auto" (see the module docstring and OPTIONS). Hashable: a static
+  argument of the jitted decode. Unknown options or bad values raise ValueError."""
+
+  def __init__(self, **options):
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+      raise ValueError(f"unknown governor option(s) {unknown}; allowed: {', '.join(OPTIONS)}")
+    max_draft = options.get("max_draft", 8)
+    if not is_int(max_draft) or max_draft < 1:
+      raise ValueError(f"Governor max_draft must be an integer >= 1, got {max_draft!r}")
+    self.max_draft = int(max_draft)
+    self.ks = self._k_tuple(options.get("ks"), "ks", sort=True)
+    self.schedule = self._k_tuple(options.get("schedule"), "schedule", sort=False)
+    if self.ks is not None and self.schedule is not None:
+      missing = sorted(set(self.schedule) - set(self.ks))
+      if missing:
+        raise ValueError(f"Governor schedule uses K {missing}, which are not in ks {self.ks}")
+    self.smoothing = self._real(options, "smoothing", 0.8, 0.0, 1.0, hi_open=True)
+    self.prior_alpha = self._real(options, "prior_alpha", 0.6, 0.0, 1.0)
+    self.prior_weight = self._real(options, "prior_weight", 2.0, 0.0, math.inf, lo_open=True)
+    self.gate_alpha = self._real(options, "gate_alpha", 0.05, 0.0, 1.0)
+    warm = options.get("warmup_rounds", 2)
+    if not is_int(warm) or warm < 0:
+      raise ValueError(f"Governor warmup_rounds must be an integer >= 0, got {warm!r}")
+    self.warmup_rounds = int(warm)
+    costs = options.get("costs")
+    if costs is not None:
+      if isinstance(costs, CostTable):
+        costs = costs.as_mapping()
+      if not isinstance(costs, dict) or not costs:
+        raise ValueError(f"Governor costs must be a non-empty mapping {{K: seconds per round}} "
+                         f"or a CostTable, got {costs!r}")
+      bad = {k: v for k, v in costs.items()
+             if not is_int(k) or k < 0 or not is_real(v) or not v > 0 or not math.isfinite(v)}
+      if bad:
+        raise ValueError(f"Governor costs must map integer K >= 0 to positive seconds; bad "
+                         f"entries: {bad}")
+      costs = tuple(sorted((int(k), float(v)) for k, v in costs.items()))
+    self.costs = costs
+
+  def _k_tuple(self, value, name, sort):
+    if value is None:
+      return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+      raise ValueError(f"Governor {name} must be a sequence of integers K >= 0, got {value!r}")
+    vals = list(value)
+    if not vals or any(not is_int(k) or k < 0 for k in vals):
+      raise ValueError(f"Governor {name} must be a non-empty sequence of integers K >= 0, got "
+                       f"{value!r}")
+    big = sorted({int(k) for k in vals if k > self.max_draft})
+    if big:
+      raise ValueError(f"Governor {name} has K {big} above max_draft={self.max_draft}")
+    vals = [int(k) for k in vals]
+    return tuple(sorted(set(vals))) if sort else tuple(vals)
+
+  @staticmethod
+  def _real(options, name, default, lo, hi, lo_open=False, hi_open=False):
+    v = options.get(name, default)
+    ok = is_real(v) and math.isfinite(float(v))
+    if ok:
+      v = float(v)
+      ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+      rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+      raise ValueError(f"Governor {name} must be a number in {rng}, got {options.get(name)!r}")
+    return v
+
+  # ----------------------------------------------------------------------- identity
+
+  def _key(self):
+    return (self.max_draft, self.ks, self.schedule, self.smoothing, self.prior_alpha,
+            self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    return isinstance(other, Governor) and self._key() == other._key()
+
+  def options(self) -> dict:
+    """The knobs as a plain dict (for JSON)."""
+    return {"max_draft": self.max_draft, "ks": self.ks, "smoothing": self.smoothing,
+            "prior_alpha": self.prior_alpha, "prior_weight": self.prior_weight,
+            "warmup_rounds": self.warmup_rounds, "gate_alpha": self.gate_alpha,
+            "costs": None if self.costs is None else dict(self.costs),
+            "schedule": self.schedule}
+
+  def __repr__(self):
+    return "Governor(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
+
+  # ----------------------------------------------------------------------- candidates, costs
+
+  def candidates(self, drafter) -> tuple:
+    """The sorted candidate K set for `drafter` (ValueError when it exceeds the drafter's
+    max_draft). Default: {0,1,2,4,6,8} up to min(max_draft, drafter.max_draft), plus that cap
+    when it is not in the set (Medusa with 3 heads: {0, 1, 2, 3}), plus the schedule's K."""
+    dmax = getattr(drafter, "max_draft", None)
+    if self.ks is not None:
+      big = [k for k in self.ks if dmax is not None and k > dmax]
+      if big:
+        raise ValueError(f"Governor ks {self.ks} exceed this drafter's max_draft={dmax} "
+                         f"(it proposes at most {dmax} tokens per round)")
+      return self.ks
+    cap = self.max_draft if dmax is None else min(self.max_draft, dmax)
+    ks = {k for k in DEFAULT_KS if k <= cap} | {cap}
+    if self.schedule is not None:
+      big = sorted({k for k in self.schedule if k > cap})
+      if big:
+        raise ValueError(f"Governor schedule has K {big} above this drafter's max_draft={dmax}")
+      ks |= set(self.schedule)
+    return tuple(sorted(ks))
+
+  def cost_array(self, drafter, round_costs=None):
+    """float32 [len(candidates)] per-round costs for decode: round_costs (an array aligned with
+    candidates(drafter), or a CostTable), else the `costs` knob, else ones when a schedule
+    decides. ValueError for a missing or misaligned table."""
+    ks = self.candidates(drafter)
+    if isinstance(round_costs, CostTable):
+      round_costs = round_costs.costs_for(ks)
+    if round_costs is not None:
+      shape = np.shape(round_costs)
+      if shape != (len(ks),):
+        raise ValueError(f"round_costs must have one entry per candidate K {ks}: shape "
+                         f"({len(ks)},), got {shape}")
+      return jnp.asarray(round_costs, jnp.float32)
+    if self.costs is not None:
+      table = dict(self.costs)
+      missing = [k for k in ks if k not in table]
+      if missing:
+        raise ValueError(f"Governor costs has no entry for K {missing} (candidates {ks})")
+      return jnp.asarray([table[k] for k in ks], jnp.float32)
+    if self.schedule is not None:
+      return jnp.ones((len(ks),), jnp.float32)
+    raise ValueError("num_draft='auto' needs a cost table: pass round_costs="
+                     "sj.calibrate(...).round_costs to decode (generate calibrates itself), or "
+                     "Governor(costs={K: seconds}), or a Governor(schedule=...)")
+
+  def needs_calibration(self) -> bool:
+    return self.costs is None and self.schedule is None
+
+  def init_state(self, drafter, batch: int) -> "GovernorState":
+    """The governor's initial carry: the prior for every row, an empty histogram."""
+    return GovernorState(
+        accepted=jnp.full((batch,), self.prior_alpha * self.prior_weight, jnp.float32),
+        judged=jnp.full((batch,), self.prior_weight, jnp.float32),
+        k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32),
+        choice=jnp.zeros((), jnp.int32))
+
+
+@flax.struct.dataclass
+class GovernorState:
+  """The governor's part of the loop carry (B rows, N candidate K values).
+
+  accepted, judged: float32 [B] smoothed counts of accepted and judged drafts per row (prior
+    included); alpha = accepted / judged.
+  k_hist: int32 [N] loop iterations that ran with each candidate K.
+  choice: int32 scalar, the index (into the candidates) of the next round's K.
+  """
+  accepted: jax.Array
+  judged: jax.Array
+  k_hist: jax.Array
+  choice: jax.Array
+
+
+def resolve(governor, drafter) -> Governor:
+  """The Governor for num_draft="auto" (None = defaults), checked against the drafter before
+  anything compiles."""
+  if drafter is None:
+    raise ValueError("num_draft='auto' needs a drafter: the governor chooses how many of its "
+                     "drafts to verify (pass drafter=..., or an integer num_draft without one)")
+  from spec_jax.drafters.base import Drafter
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a spec_jax.drafters drafter, got "
+                     f"{type(drafter).__name__}")
+  if governor is None:
+    governor = Governor()
+  elif isinstance(governor, dict):
+    governor = Governor(**governor)
+  elif not isinstance(governor, Governor):
+    raise ValueError(f"governor must be a spec_jax.Governor, a dict of its options or None, "
+                     f"got {type(governor).__name__}")
+  governor.candidates(drafter)                 # ValueError: K above the drafter's max_draft
+  return governor

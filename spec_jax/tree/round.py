@@ -1,0 +1,78 @@
+"""The tree round (the decode core's side of tree drafting) and its round strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import sampling as sampling_lib
+from spec_jax.decoding.rounds import RoundStrategy, commit_step, update_stats
+from spec_jax.drafters.base import DraftContext, VerifyInfo
+from spec_jax.tree.build import ancestor_mask
+from spec_jax.tree.spec import TreeSpec
+from spec_jax.tree.verify import verify_tree, verify_tree_greedy
+
+
+def tree_round(env, st, *, spec: TreeSpec):
+  """One speculative round with a draft tree (module docstring): propose_tree -> one target
+  forward over the N+1 nodes with the ancestor mask -> verify -> commit the path (tokens, KV
+  move, drafter.commit_tree) -> statistics. env: decoding.state.LoopEnv; st: its DecodeState
+  (accepted_at [B, D])."""
+  key, draft_key, accept_key = jax.random.split(st.key, 3)
+  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
+                     target_params=env.target_params, num_draft=spec.depth, greedy=env.greedy,
+                     target_cache=st.cache)
+  tree, dstate = env.drafter.propose_tree(env.drafter_params, st.drafter_state, ctx, spec)
+  last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
+  tree = tree.replace(tokens=jnp.where(tree.valid, tree.tokens, 0).at[:, 0].set(last))
+  mask = ancestor_mask(tree.parents, spec.depth)
+  positions = st.lengths[:, None] - 1 + tree.depths
+  out = env.target.forward(env.target_params, tree.tokens, st.cache, st.lengths - 1,
+                           positions=positions, tree_mask=mask, return_layers=env.layers)
+  if env.greedy:
+    amax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    emitted, path, n_acc = verify_tree_greedy(tree, amax, spec.depth)
+  else:
+    p = sampling_lib.probs(out.logits, env.sampling)
+    emitted, path, n_acc = verify_tree(accept_key, tree, p, spec.depth)
+  tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
+                                              env.stop_tokens, env.limit)
+  cache = env.target.move_kv(out.cache, st.lengths, path, n_acc)
+  # The drafter sees the verify outputs along the accepted path, shaped like a chain of D
+  # drafts: input 0 is the root, input i the path's i-th node (entries after n_accepted are
+  # stale, as a chain's rejected drafts are).
+  nodes = jnp.concatenate([jnp.zeros_like(path[:, :1]), jnp.maximum(path, 0)], axis=1)
+  rows = jnp.arange(nodes.shape[0])[:, None]
+  along = lambda x: x[rows, nodes]
+  verify = VerifyInfo(input_tokens=along(tree.tokens), hidden=along(out.hidden),
+                      layer_hidden=tuple(along(h) for h in out.layer_hidden),
+                      lengths_before=st.lengths, lengths=lengths, target_params=env.target_params)
+  dstate = env.drafter.commit_tree(env.drafter_params, dstate, emitted, n_acc, verify)
+  drafted = jnp.sum(tree.valid[:, 1:], axis=1).astype(jnp.int32)
+  new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=cache, drafter_state=dstate,
+                   key=key)
+  return update_stats(st, new, drafted, n_acc, n_emit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRounds(RoundStrategy):
+  """Tree drafting: every round verifies a draft tree of spec.num_nodes nodes (tree_round)."""
+  spec: TreeSpec
+
+  @property
+  def width(self) -> int:
+    return self.spec.depth
+
+  @property
+  def extent(self) -> int:
+    return self.spec.cache_extent
+
+  def check_target(self, target) -> None:
+    if not target.tree_capable:
+      raise ValueError(f"tree drafting needs a target with move_kv (Target.tree_capable); "
+                       f"{type(target).__name__} has none: pass tree=None for a chain")
+
+  def round(self, env, state):
+    return tree_round(env, state, spec=self.spec)

@@ -1,0 +1,97 @@
+"""TreeSpec: the shape of every round's draft tree, and the checks of a tree call."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import numpy as np
+
+MAX_TREE_TOKENS = 32       # root + nodes per verify: the kernels' one 32-bit mask per query row
+CANDIDATES = ("topk", "sampled", "distinct")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+  """The shape of the draft tree of every round (static, hashable).
+
+  depth: D, the most drafts accepted per round (the deepest node), >= 1.
+  top_k: k, children per expanded node (EAGLE-2: also the frontier width; n-gram: branches).
+  num_nodes: N, draft nodes verified per round (the root, the last committed token, is extra):
+    depth <= N and N + 1 <= 32.
+  candidates: "topk" (deterministic top-k children; verified by recursive rejection with
+    one-hot drafts), "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's
+    multi-step speculative sampling) or "distinct" (children drawn from q without replacement;
+    recursive rejection sampling). Greedy decoding and deterministic drafters (n-gram,
+    greedy_drafts=True) always use top-k candidates.
+  """
+  depth: int
+  top_k: int
+  num_nodes: int
+  candidates: str = "topk"
+
+  def __post_init__(self):
+    for name in ("depth", "top_k", "num_nodes"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (numbers.Integral, np.integer)):
+        raise ValueError(f"TreeSpec.{name} must be an integer, got {v!r}")
+      object.__setattr__(self, name, int(v))
+    if self.depth < 1:
+      raise ValueError(f"TreeSpec.depth must be >= 1, got {self.depth}")
+    if self.top_k < 1:
+      raise ValueError(f"TreeSpec.top_k must be >= 1, got {self.top_k}")
+    if self.num_nodes < self.depth:
+      raise ValueError(f"TreeSpec.num_nodes ({self.num_nodes}) must be >= depth ({self.depth}): "
+                       "a tree of depth D needs at least D nodes")
+    if self.num_nodes + 1 > MAX_TREE_TOKENS:
+      raise ValueError(f"TreeSpec.num_nodes ({self.num_nodes}) + 1 (the root) must be <= "
+                       f"{MAX_TREE_TOKENS} (one 32-bit mask per verify row): num_nodes <= "
+                       f"{MAX_TREE_TOKENS - 1}")
+    if self.candidates not in CANDIDATES:
+      raise ValueError(f"TreeSpec.candidates must be one of {CANDIDATES}, got "
+                       f"{self.candidates!r}")
+
+  @property
+  def cache_extent(self) -> int:
+    """Cache slots past the last committed token a round may write: the N verify nodes, and a
+    drafter's frontier nodes (at most top_k per depth below D)."""
+    return max(self.num_nodes, self.top_k * (self.depth - 1))
+
+  def label(self) -> str:
+    kind = "" if self.candidates == "topk" else "," + self.candidates
+    return f"tree D={self.depth},k={self.top_k},N={self.num_nodes}{kind}"
+
+
+def parse_tree_spec(text: str) -> TreeSpec:
+  """'D,k,N' or 'D,k,N,CANDIDATES' (topk, sampled or distinct; the bench's --tree) ->
+  TreeSpec; ValueError otherwise."""
+  parts = [p.strip() for p in str(text).split(",")]
+  if len(parts) not in (3, 4):
+    raise ValueError(f"a tree is written D,k,N or D,k,N,{'|'.join(CANDIDATES)} (depth, top_k, "
+                     f"num_nodes[, candidates]), got {text!r}")
+  try:
+    d, k, n = (int(p) for p in parts[:3])
+  except ValueError:
+    raise ValueError(f"a tree's D,k,N must be integers, got {text!r}") from None
+  return TreeSpec(d, k, n, parts[3] if len(parts) == 4 else "topk")
+
+
+def check_tree(tree, drafter, num_draft=None, governor=None) -> TreeSpec:
+  """The TreeSpec a (tree, drafter) pair runs with; ValueError naming what is allowed.
+  num_draft is ignored beside a tree, except "auto" (the governor picks a chain's K per round
+  from a cost table of chains; it has no tree shapes to choose from), refused with governor=."""
+  if not isinstance(tree, TreeSpec):
+    raise ValueError(f"tree must be a spec_jax.TreeSpec(depth=, top_k=, num_nodes=) for tree "
+                     f"drafting, or None; got {type(tree).__name__}")
+  if drafter is None:
+    raise ValueError("tree drafting needs a drafter (DraftModel, NGram, EAGLE, EAGLE3, "
+                     "EAGLE3Fused or MTP); got drafter=None")
+  if (isinstance(num_draft, str) and num_draft == "auto") or governor is not None:
+    raise ValueError("tree drafting does not combine with num_draft='auto' or governor= (the "
+                     "governor chooses among chain lengths K); allowed: tree=TreeSpec(...) with "
+                     "an integer num_draft (ignored), or num_draft='auto' with tree=None")
+  if not getattr(drafter, "supports_tree", False):
+    raise ValueError(f"{type(drafter).__name__} cannot build draft trees; drafters that can: "
+                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a "
+                     "chain)")
+  return tree
