@@ -142,8 +142,12 @@ def _token_ids(value) -> tuple:
 
 
 def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
-  """A transformers PretrainedConfig (or anything with its attributes) -> ModelConfig."""
+  """A transformers PretrainedConfig (or anything with its attributes) -> ModelConfig.
+  Gemma 3 / Gemma 4 configs go to spec_jax.models.gemma_hf.config_from_hf."""
   model_type = getattr(cfg, "model_type", None)
+  from spec_jax.models import gemma_hf
+  if gemma_hf.is_gemma_type(model_type):
+    return gemma_hf.config_from_hf(cfg, dtype=dtype, source=source)
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -196,7 +200,8 @@ def read_config(folder: pathlib.Path):
   model_type = raw.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: "
-                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                     f"{', '.join(SUPPORTED_MODEL_TYPES)} (gemma3_text, gemma4_text, gemma3, "
+                     "gemma4 in Hugging Face folders)")
   try:
     return transformers.AutoConfig.from_pretrained(os.fspath(folder))
   except Exception as e:  # noqa: BLE001 - surface any parse problem at the boundary
@@ -283,8 +288,12 @@ def _checkpoint_dtype(meta_dtype: str) -> str:
 
 
 def load_hf(folder, dtype: Optional[str] = None) -> tuple:
-  """Reads a Hugging Face folder -> (ModelConfig, numpy params, mtp dict or None)."""
+  """Reads a Hugging Face folder -> (ModelConfig, numpy params, mtp dict or None).
+  Gemma 3 / Gemma 4 folders are read by spec_jax.models.gemma_hf.load_gemma."""
   folder = pathlib.Path(folder)
+  from spec_jax.models import gemma_hf
+  if gemma_hf.is_gemma_type(gemma_hf.folder_model_type(folder)):
+    return gemma_hf.load_gemma(folder, dtype)
   hf_config = read_config(folder)
   config = config_from_hf(hf_config, source=str(folder / "config.json"))
   extra_eos = tuple(t for t in _generation_eos(folder) if t not in config.eos_token_ids)

@@ -64,7 +64,12 @@ class KVCache:
   @classmethod
   def zeros(cls, config: ModelConfig, batch: int, capacity: int,
             head_major: Optional[bool] = None) -> "KVCache":
-    """head_major None: the layout config's attention reads in place (default_head_major)."""
+    """head_major None: the layout config's attention reads in place (default_head_major).
+    Gemma configs get their own cache (spec_jax.models.gemma_cache.GemmaKVCache: one buffer per
+    attention type, since their layers differ in KV shape)."""
+    if config.is_gemma:
+      from spec_jax.models.gemma_cache import GemmaKVCache
+      return GemmaKVCache.zeros(config, batch, capacity, head_major)
     if head_major is None:
       head_major = default_head_major(config)
     l, h, dh = config.num_layers, config.num_kv_heads, config.head_dim
@@ -280,15 +285,20 @@ def embed(params, tokens):
 
 
 def lm_head(params, config: ModelConfig, hidden):
-  """hidden [..., D] (after the final norm) -> float32 logits [..., V]."""
+  """hidden [..., D] (after the final norm) -> float32 logits [..., V] (soft-capped,
+  c * tanh(logits / c), when config.final_logit_softcap is set: Gemma)."""
   if config.tie_embeddings:
     w, transposed = params["embed"], True                # [V, D]
   elif "lm_head_t" in params:
     w, transposed = params["lm_head_t"], True            # execution layout [V, D]
   else:
     w, transposed = params["lm_head"], False             # [D, V]
-  return jax.lax.dot_general(hidden, w, (((hidden.ndim - 1,), (1 if transposed else 0,)),
-                                         ((), ())), preferred_element_type=jnp.float32)
+  logits = jax.lax.dot_general(hidden, w, (((hidden.ndim - 1,), (1 if transposed else 0,)),
+                                           ((), ())), preferred_element_type=jnp.float32)
+  if config.final_logit_softcap is not None:
+    cap = float(config.final_logit_softcap)
+    logits = cap * jnp.tanh(logits / cap)
+  return logits
 
 
 def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
@@ -311,7 +321,14 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
 
   Returns:
     ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache).
+
+  Gemma configs run spec_jax.models.gemma.forward (same arguments; their cache is a
+  GemmaKVCache from KVCache.zeros).
   """
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.forward(params, config, tokens, cache, offsets, positions=positions,
+                         tree_mask=tree_mask, return_layers=return_layers)
   b, t = tokens.shape
   offsets = offsets.astype(jnp.int32)
   if positions is None:
@@ -412,9 +429,11 @@ def prepare_params(params, config: ModelConfig, mesh=None):
   Without a mesh: q/k/v and gate/up fused into one matmul each (fuse_layers); on CPU also every
   projection stored [out, in] and the layers unstacked (see unstack_layers). With a mesh the
   canonical weights are kept (their partition table splits whole heads), unstacked on CPU.
-  Already-prepared params are returned unchanged.
+  Already-prepared params are returned unchanged. Gemma configs: gemma.prepare_params.
   """
-  del config
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.prepare_params(params, config, mesh)
   layers = params["layers"]
   if isinstance(layers, (list, tuple)) or "wqkv" in layers or "wqkv_t" in layers:
     return params
@@ -431,7 +450,11 @@ def prepare_params(params, config: ModelConfig, mesh=None):
 # ----------------------------------------------------------------------------- init
 
 def init_params(config: ModelConfig, key) -> dict:
-  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring."""
+  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring
+  (Gemma configs: gemma.init_params's layout)."""
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.init_params(config, key)
   d, f, v, l = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   dtype = jnp.dtype(config.dtype)
