@@ -166,9 +166,12 @@ def replicate(mesh: Optional[Mesh], tree):
 
 def constrain_cache(mesh: Optional[Mesh], cache):
   """KV cache [L, B, S, Hkv, Dh] (or head-major [L, B, Hkv, S, Dh]): rows on "data", kv heads on
-  "model" (when they divide)."""
+  "model" (when they divide). Another cache type (the Gemma KV cache) constrains its own
+  buffers (its constrain)."""
   if mesh is None:
     return cache
+  if hasattr(cache, "constrain"):
+    return cache.constrain(mesh)
   head_axis = 2 if cache.head_major else 3
   heads = MODEL if cache.k.shape[head_axis] % mesh.shape[MODEL] == 0 else None
   spec = (P(None, DATA, heads, None, None) if cache.head_major else

@@ -631,7 +631,10 @@ def move_accepted_kv(cache: KVCache, lengths, path, n_accepted) -> KVCache:
   stacked cache (entries past n_accepted go out of range and are dropped).
 
   cache: KVCache [L, B, S, Hkv, Dh] (or head-major [L, B, Hkv, S, Dh]); lengths int32 [B]
-  (before the round); path int32 [B, D]; n_accepted int32 [B]."""
+  (before the round); path int32 [B, D]; n_accepted int32 [B]. Another cache type (the Gemma
+  KV cache, spec_jax.models.gemma_cache) moves its own buffers (its move_accepted)."""
+  if not isinstance(cache, KVCache):
+    return cache.move_accepted(lengths, path, n_accepted)
   s = cache.capacity
   d = path.shape[1]
   rows = jnp.arange(path.shape[0])[:, None]
