@@ -67,9 +67,11 @@ def norm(x, weight, eps: float, plus_one: bool = False):
 
 
 def activation(config, x):
-  if config.hidden_act == "gelu_tanh":
-    return jax.nn.gelu(x, approximate=True)
-  return jax.nn.silu(x)
+  """GELU (tanh approximation) or SiLU, computed in float32 and rounded once to x's dtype (what
+  PyTorch's bf16 kernels do; a bf16 tanh polynomial would round at every step)."""
+  x32 = x.astype(jnp.float32)
+  y = jax.nn.gelu(x32, approximate=True) if config.hidden_act == "gelu_tanh" else jax.nn.silu(x32)
+  return y.astype(x.dtype)
 
 
 def embed_tokens(params, config, tokens):

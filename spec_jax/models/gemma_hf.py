@@ -168,8 +168,7 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json",
       eos_token_ids=hf._token_ids(getattr(t, "eos_token_id", None)), dtype=dtype,
       hidden_act="gelu_tanh", embed_scale=True, norm_plus_one=not gemma4,
       attention_scale=1.0 if gemma4 else float(_get(t, "query_pre_attn_scalar", 256)) ** -0.5,
-      final_logit_softcap=(None if getattr(t, "final_logit_softcapping", None) is None
-                           else float(t.final_logit_softcapping)),
+      final_logit_softcap=_softcap(top, t),
       layer_types=layer_types, rope_by_type=_rope_by_type(t, source), kv_by_type=kv,
       v_norm=gemma4, k_eq_v=bool(gemma4 and getattr(t, "attention_k_eq_v", False)),
       layer_scalar=gemma4, num_kv_shared_layers=int(_get(t, "num_kv_shared_layers", 0)),
@@ -177,6 +176,16 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json",
       per_layer_input_size=int(_get(t, "hidden_size_per_layer_input", 0)) if gemma4 else 0,
       per_layer_vocab_size=(int(_get(t, "vocab_size_per_layer_input", 0)) if gemma4 and
                             _get(t, "hidden_size_per_layer_input", 0) else 0))
+
+
+def _softcap(top, t) -> Optional[float]:
+  """The final logit soft-cap. transformers' Gemma3ForConditionalGeneration (model_type
+  "gemma3") never applies its text config's final_logit_softcapping (the released Gemma 3
+  configs set none), so neither do we for those checkpoints; every other class does."""
+  cap = getattr(t, "final_logit_softcapping", None)
+  if cap is None or getattr(top, "model_type", None) == "gemma3":
+    return None
+  return float(cap)
 
 
 def read_config(folder: pathlib.Path):
