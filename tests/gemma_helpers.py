@@ -98,7 +98,8 @@ def assistant(target_text_config, seed=1, ordered=True, num_centroids=8, top_k=2
   t = target_text_config
   text = transformers.Gemma4TextConfig(
       vocab_size=t.vocab_size, hidden_size=hidden_size, intermediate_size=32,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=t.head_dim,
+      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      head_dim=t.per_layer_config[t.layer_types.index(SLIDING)].head_dim,
       global_head_dim=t.per_layer_config[t.layer_types.index(FULL)].head_dim,
       sliding_window=t.sliding_window, hidden_size_per_layer_input=0,
       vocab_size_per_layer_input=0, layer_types=[SLIDING, FULL])
