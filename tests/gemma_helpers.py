@@ -92,15 +92,20 @@ def conditional_generation(text_config, seed=0):
 def assistant(target_text_config, seed=1, ordered=True, num_centroids=8, top_k=2,
               hidden_size=16, **randomise_kw):
   """A tiny Gemma4AssistantForCausalLM for a target of this text config: 2 layers (sliding,
-  full) whose head dims match the target's, 4 query heads."""
+  full) whose head dims and kv heads match the target's, 4 query heads."""
   from transformers.models.gemma4_assistant import (Gemma4AssistantConfig,
                                                     Gemma4AssistantForCausalLM)
   t = target_text_config
+  sliding = t.per_layer_config[t.layer_types.index(SLIDING)]
+  full = t.per_layer_config[t.layer_types.index(FULL)]
+  # Its per-type KV shapes are the target's (transformers repeats the target's kv heads by
+  # the assistant's declared group size); k_eq_v carries num_global_key_value_heads.
   text = transformers.Gemma4TextConfig(
       vocab_size=t.vocab_size, hidden_size=hidden_size, intermediate_size=32,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      head_dim=t.per_layer_config[t.layer_types.index(SLIDING)].head_dim,
-      global_head_dim=t.per_layer_config[t.layer_types.index(FULL)].head_dim,
+      num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=sliding.num_key_value_heads, head_dim=sliding.head_dim,
+      global_head_dim=full.head_dim, attention_k_eq_v=True,
+      num_global_key_value_heads=full.num_key_value_heads,
       sliding_window=t.sliding_window, hidden_size_per_layer_input=0,
       vocab_size_per_layer_input=0, layer_types=[SLIDING, FULL])
   cfg = Gemma4AssistantConfig(text_config=text.to_dict(), backbone_hidden_size=t.hidden_size,

@@ -34,22 +34,27 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-  """(torch target, sj target, {ordered: (torch assistant, sj drafter, folder)})."""
-  tc = gh.gemma4_e2b_config()
-  torch_target = gh.causal_lm(tc, seed=2)
-  folder = tmp_path_factory.mktemp("target")
-  torch_target.save_pretrained(folder)
-  target = sj.load(folder)
-  assistants = {}
-  for ordered in (True, False):
-    a_folder = tmp_path_factory.mktemp(f"assistant_{ordered}")
-    gh.assistant(torch_target.config, ordered=ordered, std=0.1).save_pretrained(a_folder)
-    from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
-    torch_assistant = Gemma4AssistantForCausalLM.from_pretrained(
-        a_folder, attn_implementation="eager").eval()
-    assistants[ordered] = (torch_assistant, sj.drafters.load(a_folder, target), a_folder)
-  return torch_target, target, assistants
+def pairs(tmp_path_factory):
+  """target kind -> (torch target, sj target, {ordered: (torch assistant, sj drafter, folder)}):
+  an E2B-like target (the assistant reads the caches of its KV-shared layers' sources) and a
+  dense one (k_eq_v full layers with one kv head: it reads the last layer of each type)."""
+  from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
+  out = {}
+  for kind, tc, seed in (("e2b", gh.gemma4_e2b_config(), 2), ("dense", gh.gemma4_dense_config(), 6)):
+    torch_target = gh.causal_lm(tc, seed=seed)
+    folder = tmp_path_factory.mktemp(f"target_{kind}")
+    torch_target.save_pretrained(folder)
+    target = sj.load(folder)
+    assistants = {}
+    for ordered in (True, False):
+      a_folder = tmp_path_factory.mktemp(f"assistant_{kind}_{ordered}")
+      gh.assistant(torch_target.config, seed=seed + 1, ordered=ordered, std=0.1).save_pretrained(
+          a_folder)
+      torch_assistant = Gemma4AssistantForCausalLM.from_pretrained(
+          a_folder, attn_implementation="eager").eval()
+      assistants[ordered] = (torch_assistant, sj.drafters.load(a_folder, target), a_folder)
+    out[kind] = (torch_target, target, assistants)
+  return out
 
 
 def torch_drafts(torch_target, torch_assistant, toks, steps):
@@ -71,9 +76,10 @@ def torch_drafts(torch_target, torch_assistant, toks, steps):
   return drafts
 
 
+@pytest.mark.parametrize("kind", ["e2b", "dense"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["centroid-head", "full-head"])
-def test_first_and_later_draft_logits_match_transformers(pair, ordered):
-  torch_target, target, assistants = pair
+def test_first_and_later_draft_logits_match_transformers(pairs, kind, ordered):
+  torch_target, target, assistants = pairs[kind]
   torch_assistant, drafter, _ = assistants[ordered]
   assert isinstance(drafter, Gemma4Assistant) and drafter.head.ordered == ordered
   toks = np.random.RandomState(0).randint(3, 64, (2, L)).astype(np.int32)
@@ -94,12 +100,13 @@ def test_first_and_later_draft_logits_match_transformers(pair, ordered):
     else:
       assert finite.all()
     err = float(np.abs(np.where(finite, logits - ref_logits, 0.0)).max())
-    print(f"{'centroid' if ordered else 'full'} head, draft {i + 1}: max abs diff {err:.2e}")
+    print(f"{kind} target, {'centroid' if ordered else 'full'} head, draft {i + 1}: max abs "
+          f"diff {err:.2e}")
     assert err <= ATOL
 
 
-def test_load_refuses_another_vocabulary_or_width(pair, tmp_path):
-  _, target, assistants = pair
+def test_load_refuses_another_vocabulary_or_width(pairs, tmp_path):
+  _, target, assistants = pairs["e2b"]
   folder = assistants[True][2]
   for changes, match in ((dict(vocab_size=32, vocab_size_per_layer_input=32), "vocabulary"),
                          (dict(hidden_size=48), "backbone_hidden_size")):

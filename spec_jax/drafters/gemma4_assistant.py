@@ -98,10 +98,10 @@ def check_pair(decoder_config, head: AssistantHead, target_config) -> None:
   target_layout = gemma_layout.layout(target_config)
   for plan in gemma_layout.layout(decoder_config).layers:
     store = target_layout.store_layer(plan.layer_type)
-    if store.head_dim != plan.head_dim or decoder_config.num_heads % store.num_kv_heads:
+    if (store.num_kv_heads, store.head_dim) != (plan.num_kv_heads, plan.head_dim):
       raise ValueError(
-          f"assistant layer {plan.index} ({plan.layer_type}) has {decoder_config.num_heads} "
-          f"query heads of dim {plan.head_dim}; the target's {plan.layer_type} cache has "
+          f"assistant layer {plan.index} ({plan.layer_type}) reads {plan.num_kv_heads} kv heads "
+          f"of dim {plan.head_dim}; the target's {plan.layer_type} cache has "
           f"{store.num_kv_heads} kv heads of dim {store.head_dim}")
 
 
