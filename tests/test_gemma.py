@@ -129,6 +129,24 @@ def test_speculative_greedy_chains_and_trees_equal_plain_greedy(models):
   assert tree.tokens == plain
 
 
+def test_feature_head_drafters_on_a_gemma_target_equal_plain_greedy(models):
+  """EAGLE, EAGLE-3 and MTP heads (a llama-style layer of their own, the target's embedding and
+  soft-capped LM head, its hidden states) and Medusa draft for a Gemma target; chains and
+  trees leave greedy output unchanged."""
+  _, model, _ = models["gemma4-e2b-causal"]
+  prompts = [tokens(1, 6, seed=11)[0].tolist(), tokens(1, 9, seed=12)[0].tolist()]
+  kw = dict(max_new_tokens=12, sampling=sj.Sampling(0.0), stop_tokens=[])
+  plain = sj.generate(model, prompts, **kw).tokens
+  for drafter in (sj.drafters.EAGLE.init(model, jax.random.key(0)),
+                  sj.drafters.EAGLE3.init(model, jax.random.key(1)),
+                  sj.drafters.MTP.init(model, jax.random.key(2)),
+                  sj.drafters.Medusa.init(model, num_heads=2, key=jax.random.key(3))):
+    assert sj.generate(model, prompts, drafter=drafter, num_draft=2, **kw).tokens == plain
+    if drafter.supports_tree:
+      tree = sj.generate(model, prompts, drafter=drafter, tree=sj.TreeSpec(2, 2, 4), **kw)
+      assert tree.tokens == plain, type(drafter).__name__
+
+
 def test_tree_forward_past_the_window_equals_each_path_alone(models):
   """Tree nodes sit at cache slots past their RoPE positions; the sliding window must count
   positions (a node at depth 2 and index 3 sees one prefix key more than its slot says)."""

@@ -184,6 +184,23 @@ def rope_inv_freq(config, layer_type: str) -> np.ndarray:
   return inv.astype(np.float32)
 
 
+def llama_view(config):
+  """A llama-family ModelConfig with a Gemma config's sizes: the width, vocabulary and query
+  heads, the first layer type's KV shape and RoPE theta (its linear scaling kept), no window.
+  What draft heads whose own layer is llama-style (EAGLE, EAGLE-3, MTP: feature_head.
+  head_layer_config) build on for a Gemma target."""
+  import dataclasses as dc
+  from spec_jax.models.config import _GEMMA_ONLY
+  first = config.layer_types[0]
+  theta, scaling = {t: (th, dict(sc or ())) for t, th, sc in config.rope_by_type}[first]
+  heads, dh = {t: (h, d) for t, h, d in config.kv_by_type}[first]
+  rope_scaling = (tuple(sorted(scaling.items())) if scaling.get("rope_type") == "linear"
+                  else None)
+  return dc.replace(config, model_type="llama", num_kv_heads=heads, head_dim=dh,
+                    rope_theta=float(theta), rope_scaling=rope_scaling, sliding_window=None,
+                    **_GEMMA_ONLY)
+
+
 def num_params(config) -> int:
   """Parameter count of a Gemma config (embedding counted once when tied)."""
   c = config
