@@ -228,3 +228,34 @@ def test_sampled_drafts_are_exactly_lossless_and_the_floor_shortcut_is_not():
   stat, dof = chi_square(counts, joint)
   print(f"floor-value shortcut: chi-square {stat:.1f} vs critical {chi2_critical(dof, 1e-3):.1f}")
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+@pytest.mark.slow   # two CLI runs with their compiles (~1-2 min on the shared CPU)
+def test_documented_generate_and_eval_commands_run_with_an_assistant(tmp_path, capsys):
+  """docs/gemma.md's commands (`python -m spec_jax generate --drafter heads:ASSISTANT` and
+  `python -m spec_jax.eval ... --drafter heads:ASSISTANT`) on a tiny Gemma 4 pair that carries
+  a real tokenizer (tinystories656K's, 2048 pieces, copied beside the weights)."""
+  from tests.conftest import need_shared
+  from spec_jax.__main__ import main
+  tok_dir = need_shared("models", "tinystories656K")
+  need_shared("data", "prompts", "mt_bench.jsonl")
+  tc = gh.gemma4_e2b_config(vocab_size=2048, vocab_size_per_layer_input=2048, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0)
+  torch_target = gh.causal_lm(tc, seed=7)
+  torch_target.save_pretrained(tmp_path / "target")
+  for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    (tmp_path / "target" / name).write_bytes((tok_dir / name).read_bytes())
+  gh.assistant(torch_target.config, num_centroids=16, top_k=4).save_pretrained(
+      tmp_path / "assistant")
+  target, assistant = str(tmp_path / "target"), "heads:" + str(tmp_path / "assistant")
+  assert main(["generate", "--model", target, "--drafter", assistant, "--num-draft", "3",
+               "--max-new-tokens", "8", "--prompt", "Once upon a time"]) == 0
+  printed = capsys.readouterr().out
+  assert printed.startswith("Once upon a time") and "alpha=" in printed, printed
+  out = tmp_path / "eval"
+  assert main(["eval", "--target", target, "--drafter", assistant, "--prompts", "mt_bench",
+               "--limit-per-category", "1", "--max-new-tokens", "8", "--batch", "1",
+               "--out", str(out), "--no-progress"]) == 0
+  assert (out / "results.json").is_file() and (out / "report.md").is_file()
