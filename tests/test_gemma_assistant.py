@@ -190,10 +190,10 @@ def exact_joint(model, prompt, sampling):
   return joint / joint.sum()
 
 
-def sample_joint(target, drafter, seed):
+def sample_joint(target, drafter, seed, tree=None):
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=3,
                     sampling=sj.Sampling(temperature=1.0), key=jax.random.key(seed),
-                    stop_tokens=[], capacity=16)
+                    stop_tokens=[], capacity=16, tree=tree)
   toks = np.asarray(out.tokens)
   counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
   return counts, out.stats
@@ -213,8 +213,10 @@ class FloorShortcut(Gemma4Assistant):
     return jnp.argmax(logits, -1).astype(jnp.int32), q
 
 
-@pytest.mark.slow   # two 40k-row generates (~1 min on the shared 2-core CPU)
+@pytest.mark.slow   # three 40k-row generates (~2 min on the shared 2-core CPU)
 def test_sampled_drafts_are_exactly_lossless_and_the_floor_shortcut_is_not():
+  """Sampled chain drafts and a top-k tree at T = 1: the exact target joint (p > 1e-3); the
+  floor-value shortcut: far outside it."""
   target, drafter = small_pair()
   joint = exact_joint(target, PROMPT, sj.Sampling(temperature=1.0))
   counts, stats = sample_joint(target, drafter, seed=0)
@@ -222,6 +224,10 @@ def test_sampled_drafts_are_exactly_lossless_and_the_floor_shortcut_is_not():
   stat, dof, p_value = assert_same_distribution(counts, joint, alpha=1e-3)
   print(f"assistant, sampled drafts at T=1: chi-square {stat:.1f} (dof {dof}), p = {p_value:.3f}, "
         f"acceptance {stats.acceptance_rate:.2f}")
+  counts, stats = sample_joint(target, drafter, seed=1, tree=sj.TreeSpec(2, 2, 4))
+  stat, dof, p_value = assert_same_distribution(counts, joint, alpha=1e-3)
+  print(f"assistant, top-k tree (2, 2, 4) at T=1: chi-square {stat:.1f} (dof {dof}), "
+        f"p = {p_value:.3f}, tau {stats.mean_accepted_length:.2f}")
   shortcut = FloorShortcut(drafter.params, drafter.decoder_config, drafter.head,
                            drafter.target_config)
   counts, _ = sample_joint(target, shortcut, seed=0)

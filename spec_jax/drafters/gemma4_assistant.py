@@ -224,10 +224,16 @@ class Gemma4Assistant(Drafter):
 
   def _last_token(self, ctx: DraftContext):
     """The last committed token [B, 1] (the first draft step's input)."""
-    if ctx.target_cache is None:
-      raise ValueError("the Gemma 4 assistant attends to the target's KV cache: "
-                       "DraftContext.target_cache must be set")
     return jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
+
+  def _target_cache(self, ctx: DraftContext):
+    """ctx.target_cache; a caller without one (the bench's drafter timers) gets an all-zero
+    cache of the target's shape: the same cost, drafts that mean nothing (still lossless)."""
+    if ctx.target_cache is not None:
+      return ctx.target_cache
+    from spec_jax.models.gemma_cache import GemmaKVCache
+    b, s = ctx.tokens.shape
+    return GemmaKVCache.zeros(self.target_config, b, s)
 
   def propose(self, params, state: AssistantState, ctx: DraftContext):
     k = ctx.num_draft
@@ -235,8 +241,8 @@ class Gemma4Assistant(Drafter):
     tok = self._last_token(ctx)
     keys = jax.random.split(ctx.key, k)
     b = tok.shape[0]
-    run = lambda tok, h: self.step(params, ctx.target_params, ctx.target_cache, ctx.lengths,
-                                   tok, h)
+    cache = self._target_cache(ctx)
+    run = lambda tok, h: self.step(params, ctx.target_params, cache, ctx.lengths, tok, h)
 
     def one(i, tok, h):
       logits, h = run(tok, h)
@@ -270,8 +276,8 @@ class Gemma4Assistant(Drafter):
   def propose_tree(self, params, state: AssistantState, ctx: DraftContext, spec):
     """EAGLE-2's dynamic tree over the assistant's candidates (module docstring)."""
     last = self._last_token(ctx)
-    run = lambda tok, h: self.step(params, ctx.target_params, ctx.target_cache, ctx.lengths,
-                                   tok, h)
+    cache = self._target_cache(ctx)
+    run = lambda tok, h: self.step(params, ctx.target_params, cache, ctx.lengths, tok, h)
     h0 = state.h[:, None].astype(jnp.dtype(self.decoder_config.dtype))
     root_logits, h_root = run(last, h0)                      # [B,1,V], [B,1,D]
 
