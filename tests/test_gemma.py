@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import spec_jax as sj
-from spec_jax.models import gemma_hf, gemma_layout
+from spec_jax.models import gemma_hf, gemma_layout, hf_export
 from spec_jax.models.gemma_cache import GemmaKVCache
 from tests import gemma_helpers as gh
 
@@ -34,6 +34,9 @@ CASES = {
     "gemma3-conditional": lambda: gh.conditional_generation(gh.gemma3_text_config(), seed=3),
     "gemma4-dense-conditional": lambda: gh.conditional_generation(gh.gemma4_dense_config()),
     "gemma4-e2b-causal": lambda: gh.causal_lm(gh.gemma4_e2b_config(), seed=2),
+    "gemma4-untied-causal": lambda: gh.causal_lm(gh.gemma4_dense_config(
+        tie_word_embeddings=False, attention_k_eq_v=False, num_global_key_value_heads=None),
+        seed=4),
 }
 _forward = jax.jit(sj.forward, static_argnums=1)
 
@@ -64,7 +67,9 @@ def test_logits_match_transformers_on_every_position(models, case):
   torch_model, model, _ = models[case]
   cfg = model.config
   assert cfg.model_type == ("gemma3" if case.startswith("gemma3") else "gemma4")
-  assert cfg.dtype == "float32" and cfg.tie_embeddings and "sliding_attention" in cfg.layer_types
+  assert cfg.dtype == "float32" and "sliding_attention" in cfg.layer_types
+  assert cfg.tie_embeddings == ("untied" not in case) and ("lm_head" in model.params) != \
+      cfg.tie_embeddings
   toks = tokens()
   ref = torch_logits(torch_model, toks)
   cache = sj.KVCache.zeros(cfg, 2, 16)
@@ -271,6 +276,10 @@ def test_unsupported_gemma_configs_raise_one_line_value_errors(models, tmp_path)
   bad_rope = tuple((t, th, (("rope_type", "yarn"),)) for t, th, _ in model.config.rope_by_type)
   with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
     model.config.replace(rope_by_type=bad_rope)
+  with pytest.raises(ValueError, match="save_hf writes llama-family folders"):
+    hf_export.save_hf(model, tmp_path / "out")
+  with pytest.raises(ValueError, match="widen: gemma4 models are not supported"):
+    sj.models.widen(model, 64, 96, 6)
   with pytest.raises(ValueError, match="apply to model_type gemma3 / gemma4 only"):
     sj.ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
                    num_heads=1, num_kv_heads=1, layer_types=("full_attention",))
