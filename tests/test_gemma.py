@@ -132,6 +132,10 @@ def test_speculative_greedy_chains_and_trees_equal_plain_greedy(models):
   assert chain.tokens == plain and chain.stats.acceptance_rate == 1.0
   tree = sj.generate(model, prompts, drafter=sj.drafters.NGram(), tree=sj.TreeSpec(3, 2, 6), **kw)
   assert tree.tokens == plain
+  # The draft model's own trees: positions and a wide tree mask over its cache, past the window.
+  draft_tree = sj.generate(model, prompts, drafter=draft, tree=sj.TreeSpec(3, 2, 6), **kw)
+  assert draft_tree.tokens == plain and draft_tree.stats.mean_accepted_length > 2.0, \
+      draft_tree.stats.summary()
 
 
 def test_feature_head_drafters_on_a_gemma_target_equal_plain_greedy(models):
@@ -152,27 +156,36 @@ def test_feature_head_drafters_on_a_gemma_target_equal_plain_greedy(models):
       assert tree.tokens == plain, type(drafter).__name__
 
 
-def test_tree_forward_past_the_window_equals_each_path_alone(models):
+@pytest.mark.parametrize("case", ["gemma3-causal", "gemma4-e2b-causal"])
+def test_tree_forward_past_the_window_equals_each_path_alone(models, case):
   """Tree nodes sit at cache slots past their RoPE positions; the sliding window must count
-  positions (a node at depth 2 and index 3 sees one prefix key more than its slot says)."""
-  _, model, _ = models["gemma3-causal"]
+  positions (a node at depth 2 and index 3 sees one prefix key more than its slot says).
+  Stage 1: tokens [r, a, b, c] (a, b <- r; c <- a) with the square ancestor mask; stage 2 (a
+  draft model's next frontier): [d, e] (d <- c, e <- b) at the following slots, with a wide
+  mask over the last 6 cache entries. Every node's logits == its path forwarded alone."""
+  _, model, _ = models[case]
   cfg = model.config
   prefix = tokens(1, 9, seed=8)[0].tolist()
-  tree = [11, 12, 13, 14]                   # r; a <- r; b <- r; c <- a
-  parent, depth = [-1, 0, 0, 1], np.asarray([0, 1, 1, 2], np.int32)
-  mask = np.zeros((4, 4), bool)
-  for i in range(4):
+  tree = [11, 12, 13, 14, 15, 16]
+  parent = [-1, 0, 0, 1, 3, 2]
+  depth = np.asarray([0, 1, 1, 2, 3, 2], np.int32)
+  mask = np.zeros((6, 6), bool)
+  for i in range(6):
     j = i
     while j >= 0:
       mask[i, j], j = True, parent[j]
-  cache = sj.KVCache.zeros(cfg, 1, 32)
-  pre = _forward(model.params, cfg, jnp.asarray([prefix], jnp.int32), cache,
-                 jnp.zeros(1, jnp.int32))
+  fwd = jax.jit(sj.forward, static_argnums=1)
   n = len(prefix)
-  out = jax.jit(sj.forward, static_argnums=1)(
-      model.params, cfg, jnp.asarray([tree], jnp.int32), pre.cache, jnp.asarray([n], jnp.int32),
-      positions=jnp.asarray([n + depth]), tree_mask=jnp.asarray(mask[None]))
-  for node in range(4):
+  pre = _forward(model.params, cfg, jnp.asarray([prefix], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
+                 jnp.zeros(1, jnp.int32))
+  first = fwd(model.params, cfg, jnp.asarray([tree[:4]], jnp.int32), pre.cache,
+              jnp.asarray([n], jnp.int32), positions=jnp.asarray([n + depth[:4]]),
+              tree_mask=jnp.asarray(mask[None, :4, :4]))
+  second = fwd(model.params, cfg, jnp.asarray([tree[4:]], jnp.int32), first.cache,
+               jnp.asarray([n + 4], jnp.int32), positions=jnp.asarray([n + depth[4:]]),
+               tree_mask=jnp.asarray(mask[None, 4:, :]))
+  got = np.concatenate([np.asarray(first.logits[0]), np.asarray(second.logits[0])])
+  for node in range(6):
     path, j = [], node
     while j >= 0:
       path.insert(0, tree[j])
@@ -180,7 +193,7 @@ def test_tree_forward_past_the_window_equals_each_path_alone(models):
     seq = prefix + path
     full = _forward(model.params, cfg, jnp.asarray([seq], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
                     jnp.zeros(1, jnp.int32)).logits[0, len(seq) - 1]
-    np.testing.assert_allclose(np.asarray(out.logits[0, node]), np.asarray(full), atol=1e-5)
+    np.testing.assert_allclose(got[node], np.asarray(full), atol=1e-5, err_msg=f"node {node}")
 
 
 def test_pallas_attention_matches_the_reference():
@@ -324,14 +337,16 @@ def test_move_accepted_moves_every_buffer_like_tree_move_accepted_kv(models):
 # ----------------------------------------------------------------------------- the mesh
 
 MESH_SCRIPT = textwrap.dedent("""
-    import jax, numpy as np
+    import sys, tempfile, jax
     import spec_jax as sj
-    from spec_jax.models import gemma_hf
     from tests import gemma_helpers as gh
     assert jax.device_count() == 8
-    cfg = gemma_hf.config_from_hf(gh.gemma4_e2b_config())
-    target = sj.init_model(cfg, jax.random.key(1))
-    target.params["embed"] = target.params["embed"] * 20
+    root = tempfile.mkdtemp()
+    torch_target = gh.causal_lm(gh.gemma4_e2b_config(), seed=2)
+    torch_target.save_pretrained(root + "/target")
+    gh.assistant(torch_target.config).save_pretrained(root + "/assistant")
+    target = sj.load(root + "/target")
+    assistant = sj.drafters.load(root + "/assistant", target)
     prompts = [[5, 7, 9, 5, 7, 3], [9, 3], [4, 5, 6, 7, 8], [9, 9, 9], [4, 4, 4, 2, 1, 4, 4, 6],
                [3], [6, 6, 6], [2, 2, 2, 2, 2, 2, 2, 2, 2, 3]]
     mesh = jax.make_mesh((4, 2), ("data", "model"))
@@ -339,8 +354,12 @@ MESH_SCRIPT = textwrap.dedent("""
     one = sj.generate(target, prompts, **kw)
     many = sj.generate(target, prompts, mesh=mesh, **kw)
     assert many.tokens == one.tokens, (many.tokens, one.tokens)
-    spec = sj.generate(target, prompts, drafter=sj.drafters.NGram(), num_draft=3, mesh=mesh, **kw)
-    assert spec.tokens == one.tokens
+    for drafter in (sj.drafters.NGram(), assistant):
+      spec = sj.generate(target, prompts, drafter=drafter, num_draft=3, mesh=mesh, **kw)
+      assert spec.tokens == one.tokens, type(drafter).__name__
+    tree = sj.generate(target, prompts, drafter=assistant, tree=sj.TreeSpec(2, 2, 4), mesh=mesh,
+                       **kw)
+    assert tree.tokens == one.tokens
     print("MESH OK")
 """)
 
