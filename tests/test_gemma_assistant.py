@@ -176,6 +176,34 @@ def test_greedy_speculation_with_the_assistant_equals_plain_greedy():
   assert governed.tokens == plain
 
 
+def test_rolled_proposals_equal_unrolled_ones():
+  """DraftContext.rolled (the K-1 later steps as a fori_loop) proposes the same drafts and q,
+  sampled and greedy; the first draft is the assistant step on the target's cache."""
+  from spec_jax.drafters.base import DraftContext
+  from spec_jax.drafters.gemma4_assistant import AssistantState
+  target, drafter = small_pair()
+  toks = jnp.asarray(np.random.RandomState(3).randint(0, V, (2, 16)), jnp.int32)
+  lengths = jnp.asarray([7, 12], jnp.int32)
+  pre = sj.forward(target.params, target.config, toks, sj.KVCache.zeros(target.config, 2, 16),
+                   jnp.zeros(2, jnp.int32))
+  state = AssistantState(h=jnp.take_along_axis(pre.hidden, (lengths - 2)[:, None, None], 1)[:, 0])
+  for greedy in (False, True):
+    out = {}
+    for rolled in (False, True):
+      ctx = DraftContext(key=jax.random.key(4), tokens=toks, lengths=lengths,
+                         sampling=sj.Sampling(1.0).as_arrays(2), target_params=target.params,
+                         num_draft=4, greedy=greedy, rolled=rolled, target_cache=pre.cache)
+      out[rolled] = jax.jit(lambda: drafter.propose(drafter.params, state, ctx))()
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    if not greedy:
+      np.testing.assert_allclose(out[True][1], out[False][1], atol=1e-6)
+      assert (np.asarray(out[True][1]) == 0).sum(-1).min() == V // 2   # 2 of 4 centroids kept
+  last = jnp.take_along_axis(toks, (lengths - 1)[:, None], 1)
+  logits, _ = drafter.step(drafter.params, target.params, pre.cache, lengths, last,
+                           state.h[:, None])
+  np.testing.assert_array_equal(out[False][0][:, 0], np.argmax(logits[:, 0], -1))
+
+
 def exact_joint(model, prompt, sampling):
   """P(x1, x2, x3) [V, V, V] of plain sampling (one forward over every prompt + x1 x2)."""
   seqs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)
