@@ -32,6 +32,7 @@ DATA, MODEL = "data", "model"
 _MODEL_AXIS = {
     "wq": -1, "wk": -1, "wv": -1, "bq": -1, "bk": -1, "bv": -1, "wo": -2,
     "w_gate": -1, "w_up": -1, "w_down": -2, "embed": -2, "lm_head": -1,
+    "embed_per_layer": -2,          # Gemma 4 per-layer embeddings [V, L*P]: split like embed
 }
 
 

@@ -42,8 +42,8 @@ from typing import Optional, Sequence
 import jax
 
 from spec_jax import sharding
-from spec_jax.models import cache as cache_lib
-from spec_jax.models.cache import KVCache
+from spec_jax.models import cache as cache_lib, gemma
+from spec_jax.models.cache import GemmaKVCache, KVCache
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.layout import prepare_params
 from spec_jax.models.transformer import forward
@@ -69,7 +69,18 @@ class Target:
     raise NotImplementedError
 
   def check_cache(self, cache, batch: int, capacity: int) -> None:
-    """Raises ValueError unless `cache` is a cache for (batch, capacity) (decode's cache=)."""
+    """Raises ValueError unless `cache` is a cache for (batch, capacity) (decode's cache=):
+    by default, init_cache's pytree structure, shapes and dtypes."""
+    want = jax.eval_shape(lambda: self.init_cache(batch, capacity))
+    got_leaves, got_def = jax.tree.flatten(cache)
+    want_leaves, want_def = jax.tree.flatten(want)
+    same = got_def == want_def and all(
+        tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype
+        for g, w in zip(got_leaves, want_leaves))
+    if not same:
+      shapes = lambda leaves: [tuple(x.shape) for x in leaves]
+      raise ValueError(f"cache must be {type(self).__name__}.init_cache({batch}, {capacity}): "
+                       f"leaves {shapes(want_leaves)}, got {shapes(got_leaves)}")
 
   def prepare(self, params, mesh=None):
     """Loop-invariant work on the params, inside the jit, once per decode call before the loop
@@ -97,8 +108,8 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTarget(Target):
-  """spec_jax.models' transformers as a Target: one per ModelConfig (equal configs, equal
-  targets: one compile)."""
+  """spec_jax.models' llama-family transformers as a Target: one per ModelConfig (equal configs,
+  equal targets: one compile). as_target gives the Gemma families their own (GemmaTarget)."""
   config: ModelConfig
   tree_capable: bool = True
 
@@ -118,6 +129,9 @@ class ModelTarget(Target):
     return KVCache.zeros(self.config, batch, capacity)
 
   def check_cache(self, cache, batch, capacity):
+    if not isinstance(cache, KVCache):
+      raise ValueError(f"cache must be an sj.KVCache (sj.KVCache.zeros(config, B, capacity)), "
+                       f"got {type(cache).__name__}")
     want = jax.eval_shape(lambda: KVCache.zeros(self.config, batch, capacity,
                                                 head_major=cache.head_major))
     if cache.k.shape != want.k.shape or cache.v.shape != want.k.shape:
@@ -140,18 +154,47 @@ class ModelTarget(Target):
     return sharding.constrain_cache(mesh, cache)
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmaTarget(ModelTarget):
+  """spec_jax.models' Gemma 3 / Gemma 4 transformers (spec_jax.models.gemma) as a Target: their
+  own forward, and a cache with one buffer per attention type (GemmaKVCache: the layers differ
+  in KV shape; KV-shared layers have none)."""
+
+  def init_cache(self, batch, capacity):
+    return GemmaKVCache.zeros(self.config, batch, capacity)
+
+  def check_cache(self, cache, batch, capacity):
+    Target.check_cache(self, cache, batch, capacity)
+
+  def prepare(self, params, mesh=None):
+    return gemma.prepare_params(params, self.config, mesh)
+
+  def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
+              return_layers=()):
+    return gemma.forward(params, self.config, tokens, cache, offsets, positions=positions,
+                         tree_mask=tree_mask, return_layers=return_layers)
+
+  def move_kv(self, cache, lengths, path, n_accepted):
+    return cache.move_accepted(lengths, path, n_accepted)
+
+  def constrain_cache(self, mesh, cache):
+    return cache if mesh is None else cache.constrain(mesh)
+
+
 def as_target(config) -> Target:
-  """A Target for decode's `config=`: a Target as it is, a ModelConfig wrapped in ModelTarget;
-  ValueError otherwise."""
+  """A Target for decode's `config=`: a Target as it is, a ModelConfig wrapped in ModelTarget
+  (GemmaTarget for the Gemma families); ValueError otherwise."""
   if isinstance(config, Target):
     return config
   if isinstance(config, ModelConfig):
-    return ModelTarget(config)
+    return GemmaTarget(config) if config.is_gemma else ModelTarget(config)
   raise ValueError(f"config must be a spec_jax ModelConfig or a spec_jax.Target (the target "
                    f"protocol, spec_jax.decoding.target), got {type(config).__name__}")
 
 
 def model_config(target: Target) -> Optional[ModelConfig]:
-  """The ModelConfig behind a ModelTarget, None for other targets (what host-side helpers that
-  know spec_jax.models, like the CPU execution-layout cache, ask)."""
-  return target.config if isinstance(target, ModelTarget) else None
+  """The ModelConfig behind a (llama-family) ModelTarget, None for other targets (what host-side
+  helpers that know that family's layout, like the CPU execution-layout cache, ask)."""
+  if isinstance(target, ModelTarget) and not isinstance(target, GemmaTarget):
+    return target.config
+  return None

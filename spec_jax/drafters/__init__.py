@@ -4,6 +4,7 @@ from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInf
 from spec_jax.drafters.draft_model import DraftModel
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.eagle3_format import export
+from spec_jax.drafters.gemma4_assistant import Gemma4Assistant
 from spec_jax.drafters.heads_io import HEAD_KINDS, load
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
@@ -11,4 +12,4 @@ from spec_jax.drafters.ngram import NGram
 from spec_jax.drafters.widening import widen_heads
 
 __all__ = ["Drafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel", "NGram",
-           "Medusa", "EAGLE", "EAGLE3", "EAGLE3Fused", "MTP", "HEAD_KINDS", "load", "export", "widen_heads"]
+           "Medusa", "Gemma4Assistant", "EAGLE", "EAGLE3", "EAGLE3Fused", "MTP", "HEAD_KINDS", "load", "export", "widen_heads"]

@@ -55,9 +55,9 @@ import numpy as np
 from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import (_attention, _mlp, _out_projection, _qkv_projections,
-                                         _write_rows, apply_rope, embed, rms_norm, rope_inv_freq,
-                                         rope_tables)
+from spec_jax.models.blocks import (_attention, _mlp, _out_projection, _qkv_projections,
+                                    apply_rope, embed, rms_norm, rope_inv_freq, rope_tables)
+from spec_jax.models.cache import write_rows as _write_rows
 
 
 def _eye_block(d, parts, which, scale=1.0):

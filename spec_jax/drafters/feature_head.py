@@ -62,8 +62,9 @@ from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.transformer import (apply_rope, decoder_layer, default_head_major, embed,
-                                         lm_head, rms_norm, rope_inv_freq)
+from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
+from spec_jax.models.cache import default_head_major
+from spec_jax.models.transformer import decoder_layer
 
 KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
@@ -80,8 +81,12 @@ class FeatureHeadState:
 def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[int] = None,
                       num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
                       copy_attention_flags: bool = False) -> ModelConfig:
-  """The head's one-layer ModelConfig (float32): the target's width and RoPE, its own MLP."""
+  """The head's one-layer ModelConfig (float32): the target's width and RoPE, its own MLP (a
+  llama-style layer also for Gemma targets: gemma_layout.llama_view)."""
   c = target_config
+  if c.is_gemma:
+    from spec_jax.models.gemma_layout import llama_view
+    c = llama_view(c)
   heads = num_heads or c.num_heads
   kv = num_kv_heads or (c.num_kv_heads if heads == c.num_heads else heads)
   return c.replace(

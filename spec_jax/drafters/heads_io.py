@@ -11,7 +11,8 @@ A saved head is a folder:
 that says what differs (the config, and which fields, or the weights). `load` on a public
 EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
 (`spec_jax.drafters.eagle3_format`); on a Hugging Face folder whose checkpoint carries MTP
-weights, that native MTP head.
+weights, that native MTP head; on a Gemma 4 assistant folder, that drafter
+(`spec_jax.drafters.gemma4_assistant`).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def load(path, target, greedy_drafts: bool = False):
   `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
   `heads/`; or a public EAGLE-3 folder (config.json with architectures
   ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a Hugging Face folder
-  whose checkpoint carries MTP weights (its native head).
+  whose checkpoint carries MTP weights (its native head); or a Gemma 4 assistant folder
+  (model_type "gemma4_assistant", spec_jax.drafters.gemma4_assistant).
   Raises ValueError when `target` differs from the model the heads were trained on.
   """
   import orbax.checkpoint as ocp
@@ -166,7 +168,9 @@ def load(path, target, greedy_drafts: bool = False):
     path = path / "heads"
   if not (path / META).is_file():
     if (path / "config.json").is_file():
-      from spec_jax.drafters import eagle3_format
+      from spec_jax.drafters import eagle3_format, gemma4_assistant_hf
+      if gemma4_assistant_hf.is_assistant_folder(path):
+        return gemma4_assistant_hf.load(path, target, greedy_drafts=greedy_drafts)
       if eagle3_format.is_eagle3_folder(path):
         return eagle3_format.load_eagle3(path, target, greedy_drafts=greedy_drafts)
       return _load_native_mtp(path, target, greedy_drafts)

@@ -3,6 +3,11 @@
 One config covers the llama, mistral, qwen2 and qwen3 families: they differ only in
 grouped-query attention sizes, RoPE scaling, q/k RMSNorm (qwen3), qkv bias (qwen2),
 the optional sliding window (mistral) and whether the LM head is tied to the embedding.
+
+Gemma 3 and Gemma 4 (model_type "gemma3" / "gemma4", run by spec_jax.models.gemma) add a
+per-layer pattern of attention types with per-type RoPE and KV shapes, sandwich norms, GeGLU,
+logit soft-capping, KV sharing and per-layer embeddings: the fields after `num_mtp_layers`.
+They keep their defaults (the llama-family math) for every other model_type.
 """
 
 from __future__ import annotations
@@ -10,8 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_MODEL_TYPES = ("gemma3", "gemma4")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + GEMMA_MODEL_TYPES
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
+from spec_jax.models.gemma_layout import (GEMMA_ONLY as _GEMMA_ONLY, check_gemma_config,
+                                          num_params as gemma_num_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,26 @@ class ModelConfig:
     attention_impl: how decode/verify attention runs: "auto" (Pallas kernel on GPU/TPU, the
       jnp reference on CPU), "reference", or "pallas" (interpret mode on CPU).
     num_mtp_layers: native multi-token-prediction modules carried by the checkpoint.
+
+  Gemma fields (model_type "gemma3" / "gemma4" only; spec_jax.models.gemma_layout reads them):
+    hidden_act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh GELU).
+    embed_scale: the embedding is multiplied by sqrt(hidden_size), the scale cast to `dtype`.
+    norm_plus_one: every RMSNorm is x_hat * (1 + w) (Gemma 3) rather than x_hat * w.
+    attention_scale: the softmax scale of q.k (None: head_dim ** -0.5).
+    final_logit_softcap: None, or c: logits -> c * tanh(logits / c).
+    layer_types: per layer "sliding_attention" (window `sliding_window`) or "full_attention".
+    rope_by_type: ((layer_type, rope_theta, rope_scaling items or None), ...): each type's RoPE
+      (rope_scaling kinds: default, linear, proportional with partial_rotary_factor).
+    kv_by_type: ((layer_type, num_kv_heads, head_dim), ...): each type's KV shape (Gemma 4's
+      global_head_dim / num_global_key_value_heads on full layers); num_heads is shared.
+    v_norm: values go through an RMSNorm without weight (Gemma 4).
+    k_eq_v: full-attention layers use k_proj's output as V too (attention_k_eq_v).
+    layer_scalar: each layer's output is multiplied by its learned scalar (Gemma 4).
+    num_kv_shared_layers: the last N layers have no K/V of their own: they attend to the cache
+      of the last earlier non-shared layer of their type.
+    double_wide_mlp: the KV-shared layers' MLP is 2 * intermediate_size wide.
+    per_layer_input_size: the per-layer-embedding (PLE) width (0: no PLE).
+    per_layer_vocab_size: the PLE table's vocabulary.
   """
 
   vocab_size: int
@@ -65,6 +93,21 @@ class ModelConfig:
   dtype: str = "float32"
   attention_impl: str = "auto"
   num_mtp_layers: int = 0
+  hidden_act: str = "silu"
+  embed_scale: bool = False
+  norm_plus_one: bool = False
+  attention_scale: Optional[float] = None
+  final_logit_softcap: Optional[float] = None
+  layer_types: Optional[tuple] = None
+  rope_by_type: Optional[tuple] = None
+  kv_by_type: Optional[tuple] = None
+  v_norm: bool = False
+  k_eq_v: bool = False
+  layer_scalar: bool = False
+  num_kv_shared_layers: int = 0
+  double_wide_mlp: bool = False
+  per_layer_input_size: int = 0
+  per_layer_vocab_size: int = 0
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -87,6 +130,18 @@ class ModelConfig:
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
     object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+    if self.is_gemma:
+      check_gemma_config(self)
+    else:
+      changed = [k for k, v in _GEMMA_ONLY.items() if getattr(self, k) != v]
+      if changed:
+        raise ValueError(f"ModelConfig fields {', '.join(changed)} apply to model_type "
+                         f"{' / '.join(GEMMA_MODEL_TYPES)} only, not {self.model_type!r}")
+
+  @property
+  def is_gemma(self) -> bool:
+    """Gemma 3 / Gemma 4: run by spec_jax.models.gemma (per-layer KV shapes, its own cache)."""
+    return self.model_type in GEMMA_MODEL_TYPES
 
   @property
   def rope_scaling_dict(self) -> dict:
@@ -94,6 +149,8 @@ class ModelConfig:
 
   @property
   def num_params(self) -> int:
+    if self.is_gemma:
+      return gemma_num_params(self)
     d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
     hq, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
     per_layer = d * dh * (hq + 2 * hkv) + hq * dh * d + 3 * d * f + 2 * d

@@ -33,7 +33,11 @@ from typing import Any, Optional
 
 import numpy as np
 
+from spec_jax.models import gemma_hf
 from spec_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from spec_jax.models.hf_files import (TensorFile as _TensorFile, checkpoint_dtype as _checkpoint_dtype,
+                                      generation_eos as _generation_eos, np_dtype as _np_dtype,
+                                      tensor_files, token_ids as _token_ids)
 from spec_jax.models.transformer import expected_shapes
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -133,17 +137,12 @@ def _sliding_window(cfg, model_type: str, num_layers: int) -> Optional[int]:
                    f"({list(layer_types)}); spec_jax supports one window for every layer")
 
 
-def _token_ids(value) -> tuple:
-  if value is None:
-    return ()
-  if isinstance(value, (list, tuple)):
-    return tuple(int(v) for v in value)
-  return (int(value),)
-
-
 def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
-  """A transformers PretrainedConfig (or anything with its attributes) -> ModelConfig."""
+  """A transformers PretrainedConfig (or anything with its attributes) -> ModelConfig.
+  Gemma 3 / Gemma 4 configs go to spec_jax.models.gemma_hf.config_from_hf."""
   model_type = getattr(cfg, "model_type", None)
+  if gemma_hf.is_gemma_type(model_type):
+    return gemma_hf.config_from_hf(cfg, dtype=dtype, source=source)
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"{source}: unsupported model_type {model_type!r}; supported: "
                      f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -196,95 +195,20 @@ def read_config(folder: pathlib.Path):
   model_type = raw.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ValueError(f"{path}: unsupported model_type {model_type!r}; supported: "
-                     f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                     f"{', '.join(SUPPORTED_MODEL_TYPES)} (gemma3_text, gemma4_text, gemma3, "
+                     "gemma4 in Hugging Face folders)")
   try:
     return transformers.AutoConfig.from_pretrained(os.fspath(folder))
   except Exception as e:  # noqa: BLE001 - surface any parse problem at the boundary
     raise ValueError(f"{path}: transformers could not read this config: {e}") from e
 
 
-def _generation_eos(folder: pathlib.Path) -> tuple:
-  path = folder / "generation_config.json"
-  if not path.exists():
-    return ()
-  try:
-    return _token_ids(json.loads(path.read_text()).get("eos_token_id"))
-  except (OSError, json.JSONDecodeError, TypeError, ValueError):
-    return ()
-
-
-# ----------------------------------------------------------------------------- safetensors
-
-class _TensorFile:
-  """One opened safetensors file: names, dtypes, shapes, and reads (bf16 included)."""
-
-  def __init__(self, path: pathlib.Path):
-    from safetensors import safe_open
-    self.path = path
-    try:
-      self._handle = safe_open(os.fspath(path), framework="np")
-      self.names = list(self._handle.keys())
-      self.meta = {}
-      for name in self.names:
-        piece = self._handle.get_slice(name)
-        self.meta[name] = (piece.get_dtype(), tuple(int(s) for s in piece.get_shape()))
-    except Exception as e:  # noqa: BLE001 - SafetensorError is not importable everywhere
-      raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
-
-  def read(self, name: str) -> np.ndarray:
-    try:
-      return self._handle.get_tensor(name)
-    except Exception as e:  # noqa: BLE001
-      if self.meta[name][0] == "BF16":
-        return self._read_raw(name)
-      raise ValueError(f"{self.path}: could not read tensor {name}: {e}") from e
-
-  def _read_raw(self, name: str) -> np.ndarray:
-    """bfloat16 without framework support: parse the header and view the bytes."""
-    import ml_dtypes
-    with open(self.path, "rb") as f:
-      header_len = int(np.frombuffer(f.read(8), "<u8")[0])
-      header = json.loads(f.read(header_len))
-      start, end = header[name]["data_offsets"]
-      f.seek(8 + header_len + start)
-      data = f.read(end - start)
-    return np.frombuffer(data, ml_dtypes.bfloat16).reshape(header[name]["shape"]).copy()
-
-
-def tensor_files(folder: pathlib.Path) -> tuple:
-  """(safetensors paths, weight_map or None) of a folder; the shard index is checked."""
-  index = folder / "model.safetensors.index.json"
-  if index.exists():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-      raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map'): {e}") from e
-    files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not (folder / f).is_file()]
-    if missing:
-      raise ValueError(f"{index} lists shard(s) that are missing from {folder}: "
-                       f"{', '.join(missing)}")
-    return [folder / f for f in files], weight_map
-  single = folder / "model.safetensors"
-  if single.is_file():
-    return [single], None
-  others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
-  hint = f" (found {', '.join(others)}: only safetensors weights are supported)" if others else ""
-  raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json{hint}")
-
-
-def _np_dtype(dtype: str):
-  import ml_dtypes
-  return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-
-
-def _checkpoint_dtype(meta_dtype: str) -> str:
-  return "bfloat16" if meta_dtype == "BF16" else "float32"
-
-
 def load_hf(folder, dtype: Optional[str] = None) -> tuple:
-  """Reads a Hugging Face folder -> (ModelConfig, numpy params, mtp dict or None)."""
+  """Reads a Hugging Face folder -> (ModelConfig, numpy params, mtp dict or None).
+  Gemma 3 / Gemma 4 folders are read by spec_jax.models.gemma_hf.load_gemma."""
   folder = pathlib.Path(folder)
+  if gemma_hf.is_gemma_type(gemma_hf.folder_model_type(folder)):
+    return gemma_hf.load_gemma(folder, dtype)
   hf_config = read_config(folder)
   config = config_from_hf(hf_config, source=str(folder / "config.json"))
   extra_eos = tuple(t for t in _generation_eos(folder) if t not in config.eos_token_ids)

@@ -44,6 +44,9 @@ _SPACE = "\u2581"   # sentencepiece's "▁"
 
 def _check_expressible(c: ModelConfig) -> None:
   """transformers' classes fix some flags per family; refuse what they cannot express."""
+  if c.is_gemma:
+    raise ValueError(f"save_hf writes llama-family folders; a {c.model_type} model is not "
+                     "supported (allowed: llama, mistral, qwen2, qwen3)")
   if c.qk_norm != (c.model_type == "qwen3"):
     raise ValueError(f"save_hf: a {c.model_type} model with qk_norm={c.qk_norm} has no "
                      f"transformers class (q/k RMSNorm is exactly qwen3's); allowed: qk_norm "

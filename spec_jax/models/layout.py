@@ -60,18 +60,6 @@ def fuse_layers(layers, transpose, chunks: int = 1):
   return out
 
 
-def pick_weight(lp, name: str, rows: int):
-  """(weight, transposed) of projection `name` in layer params lp for a product over `rows`
-  rows (B*T): the [out, in] copy `name_t` when it is the only one or rows > 1, the [in, out]
-  copy `name` when it is the only one or rows == 1; None when neither is there."""
-  plain, flipped = lp.get(name), lp.get(name + "_t")
-  if flipped is not None and (plain is None or rows > 1):
-    return flipped, True
-  if plain is not None:
-    return plain, False
-  return None
-
-
 def _row_chunks(w, chunks: int):
   """w [..., out, in] -> w itself (chunks 1) or a tuple of row blocks [..., out_i, in]."""
   n = w.shape[-2]
@@ -117,7 +105,11 @@ def prepare_params(params, config: ModelConfig, mesh=None):
   projections stored as cpu_orientation says ([out, in], [in, out] or both) and the layers
   unstacked (see unstack_layers). With a mesh the canonical weights are kept (their partition
   table splits whole heads), unstacked on CPU. Already-prepared params are returned unchanged.
+  Gemma configs: gemma.prepare_params.
   """
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.prepare_params(params, config, mesh)
   layers = params["layers"]
   if isinstance(layers, (list, tuple)) or "wqkv" in layers or "wqkv_t" in layers:
     return params

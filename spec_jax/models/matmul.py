@@ -75,3 +75,15 @@ def accumulation_dtype(dtype) -> Optional[jnp.dtype]:
   """float32 for low-precision dtypes, else None (the dot's default): for callers that build
   their own dot_general (the Pallas kernels)."""
   return jnp.dtype(jnp.float32) if is_low_precision(dtype) else None
+
+
+def pick_weight(lp, name: str, rows: int):
+  """(weight, transposed) of projection `name` in layer params lp for a product over `rows`
+  rows (B*T): the [out, in] copy `name_t` when it is the only one or rows > 1, the [in, out]
+  copy `name` when it is the only one or rows == 1; None when neither is there."""
+  plain, flipped = lp.get(name), lp.get(name + "_t")
+  if flipped is not None and (plain is None or rows > 1):
+    return flipped, True
+  if plain is not None:
+    return plain, False
+  return None

@@ -23,161 +23,18 @@ execution layout of spec_jax.models.layout (fused, on CPU [out, in] and unstacke
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import kernels_pallas
-from kernels_pallas.layout import MAX_NEW_TOKENS
-from kernels_pallas.reference import verify_attention_reference
-from spec_jax.models import matmul
-from spec_jax.models.cache import KVCache, default_head_major, write_rows as _write_rows
+from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projection,
+                                    _qkv_projections, apply_rope, embed, lm_head,
+                                    rms_norm, rope_inv_freq, rope_tables)
+from spec_jax.models.cache import KVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.layout import pick_weight
 
 
-
-
-class ForwardOutput(NamedTuple):
-  """logits [B,T,V] float32; hidden [B,T,D] (after the final norm, what the LM head reads);
-  layer_hidden: tuple of [B,T,D], the residual stream after each requested layer;
-  cache: the updated KVCache."""
-  logits: jax.Array
-  hidden: jax.Array
-  layer_hidden: tuple
-  cache: KVCache
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-def rms_norm(x, weight, eps):
-  """RMSNorm in float32, cast back to x's dtype."""
-  x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-  """Inverse frequencies [Dh/2] (numpy, static), with llama3 / linear scaling."""
-  dh = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
-  scaling = config.rope_scaling_dict
-  kind = scaling.get("rope_type", scaling.get("type", "default"))
-  if kind in (None, "default"):
-    return inv_freq
-  if kind == "linear":
-    return inv_freq / float(scaling["factor"])
-  if kind == "llama3":
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return np.where(medium, smoothed, scaled)
-  raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
-
-
-def rope_tables(positions, inv_freq):
-  """cos, sin float32 [B, T, 1, Dh] for the rotate_half layout, from positions int32 [B, T].
-
-  Computed once per forward and shared by every layer (q and k of all layers rotate by the
-  same angles)."""
-  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  cos = jnp.concatenate([cos, cos], -1)[:, :, None, :]
-  sin = jnp.concatenate([sin, sin], -1)[:, :, None, :]
-  return cos, sin
-
-
-def apply_rope(x, positions, inv_freq=None, *, tables=None):
-  """x [B,T,H,Dh], positions int32 [B,T] -> x rotated (HF rotate_half layout).
-
-  tables: optional (cos, sin) from rope_tables (then positions/inv_freq are not used)."""
-  cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
-  x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], -1)
-  return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
-
-
-def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
-  """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh]."""
-  t = q.shape[1]
-  s = k_layer.shape[2 if head_major else 1]
-  window = config.sliding_window
-  needs_window = window is not None and window < s
-  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
-  if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
-    # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
-    # trees: up to its 32 new tokens) with a square tree mask.
-    return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                      sliding_window=window if needs_window else None,
-                                      head_major=head_major)
-  if head_major:
-    if default_head_major(config):      # the jnp path: the layout it reads in place
-      return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                        head_major=True)
-    # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
-    k_layer, v_layer = jnp.swapaxes(k_layer, 1, 2), jnp.swapaxes(v_layer, 1, 2)
-  return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                         impl=config.attention_impl)
-
-
-def _dense(x, w, transposed: bool = False):
-  """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True), in x's
-  dtype, accumulated in float32 for bf16 (spec_jax.models.matmul); with transposed, w may be a
-  tuple of row chunks [out_i, in] (see models.layout.fuse_layers' chunks)."""
-  return matmul.dense(x, w, transposed)
-
-
-def _rows(x) -> int:
-  """The rows of a product over x [..., in] (B*T): what picks a weight's orientation."""
-  return math.prod(x.shape[:-1])
-
-
-def _project(lp, name: str, x):
-  """x times projection `name` of layer params lp, in whichever orientation it is stored for
-  this many rows (models.layout.pick_weight); None when lp has no such projection."""
-  picked = pick_weight(lp, name, _rows(x))
-  return None if picked is None else _dense(x, *picked)
-
-
-def _qkv_projections(config: ModelConfig, lp, h):
-  """q [B,T,Hq*Dh], k, v [B,T,Hkv*Dh] from the normed input, in either param layout."""
-  nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  y = _project(lp, "wqkv", h)
-  if y is not None:
-    if config.qkv_bias:
-      y = y + lp["bqkv"]
-    return y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
-  q, k, v = _dense(h, lp["wq"]), _dense(h, lp["wk"]), _dense(h, lp["wv"])
-  if config.qkv_bias:
-    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-  return q, k, v
-
-
-def _mlp(lp, h):
-  """SwiGLU: down(silu(gate h) * up h), in either param layout."""
-  gu = _project(lp, "w_gu", h)
-  if gu is not None:
-    gate, up = jnp.split(gu, 2, axis=-1)
-    inner = jax.nn.silu(gate) * up
-  else:
-    inner = jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"])
-  return _project(lp, "w_down", inner)
-
-
-def _out_projection(lp, attn):
-  return _project(lp, "wo", attn)
 
 
 def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
@@ -220,19 +77,6 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offse
   return x, k_cache, v_cache
 
 
-def embed(params, tokens):
-  return jnp.take(params["embed"], tokens, axis=0)
-
-
-def lm_head(params, config: ModelConfig, hidden):
-  """hidden [..., D] (after the final norm) -> float32 logits [..., V]."""
-  if config.tie_embeddings:
-    w, transposed = params["embed"], True                # [V, D]
-  else:                                                  # [D, V], or [V, D] as lm_head_t
-    w, transposed = pick_weight(params, "lm_head", _rows(hidden))
-  return matmul.dense(hidden, w, transposed, out_dtype=jnp.float32)
-
-
 def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
             positions=None, tree_mask=None, return_layers: Sequence[int] = ()) -> ForwardOutput:
   """Runs T new tokens per row through the model, writing their KV at per-row offsets.
@@ -253,7 +97,14 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
 
   Returns:
     ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache).
+
+  Gemma configs run spec_jax.models.gemma.forward (same arguments; their cache is a
+  GemmaKVCache from KVCache.zeros).
   """
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.forward(params, config, tokens, cache, offsets, positions=positions,
+                         tree_mask=tree_mask, return_layers=return_layers)
   b, t = tokens.shape
   offsets = offsets.astype(jnp.int32)
   if positions is None:
@@ -288,7 +139,11 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
 # ----------------------------------------------------------------------------- init
 
 def init_params(config: ModelConfig, key) -> dict:
-  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring."""
+  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring
+  (Gemma configs: gemma.init_params's layout)."""
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.init_params(config, key)
   d, f, v, l = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   dtype = jnp.dtype(config.dtype)

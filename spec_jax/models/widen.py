@@ -113,6 +113,9 @@ def widened_config(src: ModelConfig, hidden_size: int, intermediate_size: int, n
 
   num_heads defaults to hidden_size // head_dim; num_kv_heads to num_heads / the source's GQA
   group size (the group is kept)."""
+  if src.is_gemma:
+    raise ValueError(f"widen: {src.model_type} models are not supported (allowed: llama, "
+                     "mistral, qwen2, qwen3)")
   for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                       ("num_layers", num_layers), ("head_dim", head_dim),
                       ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
