@@ -170,8 +170,7 @@ class SpecStats:
       hist = " K_rounds={" + ", ".join(f"{kk}: {n}" for kk, n in
                                        sorted(self.k_histogram.items())) + "}"
     shape = (f"K={k}{hist}" if self.tree is None else
-             "tree D={},k={},N={}{}".format(*self.tree[:3],
-                                            "" if self.tree[3] == "topk" else ",sampled"))
+             "tree D={},k={},N={},{}".format(*self.tree[:4]))
     return (f"{shape} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"alpha_token={self.alpha_token:.3f} "

@@ -517,7 +517,7 @@ def _tree_joint(drafter, sampling, spec, seed=0):
 
 # The tiny random target is nearly flat at T=1 (p ~ 1/8 each): top-k trees need more children
 # to be accepted often; i.i.d. children from the flat draft are accepted almost always.
-TREES = {"topk": sj.TreeSpec(depth=2, top_k=4, num_nodes=10),
+TREES = {"topk": sj.TreeSpec(depth=2, top_k=4, num_nodes=10, candidates="topk"),
          "sampled": sj.TreeSpec(depth=2, top_k=2, num_nodes=4, candidates="sampled")}
 
 
@@ -687,6 +687,23 @@ def test_greedy_tree_equals_plain_with_heads(stories260k, plain_greedy, kind):
 
 # ----------------------------------------------------------------------------- bench
 
+def test_default_candidates_follow_the_sampling():
+  """TreeSpec's default candidates ("auto"): top-k children when greedy, samples without
+  replacement at T > 0; an n-gram trie stays top-k; the statistics say which was drafted."""
+  target, draft = _models()
+  spec = sj.TreeSpec(depth=2, top_k=2, num_nodes=4)
+  assert spec.candidates == "auto" and spec.candidates_for(True) == "topk"
+  kinds = {}
+  for name, drafter in (("draft", sj.drafters.DraftModel(draft)), ("ngram", sj.drafters.NGram())):
+    for temp in (0.0, 1.0):
+      out = sj.generate(target, [PROMPT] * 2, drafter=drafter, tree=spec, max_new_tokens=4,
+                        sampling=sj.Sampling(temperature=temp), stop_tokens=[])
+      kinds[(name, temp)] = out.stats.tree[3]
+      assert out.stats.summary().startswith(f"tree D=2,k=2,N=4,{out.stats.tree[3]} ")
+  assert kinds == {("draft", 0.0): "topk", ("draft", 1.0): "distinct", ("ngram", 0.0): "topk",
+                   ("ngram", 1.0): "topk"}
+
+
 def test_bench_reports_tree_rows_beside_chains(tmp_path, capsys):
   import json
   from spec_jax.bench import cli
@@ -697,7 +714,7 @@ def test_bench_reports_tree_rows_beside_chains(tmp_path, capsys):
   assert rc == 0
   rows = json.loads(out.read_text())["rows"]
   assert sorted((r["drafter"], r["K"], r["tree"] or "") for r in rows) == [
-      ("ngram", 2, ""), ("ngram", 2, "2,2,4"), ("none", 0, "")]
+      ("ngram", 2, ""), ("ngram", 2, "2,2,4,topk"), ("none", 0, "")]
   tree_row = next(r for r in rows if r["tree"])
   assert 1.0 <= tree_row["tau"] <= 3.0 and tree_row["c_verify"] > 0 and tree_row["c_draft"] > 0
   assert tree_row["alpha_token"] is None

@@ -159,7 +159,10 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
   stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes,
-                                auto=gov is not None, tree=tree)
+                                auto=gov is not None,
+                                tree=None if tree is None else tree.resolved(
+                                    greedy or getattr(drafter, "greedy_drafts", False) or
+                                    not drafter.samples_tree_candidates))
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
 
 

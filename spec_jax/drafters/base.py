@@ -126,11 +126,14 @@ class Drafter:
     target_layers: indices of target layers whose hidden states the drafter needs (EAGLE-3).
     max_draft: the largest K this drafter can propose (None = any).
     supports_tree: propose_tree is implemented (tree drafting, spec_jax.tree).
+    samples_tree_candidates: its trees draw sampled candidates at T > 0 when the TreeSpec asks
+      (False: top-k or trie candidates at every temperature, n-gram's).
   """
   params: Any = None
   target_layers: tuple = ()
   max_draft: Optional[int] = None
   supports_tree: bool = False
+  samples_tree_candidates: bool = True
 
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""

@@ -231,7 +231,7 @@ class DraftModel(Drafter):
                     positions=lengths[:, None] - 1 + depths[:, first:], tree_mask=mask)
       return out.logits, out.cache
 
-    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
+    candidates = "topk" if self.greedy_drafts else spec.candidates_for(ctx.greedy)
     tree, cache = tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
                                               sampling=ctx.sampling, candidates=candidates)
     # The block made slots < lengths right; the nodes past them are out of place.

@@ -337,7 +337,7 @@ class FeatureHead(Drafter):
       o_all = o if o_prev is None else jnp.concatenate([o_prev, o], axis=1)
       return self.logits(params, tp, o), (o_all, k, v)
 
-    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
+    candidates = "topk" if self.greedy_drafts else spec.candidates_for(ctx.greedy)
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
         self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
         sampling=ctx.sampling, candidates=candidates)

@@ -293,7 +293,7 @@ class Gemma4Assistant(Drafter):
       h_all = h_new if h_all is None else jnp.concatenate([h_all, h_new], axis=1)
       return logits, h_all
 
-    candidates = "topk" if (self.greedy_drafts or ctx.greedy) else spec.candidates
+    candidates = "topk" if self.greedy_drafts else spec.candidates_for(ctx.greedy)
     tree, _ = tree_lib.build_dynamic_tree(root_logits[:, 0], expand, None, spec, key=ctx.key,
                                           sampling=ctx.sampling, candidates=candidates)
     return tree, state

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import Optional
 
 import numpy as np
 
 MAX_TREE_TOKENS = 32       # root + nodes per verify: the kernels' one 32-bit mask per query row
-CANDIDATES = ("topk", "sampled", "distinct")
+CANDIDATES = ("auto", "topk", "sampled", "distinct")
+# What "auto" draws at T > 0 (greedy rows always take the top-k): samples without replacement
+# accepted more than top-k children at T = 1 in scripts/tree_tau.py (docs/trees.md).
+SAMPLED_DEFAULT = "distinct"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,16 +23,17 @@ class TreeSpec:
   top_k: k, children per expanded node (EAGLE-2: also the frontier width; n-gram: branches).
   num_nodes: N, draft nodes verified per round (the root, the last committed token, is extra):
     depth <= N and N + 1 <= 32.
-  candidates: "topk" (deterministic top-k children; verified by recursive rejection with
-    one-hot drafts), "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's
-    multi-step speculative sampling) or "distinct" (children drawn from q without replacement;
-    recursive rejection sampling). Greedy decoding and deterministic drafters (n-gram,
-    greedy_drafts=True) always use top-k candidates.
+  candidates: "auto" (the default: top-k when greedy, SAMPLED_DEFAULT at T > 0), "topk"
+    (deterministic top-k children; verified by recursive rejection with one-hot drafts),
+    "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's multi-step speculative
+    sampling) or "distinct" (children drawn from q without replacement; recursive rejection
+    sampling). Greedy decoding and deterministic drafters (n-gram, greedy_drafts=True) always
+    use top-k candidates.
   """
   depth: int
   top_k: int
   num_nodes: int
-  candidates: str = "topk"
+  candidates: str = "auto"
 
   def __post_init__(self):
     for name in ("depth", "top_k", "num_nodes"):
@@ -57,13 +62,24 @@ class TreeSpec:
     drafter's frontier nodes (at most top_k per depth below D)."""
     return max(self.num_nodes, self.top_k * (self.depth - 1))
 
-  def label(self) -> str:
-    kind = "" if self.candidates == "topk" else "," + self.candidates
-    return f"tree D={self.depth},k={self.top_k},N={self.num_nodes}{kind}"
+  def candidates_for(self, greedy: bool) -> str:
+    """The candidate kind drafted for greedy (every row temperature 0) or sampled decoding."""
+    if greedy:
+      return "topk"
+    return SAMPLED_DEFAULT if self.candidates == "auto" else self.candidates
+
+  def resolved(self, greedy: bool) -> "TreeSpec":
+    """The same tree with the candidate kind drafted at this temperature ("auto" resolved)."""
+    return dataclasses.replace(self, candidates=self.candidates_for(greedy))
+
+  def label(self, greedy: Optional[bool] = None) -> str:
+    """'tree D=..,k=..,N=..' plus the candidate kind drafted (resolved when greedy is known)."""
+    kind = self.candidates if greedy is None else self.candidates_for(greedy)
+    return f"tree D={self.depth},k={self.top_k},N={self.num_nodes},{kind}"
 
 
 def parse_tree_spec(text: str) -> TreeSpec:
-  """'D,k,N' or 'D,k,N,CANDIDATES' (topk, sampled or distinct; the bench's --tree) ->
+  """'D,k,N' or 'D,k,N,CANDIDATES' (auto, topk, sampled or distinct; the bench's --tree) ->
   TreeSpec; ValueError otherwise."""
   parts = [p.strip() for p in str(text).split(",")]
   if len(parts) not in (3, 4):
@@ -73,7 +89,7 @@ def parse_tree_spec(text: str) -> TreeSpec:
     d, k, n = (int(p) for p in parts[:3])
   except ValueError:
     raise ValueError(f"a tree's D,k,N must be integers, got {text!r}") from None
-  return TreeSpec(d, k, n, parts[3] if len(parts) == 4 else "topk")
+  return TreeSpec(d, k, n, parts[3] if len(parts) == 4 else "auto")
 
 
 def check_tree(tree, drafter, num_draft=None, governor=None) -> TreeSpec:

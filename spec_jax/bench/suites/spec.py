@@ -153,7 +153,7 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "target": meta["target"], "target_spec": meta["target_spec"],
       "target_params": meta["target_params"],
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
-      "tree": None if tree is None else _tree_text(tree),
+      "tree": None if tree is None else _tree_text(tree, (stats[-1].tree or (None,) * 4)[3]),
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
       "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
@@ -179,9 +179,10 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
   }
 
 
-def _tree_text(tree) -> str:
-  return f"{tree.depth},{tree.top_k},{tree.num_nodes}" + (
-      "" if tree.candidates == "topk" else ",sampled")
+def _tree_text(tree, kind=None) -> str:
+  """'D,k,N,KIND': KIND the candidates drafted (the run's SpecStats.tree resolves "auto"),
+  else the TreeSpec's own."""
+  return f"{tree.depth},{tree.top_k},{tree.num_nodes},{kind or tree.candidates}"
 
 
 def config_label(k) -> str:
