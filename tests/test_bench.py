@@ -393,3 +393,32 @@ def test_batches_per_cell_merges_consecutive_batches(tmp_path, capsys):
   assert spec["tau"] * spec["rounds"] == pytest.approx(2 * 7)
   assert cli.main(argv[:-4] + ["--batches-per-cell", "0", "--out", str(out)]) == 2
   assert "--batches-per-cell must be >= 1" in capsys.readouterr().err
+
+
+def test_dtype_rows_and_the_fastest_plain_of_any_dtype(tmp_path, capsys):
+  """--dtype bfloat16 --plain-dtypes float32: the target (and its draft model) run in bf16, and
+  every cell also times plain decoding in float32, interleaved; each row's speedup is against
+  plain in its own dtype AND against the faster of the two plains of the same cell."""
+  out = tmp_path / "dt.json"
+  rc = cli.main(["--pairs", "random:tiny@draft:random:tiny-draft", "-K", "2", "-B", "1",
+                 "--dtype", "bfloat16", "--plain-dtypes", "float32", "--max-new-tokens", "8",
+                 "--repeats", "2", "--cost-repeats", "1", "--temperatures", "0", "--out",
+                 str(out)])
+  assert rc == 0
+  res = json.loads(out.read_text())
+  rows = {r["drafter"]: r for r in res["rows"]}
+  assert set(rows) == {"none", "none@float32", "draft:random:tiny-draft"}
+  assert {r["target"] for r in rows.values()} == {"random:tiny bf16"}
+  assert rows["none"]["dtype"] == "bfloat16" and rows["none@float32"]["dtype"] == "float32"
+  assert rows["draft:random:tiny-draft"]["dtype"] == "bfloat16"
+  base = res["baselines"][0]
+  plains = {d: p["median"] for d, p in base["plain_by_dtype"].items()}
+  assert set(plains) == {"bfloat16", "float32"}
+  fastest = max(plains, key=plains.get)
+  assert base["fastest_plain_dtype"] == fastest
+  for r in rows.values():
+    want = r["tokens_per_s"]["median"] / plains[fastest]
+    assert math.isclose(r["speedup_vs_fastest_plain"], want, rel_tol=1e-9)
+    assert math.isclose(r["speedup"], r["tokens_per_s"]["median"] / plains["bfloat16"],
+                        rel_tol=1e-9)
+  assert "vs best" in capsys.readouterr().out

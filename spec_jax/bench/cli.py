@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="also run tree drafting (sj.TreeSpec(depth=D, top_k=k, num_nodes=N); "
                  "',sampled' for i.i.d. candidates) for every drafter that builds trees; "
                  "repeatable, one tree row per flag beside the chain rows")
+  p.add_argument("--dtype", nargs="+", choices=("bfloat16", "float32"), default=None,
+                 help="spec suite: the target's weights (and a draft model's) in each of these "
+                 "dtypes, one set of rows per dtype (default: as stored). bf16 computes with "
+                 "float32 accumulation, as GPU and TPU users run it")
+  p.add_argument("--plain-dtypes", nargs="+", choices=("bfloat16", "float32"), default=[],
+                 help="spec suite: plain decoding is also timed in these dtypes in every cell "
+                 "(interleaved with the rest), so that each row's speedup over the fastest "
+                 "plain decoding of any dtype is measured side by side")
   p.add_argument("--batch", "-B", type=int, nargs="+", default=[1, 4, 16])
   p.add_argument("--batches-per-cell", type=int, default=1, metavar="N",
                  help="spec suite: every timed measurement runs N consecutive batches of "

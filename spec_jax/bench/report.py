@@ -7,6 +7,8 @@ import statistics
 from spec_jax.bench.suites.peer import format_peer
 from spec_jax.bench.tables import fmt, table
 
+DTYPE_TAG = {"bfloat16": "bf16", "float32": "f32"}
+
 def format_spec(result: dict) -> str:
   """The spec suite's table, legend, noise line, notes and one verdict line per pair."""
   def k_order(k):                        # plain, then fixed K, then the governor
@@ -22,18 +24,24 @@ def format_spec(result: dict) -> str:
     cells_rows.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"],
                        f"tree {r['tree']}" if r.get("tree") else r["K"],
                        f"{t['median']:.0f}", f"{t['min']:.0f}-{t['max']:.0f}",
-                       f"{r['speedup']:.2f}x", flag, fmt(r["alpha"]), fmt(r.get("alpha_token")),
+                       f"{r['speedup']:.2f}x",
+                       "-" if r.get("speedup_vs_fastest_plain") is None else
+                       f"{r['speedup_vs_fastest_plain']:.2f}x ({DTYPE_TAG.get(r['fastest_plain_dtype'], '?')})",
+                       flag, fmt(r["alpha"]), fmt(r.get("alpha_token")),
                        fmt(r["tau"]),
                        fmt(r["c_draft"], 3), fmt(r["c_verify"]), fmt(r["bound"]),
                        "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"])
-  out = [table(["target", "drafter", "T", "B", "K", "tok/s", "min-max", "speedup", "",
+  out = [table(["target", "drafter", "T", "B", "K", "tok/s", "min-max", "speedup", "vs best",
+                "",
                 "alpha", "a_tok", "tau", "c_draft", "c_verify", "bound", "eff"], cells_rows)]
   out.append("")
   out.append("legend: tok/s = new tokens (all rows) / s of one compiled generate() call (prefill + "
              "decode, compile excluded), median of repeats; min-max over repeats. Every row "
              "generates exactly max_new_tokens per prompt (stop_tokens=[]), same prompts and key.")
   out.append("  speedup = tok/s / tok/s of plain decoding (K=0, drafter none) of the SAME target, "
-             "batch B and temperature T in this run (LOSS = slower than plain). alpha = accepted/"
+             "dtype, batch B and temperature T in this run (LOSS = slower than plain); vs best = "
+             "tok/s / the fastest plain decoding of any dtype timed in the same cell (none@DTYPE "
+             "rows: plain in another dtype; --plain-dtypes), and which dtype that was. alpha = accepted/"
              "drafted (SpecStats.acceptance_rate = (tau-1)/K); a_tok = accepted/(accepted + "
              "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) (draft models "
              "only); tau = tokens per target forward (bonus included).")

@@ -83,8 +83,21 @@ def drafter_label(spec: str) -> str:
   return spec
 
 
-def load_model(spec: str, seed: int = 0):
-  """A model spec -> sj.Model (see the module docstring)."""
+def load_model(spec: str, seed: int = 0, dtype=None):
+  """A model spec -> sj.Model (see the module docstring), its weights in `dtype` ("float32",
+  "bfloat16"; None: as stored). A widened model is widened in float32, then cast (the cast
+  rounds the source's weights once: the bf16 twin has exactly the bf16 source's logits)."""
+  model = _load_model(spec, seed)
+  if dtype is None or model.config.dtype == dtype:
+    return model
+  cast = model.astype(dtype)
+  widened = _WIDENED_SOURCES.get(id(model))
+  if widened is not None and widened[1] is model:          # heads of the source widen with it
+    _WIDENED_SOURCES[id(cast)] = (widened[0].astype(dtype), cast)
+  return cast
+
+
+def _load_model(spec: str, seed: int):
   import jax
   import spec_jax as sj
   if spec.startswith("random:"):
@@ -149,7 +162,9 @@ def check_drafter_spec(spec: str) -> None:
 
 
 def make_drafter(spec: str, target, seed: int = 0):
-  """A drafter spec (see the module docstring) -> a drafter, or None for plain decoding."""
+  """A drafter spec (see the module docstring) -> a drafter, or None for plain decoding. A draft
+  model takes the target's dtype; trained heads keep their own float32 layer and read the
+  target's embedding and LM head in its dtype."""
   import spec_jax as sj
   check_drafter_spec(spec)
   if spec in (None, "", "none"):
@@ -158,7 +173,7 @@ def make_drafter(spec: str, target, seed: int = 0):
   if kind == "ngram":
     return sj.drafters.NGram(*[int(x) for x in arg.split(":") if x])
   if kind == "draft":
-    return sj.drafters.DraftModel(load_model(arg, seed))
+    return sj.drafters.DraftModel(load_model(arg, seed, dtype=target.config.dtype))
   if not hasattr(sj.drafters, "load"):
     raise ValueError("this spec_jax has no sj.drafters.load for trained heads")
   widened = _WIDENED_SOURCES.get(id(target))

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.transformer import init_params
@@ -31,6 +32,20 @@ class Model:
     if self.tokenizer is None:
       raise ValueError("this model has no tokenizer to decode with")
     return self.tokenizer.decode(list(ids))
+
+  def astype(self, dtype) -> "Model":
+    """The same model with its floating params (and native MTP weights) in `dtype` ("float32"
+    or "bfloat16") and config.dtype set to it (activations and KV cache follow); the model
+    itself when it already is. ValueError for another dtype."""
+    name = jnp.dtype(dtype).name
+    if name not in ("float32", "bfloat16"):
+      raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    if name == self.config.dtype:
+      return self
+    cast = lambda tree: None if tree is None else jax.tree.map(
+        lambda x: x.astype(name) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    return dataclasses.replace(self, config=self.config.replace(dtype=name),
+                               params=cast(self.params), mtp_params=cast(self.mtp_params))
 
 
 def init_model(config: ModelConfig, key=None) -> Model:

@@ -20,7 +20,8 @@ from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_capacity
 from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
-from spec_jax.bench.suites.targets import grid_of, prepare_target, release_compiled, run_batches
+from spec_jax.bench.suites.targets import (DTYPE_TAGS, grid_of, prepare_target, release_compiled,
+                                           run_batches)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 
@@ -146,7 +147,7 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
     t_propose, c_propose = td["propose_s"], td["c_propose"]
     alpha = float(np.mean(alphas))
   bound = bound_of(tau, k, c_draft, c_verify)
-  speedup = tps["median"] / base["median"] if k else 1.0
+  speedup = tps["median"] / base["median"]     # 1.0 for plain (K = 0) in the cell's dtype
   last = stats[-1]
   lb, max_new = meta["prompt_tokens_longest"], meta["max_new_tokens"]
   return {
@@ -211,12 +212,12 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
             f"({'from cache' if table.from_cache else 'measured'} in "
             f"{table.measure_seconds:.1f} s): t(K)/t(0) = {{{rel}}}")
     t0 = time.perf_counter()
-    run_batches(setup.model, batches, setup.drafters.get(dspec), k, setup.max_new, temp,
-                opts.seed)
+    model = model_of(setup, dspec)
+    run_batches(model, batches, setup.drafters.get(dspec), k, setup.max_new, temp, opts.seed)
     log(f"[bench]   warm {drafter_label(dspec)} {config_label(k)}: "
         f"{time.perf_counter() - t0:.1f} s")
-    runs[(dspec, k)] = (lambda d=dspec, k=k: run_batches(
-        setup.model, batches, setup.drafters.get(d), k, setup.max_new, temp, opts.seed))
+    runs[(dspec, k)] = (lambda d=dspec, k=k, m=model: run_batches(
+        m, batches, setup.drafters.get(d), k, setup.max_new, temp, opts.seed))
 
   def on_round(rep, res):
     plain = [s.tokens_per_second for s in res[configs[0]]]
@@ -234,6 +235,12 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
           "max_new_tokens": setup.max_new, "batches_per_cell": n,
           "prompt_tokens_longest": max(len(r) for b in batches for r in b),
           "cost_fill": setup.fill, "cost_capacity": cost_capacity}
+  plains = {setup.model.config.dtype: base}
+  for dt in setup.plain_models:
+    plains[dt] = summarize([s.tokens_per_second for s in results[(PLAIN_IN + dt, 0)]])
+  fastest = max(plains, key=lambda d: plains[d]["median"])
+  baseline["plain_by_dtype"] = plains
+  baseline["fastest_plain_dtype"] = fastest
   rows = []
   for dspec, k in configs:
     stats = results[(dspec, k)]
@@ -244,8 +251,23 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
     else:
       rows.append(spec_row(meta, dspec, k, stats, tps, base, t1, tv.get(k) if k else None,
                            td[dspec][k] if k else None))
+    rows[-1]["dtype"] = model_of(setup, dspec).config.dtype
+    rows[-1]["speedup_vs_fastest_plain"] = (statistics.median(tps) /
+                                            plains[fastest]["median"])
+    rows[-1]["fastest_plain_dtype"] = fastest
   add_governor_shares(rows)
   return baseline, rows
+
+
+PLAIN_IN = "none@"         # the drafter spec of plain decoding in another dtype (plain_models)
+
+
+def model_of(setup, dspec: str):
+  """The target a configuration runs: setup.model, or setup.plain_models[dtype] for
+  'none@DTYPE'."""
+  if dspec.startswith(PLAIN_IN):
+    return setup.plain_models[dspec[len(PLAIN_IN):]]
+  return setup.model
 
 
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
@@ -299,19 +321,22 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
             "governor": governor_verdicts(rows), "notes": notes,
             "definitions": SPEC_DEFINITIONS}
 
-  for target_spec, drafter_specs in grid.by_target.items():
-    label = model_label(target_spec)
+  for (target_spec, drafter_specs), dtype in [(p, d) for p in grid.by_target.items()
+                                              for d in grid.dtypes]:
+    label = model_label(target_spec) + ("" if dtype is None else " " + DTYPE_TAGS[dtype])
     if all((label, b, t) in done for b in grid.batches for t in grid.temps):
       continue
-    log(f"[bench] loading target {target_spec}")
+    log(f"[bench] loading target {target_spec}" + (f" in {dtype}" if dtype else ""))
     setup = prepare_target(target_spec, drafter_specs, opts, grid.ks,
-                           max(grid.batches) * opts.batches_per_cell)
+                           max(grid.batches) * opts.batches_per_cell, dtype=dtype,
+                           plain_dtypes=grid.plain_dtypes)
     if setup.note and not any(n.startswith(label + ": max_new_tokens") for n in notes):
       notes.append(setup.note)
       log("[bench] note: " + setup.note)
     cost_capacity = engine_capacity(setup.longest, setup.max_new, max(
         [max(grid.ks)] + [t.cache_extent for t in grid.trees]))
-    configs = [("none", 0)] + [(d, k) for d in drafter_specs for k in grid.ks]
+    configs = [("none", 0)] + [(PLAIN_IN + dt, 0) for dt in setup.plain_models]
+    configs += [(d, k) for d in drafter_specs for k in grid.ks]
     configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees]
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]

@@ -21,6 +21,8 @@ class Grid:
   temps: list
   trees: list = dataclasses.field(default_factory=list)
   auto: bool = False
+  dtypes: list = dataclasses.field(default_factory=lambda: [None])
+  plain_dtypes: list = dataclasses.field(default_factory=list)
 
 
 def grid_of(opts) -> Grid:
@@ -35,15 +37,21 @@ def grid_of(opts) -> Grid:
     by_target.setdefault(t, []).append(d)
   from spec_jax.tree import parse_tree_spec
   trees = list(dict.fromkeys(parse_tree_spec(t) for t in (getattr(opts, "tree", None) or [])))
+  dtypes = list(dict.fromkeys(getattr(opts, "dtype", None) or [None]))
+  plain_dtypes = list(dict.fromkeys([d for d in dtypes if d] +
+                                    list(getattr(opts, "plain_dtypes", None) or [])))
   return Grid(by_target=by_target, ks=ks, batches=sorted(set(int(b) for b in opts.batch)),
-              temps=[float(t) for t in opts.temperatures], trees=trees, auto=auto)
+              temps=[float(t) for t in opts.temperatures], trees=trees, auto=auto,
+              dtypes=dtypes, plain_dtypes=plain_dtypes)
 
 
 @dataclasses.dataclass
 class TargetSetup:
   """One target, its drafters (spec -> drafter) and prompts, and the lengths every cell uses:
   max_new = --max-new-tokens capped by the shortest context of target and draft models (note
-  says so when capped), fill = longest prompt + max_new // 2 (where cost ratios are timed)."""
+  says so when capped), fill = longest prompt + max_new // 2 (where cost ratios are timed).
+  dtype: the target's weights' dtype (None: as stored); plain_models: {dtype: the target in
+  another dtype}, whose plain decoding every cell times beside this one's."""
   spec: str
   model: Any
   drafters: dict
@@ -53,16 +61,25 @@ class TargetSetup:
   max_new: int
   fill: int
   note: Optional[str]
+  dtype: Optional[str] = None
+  plain_models: dict = dataclasses.field(default_factory=dict)
 
   @property
   def label(self) -> str:
-    return model_label(self.spec)
+    return model_label(self.spec) + ("" if self.dtype is None else " " + DTYPE_TAGS[self.dtype])
 
 
-def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) -> TargetSetup:
-  """Loads the target and its drafters, refuses K above a drafter's max_draft, and reads
-  n_prompts prompts (ValueError when they leave no room for new tokens)."""
-  target = load_model(target_spec, opts.seed)
+DTYPE_TAGS = {"bfloat16": "bf16", "float32": "f32"}
+
+
+def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int, dtype=None,
+                   plain_dtypes=()) -> TargetSetup:
+  """Loads the target (in dtype) and its drafters, refuses K above a drafter's max_draft, and
+  reads n_prompts prompts (ValueError when they leave no room for new tokens); plain_dtypes:
+  the target also in these dtypes, for plain decoding beside it."""
+  target = load_model(target_spec, opts.seed, dtype=dtype)
+  plain_models = {d: load_model(target_spec, opts.seed, dtype=d) for d in plain_dtypes
+                  if d != target.config.dtype}
   drafters = {d: make_drafter(d, target, opts.seed) for d in drafter_specs}
   for dspec, dr in drafters.items():
     cap = getattr(dr, "max_draft", None)
@@ -84,7 +101,8 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int) ->
             f"{max_new} by the context of {context} positions (longest prompt {longest} tokens)")
   return TargetSetup(spec=target_spec, model=target, drafters=drafters, ids=ids,
                      longest=longest, context=context, max_new=max_new,
-                     fill=longest + max_new // 2, note=note)
+                     fill=longest + max_new // 2, note=note, dtype=dtype,
+                     plain_models=plain_models)
 
 
 def run_batches(target, batches, drafter, k, max_new: int, temperature: float, seed: int):
