@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hf-threads", type=int, nargs="+", default=[0, 1],
                  help="torch thread counts for transformers (0 = the CPU core count); the first "
                  "is the headline, the others are extra columns")
+  p.add_argument("--hf-dtypes", nargs="+", choices=("float32", "bfloat16"),
+                 default=["float32", "bfloat16"],
+                 help="peer suite: transformers runs in each of these torch dtypes (the headline "
+                 "compares with its best dtype and thread count)")
   p.add_argument("--peer-batch", type=int, nargs="+", default=[1, 8],
                  help="peer suite: batch sizes (transformers' assisted generation and prompt "
                  "lookup run at batch 1 only)")

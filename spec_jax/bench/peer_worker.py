@@ -6,7 +6,9 @@ The peer suite (suites/peer.py) starts one worker per library (and per torch thr
 alternates them, so one library's thread pools never slow the other's timed calls. A job:
 
   {"side": "ours" | "hf", "threads": int (hf only), "target": MODEL, "prompts": [[ids], ...],
-   "batch": B, "max_new": N, "repeats": R, "seed": 0,
+   "batch": B, "max_new": N, "repeats": R, "seed": 0, "dtype": "float32" | "bfloat16" | null
+   (the weights of target and draft model: spec_jax's Model.astype, torch's .to(bfloat16);
+   null: as stored),
    "configs": [{"name": str, "mode": "plain" | "draft" | "ngram", "draft": MODEL | null,
                 "k": int}, ...]}
 
@@ -35,7 +37,7 @@ def run_ours(job: dict) -> dict:
   import jax
   import spec_jax as sj
   from spec_jax.bench.specs import load_model, make_drafter
-  target = load_model(job["target"], job.get("seed", 0))
+  target = load_model(job["target"], job.get("seed", 0), dtype=job.get("dtype"))
   groups = _groups(job["prompts"], job["batch"])
   key = jax.random.key(job.get("seed", 0))
   calls = {}
@@ -66,14 +68,15 @@ def run_hf(job: dict) -> dict:
   from spec_jax.bench.specs import load_model
   from spec_jax.bench.suites.plain import hf_model_from
   torch.set_num_threads(int(job["threads"]))
-  target = hf_model_from(load_model(job["target"], job.get("seed", 0)), job["target"])
+  dtype = torch.bfloat16 if job.get("dtype") == "bfloat16" else torch.float32
+  target = hf_model_from(load_model(job["target"], job.get("seed", 0)), job["target"]).to(dtype)
   groups = _groups(job["prompts"], job["batch"])
   calls = {}
   for cfg in job["configs"]:
     extra = {}
     if cfg["mode"] == "draft":
       extra["assistant_model"] = hf_model_from(load_model(cfg["draft"], job.get("seed", 0)),
-                                               cfg["draft"])
+                                               cfg["draft"]).to(dtype)
     elif cfg["mode"] == "ngram":
       extra["prompt_lookup_num_tokens"] = int(cfg["k"])
     if extra and job["batch"] != 1:

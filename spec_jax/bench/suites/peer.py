@@ -70,6 +70,8 @@ def run_peer_suite(opts) -> dict:
   for target_spec, drafter_spec in pairs:
     by_target.setdefault(target_spec, []).append(drafter_spec)
   threads = sorted({(os.cpu_count() or 1) if n == 0 else int(n) for n in opts.hf_threads})
+  ours_dtypes = list(dict.fromkeys(getattr(opts, "dtype", None) or [None]))
+  hf_dtypes = list(dict.fromkeys(getattr(opts, "hf_dtypes", None) or ["float32"]))
   rows, summary, notes = [], [], []
   cache_dir = tempfile.mkdtemp(prefix="spec_jax_peer_jit_")
   bandwidth = memory_bandwidth()
@@ -102,30 +104,35 @@ def run_peer_suite(opts) -> dict:
       base = {"target": target_spec if target_spec.startswith(("random:", "widened:"))
               else str(resolve_path(target_spec)), "prompts": prompts, "batch": batch, "max_new": max_new,
               "repeats": opts.repeats, "seed": opts.seed}
-      workers = [("spec_jax", None, dict(base, side="ours", configs=ours))]
-      workers += [("transformers", t, dict(base, side="hf", threads=t, configs=hf))
-                  for t in threads]
+      workers = [("spec_jax", None, d, dict(base, side="ours", configs=ours, dtype=d))
+                 for d in ours_dtypes]
+      workers += [("transformers", t, d, dict(base, side="hf", threads=t, configs=hf, dtype=d))
+                  for d in hf_dtypes for t in threads]
       measured: dict = {}
       for rnd in range(opts.peer_rounds):
-        for lib, t, job in workers:
+        for lib, t, d, job in workers:
           log(f"[bench] peer {label} B={batch} round {rnd + 1}/{opts.peer_rounds}: {lib}"
-              + (f" ({t} threads)" if t else ""))
+              + (f" ({t} threads)" if t else "") + (f" {d}" if d else ""))
           res = _run_worker(job, cache_dir)
           for name, r in res["configs"].items():
-            m = measured.setdefault((lib, t, name), {"tokens_per_s": [], "tokens": r["tokens"],
-                                                     "tau": r["tau"]})
+            m = measured.setdefault((lib, t, d, name), {"tokens_per_s": [],
+                                                        "tokens": r["tokens"], "tau": r["tau"]})
             m["tokens_per_s"] += r["tokens_per_s"]
-      reference = measured[("spec_jax", None, "plain")]["tokens"]
+      # Greedy tokens are compared with ours plain in the same dtype (bf16 and f32 greedy may
+      # part at a near-tie; docs/speed.md measures how often), else in our first dtype.
+      references = {d: measured[("spec_jax", None, d, "plain")]["tokens"] for d in ours_dtypes}
       cfg_of = {("spec_jax", None, c["name"]): c for c in ours}
       cfg_of.update({("transformers", t, c["name"]): c for t in threads for c in hf})
       batch_rows = []
-      for (lib, t, name), m in measured.items():
+      for (lib, t, d, name), m in measured.items():
+        reference = references.get(d, references[ours_dtypes[0]])
         diff = first_difference(m["tokens"], reference)
         if diff is not None:
-          notes.append(f"{label} B={batch} {lib} {name}: greedy tokens differ from spec_jax "
-                       f"plain (row {diff[0]}, position {diff[1]})")
+          notes.append(f"{label} B={batch} {lib} {name} {d or ''}: greedy tokens differ from "
+                       f"spec_jax plain (row {diff[0]}, position {diff[1]})")
         c = cfg_of[(lib, t, name)]
         batch_rows.append({"target": label, "batch": batch, "library": lib, "threads": t,
+                           "dtype": d or "float32",
                            "config": name, "mode": c["mode"], "K": c["k"],
                            "prompts": n, "prompt_tokens": plen, "max_new_tokens": max_new,
                            "tokens_per_s": summarize(m["tokens_per_s"]), "tau": m["tau"],
@@ -146,12 +153,13 @@ def _summarize_batch(label: str, batch: int, rows: list) -> dict:
   spread = lambda r: (r["tokens_per_s"]["max"] - r["tokens_per_s"]["min"]) / med(r)
   ours = [r for r in rows if r["library"] == "spec_jax"]
   theirs = [r for r in rows if r["library"] == "transformers"]
-  ours_plain = next(r for r in ours if r["mode"] == "plain")
-  hf_plain = max((r for r in theirs if r["mode"] == "plain"), key=med)
+  ours_plain = max((r for r in ours if r["mode"] == "plain"), key=med)       # fastest dtype
+  hf_plain = max((r for r in theirs if r["mode"] == "plain"), key=med)     # dtype, threads
   for r in rows:
     r["vs_ours_plain"] = med(r) / med(ours_plain)
     r["vs_hf_plain"] = med(r) / med(hf_plain)
   out = {"target": label, "batch": batch, "ours_plain": med(ours_plain),
+         "ours_plain_dtype": ours_plain["dtype"], "hf_plain_best_dtype": hf_plain["dtype"],
          "hf_plain_best": med(hf_plain), "hf_plain_best_threads": hf_plain["threads"],
          "ours_over_hf_plain": med(ours_plain) / med(hf_plain),
          "noise_ours_plain": spread(ours_plain),
@@ -162,11 +170,12 @@ def _summarize_batch(label: str, batch: int, rows: list) -> dict:
     if o:
       best = max(o, key=med)
       out[f"ours_{mode}_best"] = {"config": best["config"], "tokens_per_s": med(best),
-                                  "speedup": med(best) / med(ours_plain), "tau": best["tau"]}
+                                  "speedup": med(best) / med(ours_plain), "tau": best["tau"],
+                                  "dtype": best["dtype"]}
     if o and h:
       hb = max(h, key=med)
       out[f"hf_{mode}_best"] = {"config": hb["config"], "threads": hb["threads"],
-                                "tokens_per_s": med(hb)}
+                                "tokens_per_s": med(hb), "dtype": hb["dtype"]}
       out[f"ours_over_hf_{mode}"] = med(max(o, key=med)) / med(hb)
   return out
 
@@ -174,17 +183,21 @@ def _summarize_batch(label: str, batch: int, rows: list) -> dict:
 def format_peer(result: dict) -> str:
   """The peer suite's table and headline lines."""
   rows = sorted(result["rows"], key=lambda r: (r["target"], r["batch"], r["library"],
-                                               r["threads"] or 0, r["mode"] != "plain", r["K"]))
-  cells = [[r["target"], r["batch"], r["library"], r["threads"] or "-", r["config"],
+                                               r.get("dtype", ""), r["threads"] or 0,
+                                               r["mode"] != "plain", r["K"]))
+  cells = [[r["target"], r["batch"], r["library"], r.get("dtype", "float32"), r["threads"] or "-",
+            r["config"],
             f"{r['tokens_per_s']['median']:.1f}",
             f"{r['tokens_per_s']['min']:.1f}-{r['tokens_per_s']['max']:.1f}",
             f"{r['vs_ours_plain']:.2f}x", f"{r['vs_hf_plain']:.2f}x", fmt(r["tau"]),
             "yes" if r["greedy_match"] else "NO"] for r in rows]
-  lines = [table(["target", "B", "library", "threads", "config", "tok/s", "min-max",
+  lines = [table(["target", "B", "library", "dtype", "threads", "config", "tok/s", "min-max",
                   "vs ours plain", "vs hf plain", "tau", "greedy ="], cells), ""]
   for s in result["summary"]:
-    line = (f"{s['target']} B={s['batch']}: ours plain {s['ours_plain']:.1f} tok/s vs "
-            f"transformers plain {s['hf_plain_best']:.1f} ({s['hf_plain_best_threads']} threads): "
+    line = (f"{s['target']} B={s['batch']}: ours plain {s['ours_plain']:.1f} tok/s "
+            f"({s.get('ours_plain_dtype', 'float32')}, our fastest) vs transformers plain "
+            f"{s['hf_plain_best']:.1f} ({s['hf_plain_best_threads']} threads, "
+            f"{s.get('hf_plain_best_dtype', 'float32')}): "
             f"{s['ours_over_hf_plain']:.2f}x; noise ours {100 * s['noise_ours_plain']:.0f} %, "
             f"transformers {100 * s['noise_hf_plain']:.0f} %")
     lines.append(line)
@@ -194,9 +207,10 @@ def format_peer(result: dict) -> str:
     for mode, name in (("draft", "assisted generation"), ("ngram", "prompt lookup")):
       if f"ours_over_hf_{mode}" in s:
         o, h = s[f"ours_{mode}_best"], s[f"hf_{mode}_best"]
-        lines.append(f"  {name}: ours {o['config']} {o['tokens_per_s']:.1f} tok/s "
-                     f"({o['speedup']:.2f}x our plain, tau {fmt(o['tau'])}) vs transformers "
-                     f"{h['tokens_per_s']:.1f} ({h['threads']} threads): "
+        lines.append(f"  {name}: ours {o['config']} {o.get('dtype', '')} "
+                     f"{o['tokens_per_s']:.1f} tok/s ({o['speedup']:.2f}x our fastest plain, "
+                     f"tau {fmt(o['tau'])}) vs transformers {h['tokens_per_s']:.1f} "
+                     f"({h['threads']} threads, {h.get('dtype', 'float32')}; its best): "
                      f"{s[f'ours_over_hf_{mode}']:.2f}x")
   lines += [f"note: {n}" for n in result["notes"]]
   return "\n".join(lines)
