@@ -424,9 +424,10 @@ class DFlash(Drafter):
            greedy_drafts: bool = False, **kw) -> "DFlash":
     """A fresh DFlash drafter for `target` (a Model).
 
-    The layers are normal(init_std), the norms 1, fc the identity on the last captured layer
-    plus normal(init_std), the learned mask embedding (mask_token_id None) the target's mean
-    token embedding. target_layers default to `default_target_layers(L, num_layers)`; the
+    The layers are normal(init_std), the norms 1 except the output norm (the target's final
+    norm, so the first logits have the target's scale), fc the identity on the last captured
+    layer plus normal(init_std), the learned mask embedding (mask_token_id None) the target's
+    mean token embedding. target_layers default to `default_target_layers(L, num_layers)`; the
     other options rebuild a saved or loaded drafter's exact shape."""
     if kw:
       raise ValueError(f"unknown DFlash option(s): {', '.join(sorted(kw))}")
@@ -443,7 +444,7 @@ class DFlash(Drafter):
                init_std * jax.random.normal(k_fc, (n * d, d))),
         "hidden_norm": jnp.ones((d,)),
         "layers": init_layers(cfg, k_layers, init_std),
-        "norm": jnp.ones((d,)),
+        "norm": jnp.asarray(target.params["final_norm"], jnp.float32),
     }
     if mask_token_id is None:
       params["mask_embed"] = jnp.mean(jnp.asarray(target.params["embed"], jnp.float32), axis=0)
