@@ -399,12 +399,13 @@ def _leaky_future_context(anchors, seq_len, block_size, window):
   return ctx | ((j > a) & (j < a + block_size)), blk
 
 
-def _leaky_neighbour(anchors, seq_len, block_size, window):
-  ctx, blk = REAL_VISIBILITY(anchors, seq_len, block_size, window)
-  return ctx, jnp.ones_like(blk) if window is None else blk
+def _leaky_neighbour(x, num_blocks):
+  """Each block attends to the previous block's keys (block 0 to the last's)."""
+  return jnp.roll(REAL_BLOCK_KEYS(x, num_blocks), 1, axis=1)
 
 
 REAL_VISIBILITY = dflash_lib.training_visibility
+REAL_BLOCK_KEYS = dflash_lib.block_keys
 
 
 @pytest.fixture(scope="module")
@@ -439,7 +440,8 @@ def test_training_mask_equals_a_per_block_loop(mask_setup, target):
                          ids=["own-anchor-hidden", "future-context", "neighbour-block"])
 def test_the_mask_check_catches_a_leaky_mask(mask_setup, target, monkeypatch, leak):
   drafter, tokens, anchors, theirs = mask_setup
-  monkeypatch.setattr(dflash_lib, "training_visibility", leak)
+  name = "block_keys" if leak is _leaky_neighbour else "training_visibility"
+  monkeypatch.setattr(dflash_lib, name, leak)
   ours = _training_logits(drafter, target, tokens, anchors)
   assert np.abs(ours - theirs).max() > 1e-2
 

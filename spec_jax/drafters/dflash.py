@@ -115,30 +115,40 @@ def context_kv(cfg: ModelConfig, layers, feats, positions, inv_freq):
   return jnp.stack(ks), jnp.stack(vs)
 
 
-def _attend(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v, blk_visible):
-  """Softmax attention of block queries over [context keys ; block keys] jointly.
+def block_keys(x, num_blocks: int):
+  """[B, A*b, ...] block keys / values -> [B, A, b, ...]: the keys each block attends to (its
+  own; blocks never see each other's)."""
+  return x.reshape((x.shape[0], num_blocks, x.shape[1] // num_blocks) + x.shape[2:])
 
-  q [B, Q, Hq, Dh]; ctx_k, ctx_v [B, Hkv, S, Dh]; blk_k, blk_v [B, Q, Hkv, Dh];
-  ctx_visible bool [B, Q, S], blk_visible bool [B, Q, Q] -> [B, Q, Hq * Dh]."""
+
+def _attend(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v, blk_visible):
+  """Softmax attention of A blocks of b queries over [context keys ; own block's keys] jointly.
+
+  q [B, A*b, Hq, Dh]; ctx_k, ctx_v [B, Hkv, S, Dh]; blk_k, blk_v [B, A*b, Hkv, Dh];
+  ctx_visible bool [B, A*b, S]; blk_visible bool [B, A, b, b] (within each block)
+  -> [B, A*b, Hq * Dh]."""
   b, nq, hq, dh = q.shape
-  hkv = ctx_k.shape[1]
+  hkv, s = ctx_k.shape[1], ctx_k.shape[2]
+  a, bs = blk_visible.shape[1], blk_visible.shape[2]
   q = q.reshape(b, nq, hkv, hq // hkv, dh) * dh ** -0.5
   s_ctx = jnp.einsum("bqhgd,bhsd->bhgqs", q, ctx_k, preferred_element_type=jnp.float32)
-  s_blk = jnp.einsum("bqhgd,bkhd->bhgqk", q, blk_k, preferred_element_type=jnp.float32)
   s_ctx = jnp.where(ctx_visible[:, None, None], s_ctx, _HIDDEN)
+  qb = q.reshape(b, a, bs, hkv, hq // hkv, dh)
+  kb, vb = block_keys(blk_k, a), block_keys(blk_v, a)                  # [B, A, b, Hkv, Dh]
+  s_blk = jnp.einsum("bajhgd,bakhd->bhgajk", qb, kb, preferred_element_type=jnp.float32)
   s_blk = jnp.where(blk_visible[:, None, None], s_blk, _HIDDEN)
-  w = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-  s = ctx_k.shape[2]
-  out = (jnp.einsum("bhgqs,bhsd->bqhgd", w[..., :s], ctx_v, preferred_element_type=jnp.float32)
-         + jnp.einsum("bhgqk,bkhd->bqhgd", w[..., s:], blk_v,
-                      preferred_element_type=jnp.float32))
+  scores = jnp.concatenate([s_ctx.reshape(b, hkv, hq // hkv, a, bs, s), s_blk], axis=-1)
+  w = jax.nn.softmax(scores, axis=-1)
+  out = (jnp.einsum("bhgajs,bhsd->bajhgd", w[..., :s], ctx_v, preferred_element_type=jnp.float32)
+         + jnp.einsum("bhgajk,bakhd->bajhgd", w[..., s:], vb, preferred_element_type=jnp.float32))
   return out.reshape(b, nq, hq * dh)
 
 
 def decoder_layer(cfg: ModelConfig, lp, x, positions, ctx_k, ctx_v, ctx_visible, blk_visible,
                   inv_freq):
-  """One DFlash layer over the block tokens x [B, Q, D] at positions int32 [B, Q], attending to
-  this layer's context cache (ctx_k, ctx_v [B, Hkv, S, Dh]) and the block -> [B, Q, D]."""
+  """One DFlash layer over the block tokens x [B, A*b, D] at positions int32 [B, A*b],
+  attending to this layer's context cache (ctx_k, ctx_v [B, Hkv, S, Dh]) and each token's own
+  block (masks: `visibility`) -> [B, A*b, D]."""
   b, nq, _ = x.shape
   hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
   h = rms_norm(x, lp["attn_norm"], eps)
@@ -152,39 +162,36 @@ def decoder_layer(cfg: ModelConfig, lp, x, positions, ctx_k, ctx_v, ctx_visible,
   return x + _dense(jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"]), lp["w_down"])
 
 
-def visibility(query_pos, query_block, anchors, ctx_len: int, key_pos, key_block,
-               window: Optional[int]):
-  """Which keys each block query sees -> (ctx_visible [B, Q, S], blk_visible [B, Q, Q']).
+def visibility(anchors, ctx_len: int, block_size: int, window: Optional[int]):
+  """Which keys the queries of A blocks see -> (ctx_visible [B, A*b, S], blk_visible
+  [B, A, b, b]).
 
-  query_pos int32 [B, Q] positions of the queries; query_block [B, Q] which block each belongs
-  to; anchors [B, Q] each query's block start a (its context is positions j < a); key_pos /
-  key_block [B, Q'] the same for the block keys; ctx_len S context slots (slot j = position j).
-  window None: a full-attention layer (all context before the anchor, the whole own block);
-  an int: a sliding layer (keys within `window` positions, causal inside the block)."""
-  j = jnp.arange(ctx_len, dtype=jnp.int32)[None, None, :]
-  ctx = j < anchors[:, :, None]
-  blk = query_block[:, :, None] == key_block[:, None, :]
+  anchors int32 [B, A]: block i's start a, its queries at positions a .. a + b - 1, its context
+  the positions j < a (slot j = position j, S = ctx_len slots). window None: a full-attention
+  layer (all context before the anchor, the whole own block, bidirectional); an int: a sliding
+  layer (keys within `window` positions of the query, causal inside the block). A block never
+  sees another block (`block_keys`)."""
+  b, a = anchors.shape
+  offs = jnp.arange(block_size, dtype=jnp.int32)
+  qpos = anchors[:, :, None] + offs[None, None]                          # [B, A, b]
+  j = jnp.arange(ctx_len, dtype=jnp.int32)[None, None, None]
+  ctx = jnp.broadcast_to(j < anchors[:, :, None, None], (b, a, block_size, ctx_len))
+  blk = jnp.ones((b, a, block_size, block_size), bool)
   if window is not None:
-    ctx &= j > query_pos[:, :, None] - window
-    kp, qp = key_pos[:, None, :], query_pos[:, :, None]
-    blk &= (kp <= qp) & (kp > qp - window)
-  return ctx, blk
+    ctx &= j > qpos[..., None] - window
+    blk = (offs[None, :] <= offs[:, None]) & (offs[None, :] > offs[:, None] - window)
+    blk = jnp.broadcast_to(blk, (b, a, block_size, block_size))
+  return ctx.reshape(b, a * block_size, ctx_len), blk
 
 
 def training_visibility(anchors, seq_len: int, block_size: int, window: Optional[int]):
-  """The block mask of multi-anchor training: A blocks per row in one pass.
+  """The mask of multi-anchor training: A blocks per row in one pass over a window of T tokens.
 
-  anchors int32 [B, A]; block i holds queries i*b .. i*b + b - 1 at positions anchors[:, i] +
-  0..b-1. Block i sees context j < anchors[:, i] (never its anchor's own hidden state, which
-  inference does not have yet) and its own block only (SpecForge `create_dflash_block_mask`).
-  Returns (ctx_visible [B, A*b, T], blk_visible [B, A*b, A*b])."""
-  b, a = anchors.shape
-  offs = jnp.arange(block_size, dtype=jnp.int32)
-  pos = (anchors[:, :, None] + offs[None, None]).reshape(b, a * block_size)
-  blocks = jnp.broadcast_to(jnp.repeat(jnp.arange(a, dtype=jnp.int32), block_size)[None],
-                            (b, a * block_size))
-  anchor_of = jnp.repeat(anchors, block_size, axis=1)
-  return visibility(pos, blocks, anchor_of, seq_len, pos, blocks, window)
+  anchors int32 [B, A]. Block i sees context j < anchors[:, i] (never its anchor's own hidden
+  state, which inference does not have yet) and its own block only (SpecForge
+  `create_dflash_block_mask`): exactly what each block sees alone at inference.
+  Returns (ctx_visible [B, A*b, T], blk_visible [B, A, b, b])."""
+  return visibility(anchors, seq_len, block_size, window)
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -298,15 +305,12 @@ class DFlash(Drafter):
 
   def block_hidden(self, params, state: DFlashState, target_params, tokens, lengths):
     """The drafter's output over the block [x_p, m, ...] at p = lengths - 1 -> [B, b, D]."""
-    bsz = tokens.shape[0]
     p = (lengths - 1).astype(jnp.int32)
     last = jnp.take_along_axis(tokens, p[:, None], axis=1)
     x = self.block_embeddings(params, target_params, last)
     positions = p[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)[None]
-    zeros = jnp.zeros((bsz, self.block_size), jnp.int32)
     s = state.k.shape[3]
-    by_window = {w: visibility(positions, zeros, jnp.broadcast_to(p[:, None], positions.shape), s,
-                               positions, zeros, w) for w in set(self._windows())}
+    by_window = {w: visibility(p[:, None], s, self.block_size, w) for w in set(self._windows())}
     return self._layers(params, x, positions, state.k, state.v,
                         [by_window[w] for w in self._windows()])
 
@@ -544,5 +548,5 @@ def is_dflash(drafter) -> bool:
 
 
 __all__ = ["DFlash", "DFlashState", "default_target_layers", "context_features", "context_kv",
-           "decoder_layer", "visibility", "training_visibility", "layer_config", "init_layers",
+           "decoder_layer", "visibility", "training_visibility", "block_keys", "layer_config", "init_layers",
            "expected_shapes"]
