@@ -430,8 +430,9 @@ class DFlash(Drafter):
 
     The layers are normal(init_std), the norms 1 except the output norm (the target's final
     norm, so the first logits have the target's scale), fc the identity on the last captured
-    layer plus normal(init_std), the learned mask embedding (mask_token_id None) the target's
-    mean token embedding. target_layers default to `default_target_layers(L, num_layers)`; the
+    layer plus normal(init_std), the learned mask embedding (mask_token_id None) zero (a mask
+    slot starts as the attention average of what it sees: a 4x lower first loss on stories260K
+    than the target's mean embedding, which makes every slot confidently wrong). target_layers default to `default_target_layers(L, num_layers)`; the
     other options rebuild a saved or loaded drafter's exact shape."""
     if kw:
       raise ValueError(f"unknown DFlash option(s): {', '.join(sorted(kw))}")
@@ -451,7 +452,7 @@ class DFlash(Drafter):
         "norm": jnp.asarray(target.params["final_norm"], jnp.float32),
     }
     if mask_token_id is None:
-      params["mask_embed"] = jnp.mean(jnp.asarray(target.params["embed"], jnp.float32), axis=0)
+      params["mask_embed"] = jnp.zeros((d,), jnp.float32)
     return cls(params, tc, cfg, layers, block_size, layer_types, sliding_window, mask_token_id,
                greedy_drafts)
 
