@@ -606,6 +606,21 @@ def test_widened_drafter_drafts_the_same(trained):
   assert a.tokens == b.tokens and a.stats.accepted_at == b.stats.accepted_at
 
 
+def test_widen_cli_widens_a_dflash_drafter_with_its_target(trained, tmp_path, capsys):
+  from spec_jax.tools import widen as cli
+  _, drafter, stories, tmp = trained
+  out = tmp_path / "wide"
+  rc = cli.main([str(SHARED / "models" / "stories260K"), str(out), "--hidden-size", "128",
+                 "--intermediate-size", "256", "--num-layers", "6", "--head-dim", "16",
+                 "--heads", str(tmp / "run")])
+  printed = capsys.readouterr().out
+  assert rc == 0, printed
+  assert "dflash heads for" in printed and "max |draft logit diff| vs the source heads" in printed
+  wide = sj.load(out)
+  back = sj.drafters.load(out / "heads", wide)
+  assert back.kind == "dflash" and back.layer_config.head_dim == 16
+
+
 def test_bench_spec_loads_dflash_drafters(trained):
   from spec_jax.bench import specs
   _, drafter, stories, tmp = trained
