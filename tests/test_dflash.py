@@ -528,6 +528,26 @@ def test_the_lossless_check_catches_a_wrong_q():
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 
 
+def test_dflash_stays_in_sync_across_plain_rounds(tmp_path, monkeypatch):
+  """tests/test_governor.py's check: greedy tokens through the governed loop with K forced to
+  0, 3, 1, 0, 0, 2, ... equal plain greedy, and the drafter then proposes what a drafter freshly
+  initialised on the committed tokens proposes (plain rounds commit [B, 1] verifies)."""
+  from spec_jax import governor as governor_lib
+  from tests import test_governor as tg
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  governor_lib.clear_memory()
+  d = DFlash.init(tg.greedy_target(), key=jax.random.key(5), block_size=4, num_layers=2,
+                  target_layers=(0, 2), init_std=0.3)
+  tokens, lengths, carried, fresh, k_hist, _, drafted = tg.rounds_then_drafts(d, tg.SCHEDULE, 11)
+  np.testing.assert_array_equal(k_hist, [6, 2, 1, 2])
+  np.testing.assert_allclose(carried, fresh, atol=2e-5, rtol=1e-4)
+  plain = tg.plain_greedy()
+  for b, prompt in enumerate(tg.PROMPTS):
+    new = tokens[b, len(prompt):lengths[b]].tolist()
+    assert new == plain[b][:len(new)], (b, new, plain[b])
+  assert drafted.sum() > 0
+
+
 # ----------------------------------------------------------------------------- trained on stories
 
 def _train_config(tmp_path, **sections):
