@@ -100,18 +100,26 @@ def context_features(params, layer_hidden, eps: float):
   return rms_norm(_dense(cat, params["fc"]), params["hidden_norm"], eps)
 
 
+def layer_params(layers, i: int) -> dict:
+  """Layer i's params from the stacked ([N, ...] leaves) or unstacked (a list) layout."""
+  if isinstance(layers, (list, tuple)):
+    return layers[i]
+  return jax.tree.map(lambda w: w[i], layers)
+
+
 def context_kv(cfg: ModelConfig, layers, feats, positions, inv_freq):
   """Every layer's context keys and values -> (k, v) float32 [N, B, Hkv, T, Dh].
 
-  layers: the stacked layer params ([N, ...] leaves); feats [B, T, D]; positions int32 [B, T]."""
+  layers: the layer params (`layer_params`); feats [B, T, D]; positions int32 [B, T]."""
   b, t, _ = feats.shape
   hkv, dh = cfg.num_kv_heads, cfg.head_dim
   ks, vs = [], []
   for i in range(cfg.num_layers):
-    k = _dense(feats, layers["wk"][i]).reshape(b, t, hkv, dh)
-    k = apply_rope(rms_norm(k, layers["k_norm"][i], cfg.rms_norm_eps), positions, inv_freq)
+    lp = layer_params(layers, i)
+    k = _dense(feats, lp["wk"]).reshape(b, t, hkv, dh)
+    k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
     ks.append(jnp.swapaxes(k, 1, 2))
-    vs.append(jnp.swapaxes(_dense(feats, layers["wv"][i]).reshape(b, t, hkv, dh), 1, 2))
+    vs.append(jnp.swapaxes(_dense(feats, lp["wv"]).reshape(b, t, hkv, dh), 1, 2))
   return jnp.stack(ks), jnp.stack(vs)
 
 
@@ -294,8 +302,8 @@ class DFlash(Drafter):
     """The N layers; masks: per layer (ctx_visible, blk_visible). Returns norm(x) [B, Q, D]."""
     cfg, inv_freq = self.layer_config, self._inv_freq
     for i in range(cfg.num_layers):
-      lp = jax.tree.map(lambda w: w[i], params["layers"])
-      x = decoder_layer(cfg, lp, x, positions, ctx_k[i], ctx_v[i], *masks[i], inv_freq)
+      x = decoder_layer(cfg, layer_params(params["layers"], i), x, positions, ctx_k[i],
+                        ctx_v[i], *masks[i], inv_freq)
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
   def logits(self, params, target_params, hidden):
@@ -343,6 +351,14 @@ class DFlash(Drafter):
     return out.reshape(bsz, a, self.block_size, -1)
 
   # ----------------------------------------------------------------------- drafter interface
+
+  def prepare(self, params):
+    """The layers unstacked, once per generate() call: inside the decode loop XLA:CPU would
+    copy every static slice of a stacked weight each round (transformer.unstack_layers)."""
+    if isinstance(params["layers"], (list, tuple)):
+      return params
+    n = self.layer_config.num_layers
+    return dict(params, layers=[layer_params(params["layers"], i) for i in range(n)])
 
   def _write_context(self, params, state: DFlashState, layer_hidden, offsets):
     """Writes the context K/V of T committed tokens at slots offsets[b] .. offsets[b] + T - 1
