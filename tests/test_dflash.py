@@ -507,15 +507,16 @@ def test_dflash_is_lossless(mode, setting):
 
 
 class WrongSlotQ(DFlash):
-  """Reports slot k+1's distribution as slot k's q (drafts still drawn from the true q_k):
-  a verifier fed that q accepts with the wrong ratio, and the check must see it."""
+  """Reports slot k+1's distribution as slot k's q (the last slot's: slot 1's), shifted by one
+  token (drafts still drawn from the true q_k): a verifier fed that q accepts with the wrong
+  ratio, and the check must see it."""
 
   def _static_key(self):
     return ("WrongSlotQ",) + super()._static_key()
 
   def propose(self, params, state, ctx):
     drafts, q, state = super().propose(params, state, ctx)
-    return drafts, jnp.roll(q, -1, axis=1), state
+    return drafts, jnp.roll(jnp.roll(q, -1, axis=1), 1, axis=-1), state
 
 
 @pytest.mark.slow   # one more 40k-row generate
