@@ -59,7 +59,9 @@ def loop_fn(config):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--model", default="widened:../shared/models/stories260K")
-  ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+  ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
+                  help="bfloat16, float32, or bf16-weights (bf16 weights, float32 activations "
+                  "and KV cache: config.dtype float32 with bf16 params)")
   ap.add_argument("--orientations", nargs="+", default=list(layout.ORIENTATIONS))
   ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 3, 5, 9, 17])
   ap.add_argument("--batch", type=int, default=1)
@@ -73,8 +75,10 @@ def main(argv=None):
   base = load_model(args.model)
   runs, meta = {}, {}
   for dtype in args.dtypes:
-    config = base.config.replace(dtype=dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype), base.params)
+    act = "float32" if dtype == "bf16-weights" else dtype
+    wdt = "bfloat16" if dtype == "bf16-weights" else dtype
+    config = base.config.replace(dtype=act)
+    params = jax.tree.map(lambda x: x.astype(wdt), base.params)
     fn = loop_fn(config)
     for orient in args.orientations:
       p = prepared(params, orient)

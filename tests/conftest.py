@@ -28,7 +28,8 @@ def need_shared(*parts):
 # The longest files first: with two xdist workers taking whole files (--dist loadfile), a long
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
 # Rough single-worker minutes on the 2-core CI machine, longest first.
-_LONG_FILES = ("test_multiprocess.py", "test_tree.py", "test_heads.py", "test_lossless.py",
+_LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_dflash.py",
+               "test_gemma_assistant.py", "test_heads.py", "test_lossless.py",
                "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
                "test_eval.py", "test_bench.py")
 

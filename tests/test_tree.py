@@ -160,8 +160,9 @@ def _build(q_tables, spec, batch, key, **kw):
 
   sampling = sj.Sampling(temperature=jnp.ones((batch,)), top_k=jnp.zeros((batch,), jnp.int32),
                          top_p=jnp.ones((batch,)))
+  kind = "topk" if spec.candidates == "auto" else spec.candidates
   return tree_lib.build_dynamic_tree(root, expand, (), spec, key=key, sampling=sampling,
-                                     candidates=spec.candidates, **kw)[0]
+                                     candidates=kind, **kw)[0]
 
 
 def _complete(emitted, n, tables, length, rng):

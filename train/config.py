@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp", "dflash")
 
 DEFAULTS = {
     "target": None,            # path of the frozen target (sj.load)
@@ -25,16 +25,22 @@ DEFAULTS = {
         "model": None,         # the frozen target's heads / MLP / vocabulary over this many
     },                         # data x model = every device of every process
     "head": {
-        "kind": "eagle",       # medusa | eagle | eagle3 | eagle3_fused | mtp
+        "kind": "eagle",       # medusa | eagle | eagle3 | eagle3_fused | mtp | dflash
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
+                               # (DFlash: <= block_size - 1)
         "intermediate_size": None,   # EAGLE/EAGLE-3/MTP layer MLP width (None: the target's)
         "num_heads": None,     # attention heads of the head's layer (None: the target's)
-        "target_layers": None,  # EAGLE-3 captured layers, as layer-output indices (None: the
-                               # public default (1, L//2-1, L-4) = inputs of (2, L//2, L-3))
+        "target_layers": None,  # EAGLE-3 / DFlash captured layers, as layer-output indices
+                               # (None: EAGLE-3's public default (1, L//2-1, L-4) = inputs of
+                               # (2, L//2, L-3); DFlash's spread from layer 1 to L-3)
         "draft_vocab_size": None,  # EAGLE-3 draft vocabulary: the N most frequent target tokens
                                    # of the training data (None: the whole vocabulary)
         "init_std": 0.02,      # random init scale of the head's layer
         "medusa_layers": 1,    # residual SiLU blocks per Medusa head
+        "block_size": 8,       # DFlash: b, the block (the last committed token + b-1 masks)
+        "num_layers": 1,       # DFlash: drafter decoder layers
+        "mask_token_id": None,  # DFlash: a reserved target id for the mask slots (None: a
+                                # learned mask embedding, for targets without a spare id)
     },
     "data": {
         "sources": ["generated"],   # generated (self-distillation) and/or text (dev.txt)
@@ -46,6 +52,10 @@ DEFAULTS = {
         "gen_batch": 64,       # rows per sj.generate call
         "text_paragraphs": 0,  # dev.txt paragraphs for the text source (0: all)
         "window": 64,          # training window T
+        "regenerate": False,   # text source: keep each paragraph's first prompt_tokens tokens
+                               # and let the target rewrite the rest (as long as the original,
+                               # at `temperatures`; cached): training on target-regenerated
+                               # responses instead of the written text
         "cache_dir": "runs/cache",
     },
     "train": {
@@ -63,6 +73,9 @@ DEFAULTS = {
         "ce_weight": 1.0,      # soft cross-entropy against the target (EAGLE: 0.1)
         "feature_noise": 0.0,  # uniform noise on teacher features (EAGLE's robustness trick)
         "frozen": [],          # top-level head params kept at their init (e.g. [lm_head])
+        "num_anchors": 16,     # DFlash: blocks per training window (anchors a, a + 1 < T)
+        "loss_gamma": None,    # DFlash: slot k's weight exp(-(k-1)/gamma) (None: 7 for
+                               # b >= 16, 4 for b >= 8, b/2 below)
         "checkpoint_every": 200,
         "log_every": 25,
         "stop_after": None,    # test hook: stop (as if killed) after this step's checkpoint
@@ -76,6 +89,8 @@ DEFAULTS = {
         "num_draft": None,     # None: head.num_draft
         "temperatures": [0.0, 1.0],
         "before": True,        # also measure the untrained heads
+        "trees": [],           # also measure the trained heads with these trees, "D,k,N[,C]"
+                               # (C: topk | sampled | distinct; greedy rows use top-k)
     },
 }
 
@@ -155,6 +170,19 @@ def validate(cfg: dict) -> dict:
   if bad or not sources:
     raise ValueError(f"data.sources must be a non-empty list of 'generated' / 'text', got "
                      f"{sources!r}")
+  if not isinstance(cfg["data"]["regenerate"], bool):
+    raise ValueError(f"data.regenerate must be true or false, got {cfg['data']['regenerate']!r}")
+  if cfg["data"]["regenerate"] and "text" not in sources:
+    raise ValueError("data.regenerate rewrites the text source's responses: add 'text' to "
+                     "data.sources (or set data.regenerate: false)")
+  trees = cfg["eval"]["trees"]
+  if isinstance(trees, str):
+    trees = cfg["eval"]["trees"] = [trees]
+  if not isinstance(trees, list):
+    raise ValueError(f"eval.trees must be a list of 'D,k,N[,candidates]' strings, got {trees!r}")
+  from spec_jax.tree import parse_tree_spec
+  for tree in trees:
+    parse_tree_spec(tree)
   if "heldout" in pathlib.Path(str(cfg["data"]["dev_path"])).name:
     raise ValueError(f"data.dev_path {cfg['data']['dev_path']!r} looks like the held-out split: "
                      "held-out text is for evaluation only")
@@ -174,6 +202,8 @@ def validate(cfg: dict) -> dict:
       raise ValueError(f"head.draft_vocab_size applies to EAGLE-3 heads, not {kind}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(f"head.draft_vocab_size must be None or an integer >= 1, got {n!r}")
+  if kind == "dflash":
+    _check_dflash(cfg)
   if kind == "medusa" and t["ttt_steps"] != 1:
     raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
   _check_mesh(cfg)
@@ -181,6 +211,25 @@ def validate(cfg: dict) -> dict:
   if not isinstance(w, int) or w < cfg["head"]["num_draft"] + 3:
     raise ValueError(f"data.window must be an integer >= num_draft + 3, got {w!r}")
   return cfg
+
+
+def _check_dflash(cfg: dict) -> None:
+  h, t = cfg["head"], cfg["train"]
+  for name, low in (("block_size", 2), ("num_layers", 1)):
+    v = h[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+      raise ValueError(f"head.{name} must be an integer >= {low} for DFlash, got {v!r}")
+  if h["num_draft"] > h["block_size"] - 1:
+    raise ValueError(f"head.num_draft={h['num_draft']}: a DFlash block of {h['block_size']} "
+                     f"drafts at most block_size - 1 = {h['block_size'] - 1} tokens")
+  n = t["num_anchors"]
+  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    raise ValueError(f"train.num_anchors must be an integer >= 1, got {n!r}")
+  g = t["loss_gamma"]
+  if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g <= 0):
+    raise ValueError(f"train.loss_gamma must be a positive number or null, got {g!r}")
+  if t["ttt_steps"] != 1:
+    raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not DFlash")
 
 
 def _check_mesh(cfg: dict) -> None:

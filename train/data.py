@@ -3,6 +3,10 @@
 - generated (self-distillation): the first `prompt_tokens` tokens of dev.txt paragraphs are
   continued by the target itself with sj.generate (batched, temperatures cycled over rows).
 - text: dev.txt paragraphs (teacher forcing; labels are the target's soft predictions anyway).
+  With `regenerate: true` each paragraph keeps its first `prompt_tokens` tokens and the target
+  rewrites the rest, as many tokens as the paragraph had (or fewer, where it ends its story),
+  at `temperatures` cycled over the paragraphs: the regenerated responses EAGLE and DFlash are
+  trained on (the same prompts and token budget as the written text, in the target's words).
 
 Sequences are packed into one token stream and cut into non-overlapping windows [N, T]. The
 generated tokens are cached on disk (npz, written atomically) under a key that hashes the
@@ -69,6 +73,52 @@ def generate_sequences(target, prompts: list, gen_tokens: int, temperatures, bat
   return out
 
 
+def regenerate_responses(target, seqs: list, prompt_tokens: int, temperatures, batch: int,
+                         seed: int, log=None) -> list:
+  """Each sequence's first prompt_tokens tokens, then the target's own continuation of them
+  for as many tokens as the sequence had after them (cut at the target's end of text).
+
+  Sequences no longer than the prompt are kept as they are. Rows are generated longest first
+  in batches of `batch`, each batch to its longest response rounded up to 32 tokens (few
+  compiled shapes), temperatures cycled over the sequences in their given order."""
+  temps = [float(temperatures[i % len(temperatures)]) for i in range(len(seqs))]
+  out = [list(s) for s in seqs]
+  todo = sorted((i for i, s in enumerate(seqs) if len(s) > prompt_tokens),
+                key=lambda i: -len(seqs[i]))
+  for start in range(0, len(todo), batch):
+    idx = todo[start:start + batch]
+    rows = [list(seqs[i][:prompt_tokens]) for i in idx]
+    t = [temps[i] for i in idx]
+    want = [len(seqs[i]) - prompt_tokens for i in idx]
+    pad = batch - len(rows)
+    rows, t = rows + [rows[0]] * pad, t + [t[0]] * pad
+    new = -(-max(want) // 32) * 32
+    res = sj.generate(target, rows, max_new_tokens=new,
+                      sampling=sj.Sampling(np.asarray(t, np.float32)),
+                      key=jax.random.fold_in(jax.random.key(seed), start))
+    for j, i in enumerate(idx):
+      out[i] = rows[j] + list(res.tokens[j][:want[j]])
+    if log:
+      log(f"regenerated {min(start + batch, len(todo))}/{len(todo)} responses")
+  return out
+
+
+def _cached(path: pathlib.Path, make, log, what: str) -> list:
+  """The token sequences cached at `path` (npz: tokens + offsets), or make() them and cache."""
+  if path.is_file():
+    z = np.load(path)
+    tokens, offsets = z["tokens"], z["offsets"]
+    seqs = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    log(f"data: {len(seqs)} cached {what} from {path}")
+    return seqs
+  seqs = make()
+  offsets = np.cumsum([0] + [len(s) for s in seqs])
+  _save_npz_atomic(path, tokens=np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+                   offsets=offsets)
+  log(f"data: {len(seqs)} {what} cached in {path}")
+  return seqs
+
+
 def pack_windows(seqs: list, window: int) -> np.ndarray:
   stream = np.concatenate([np.asarray(s, np.int32) for s in seqs])
   n = len(stream) // window
@@ -90,24 +140,28 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
     gen_cfg["seed"] = seed
     key = data_key(fingerprint_sha, gen_cfg)
     path = pathlib.Path(data_cfg["cache_dir"]) / f"generated_{key}.npz"
-    if path.is_file():
-      z = np.load(path)
-      tokens, offsets = z["tokens"], z["offsets"]
-      gen = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
-      log(f"data: {len(gen)} cached continuations from {path}")
-    else:
+
+    def make():
       prompts = [target.encode(p)[:data_cfg["prompt_tokens"]]
                  for p in paragraphs[:data_cfg["num_prompts"]]]
-      gen = generate_sequences(target, prompts, data_cfg["gen_tokens"],
-                               list(data_cfg["temperatures"]), data_cfg["gen_batch"], seed, log)
-      offsets = np.cumsum([0] + [len(s) for s in gen])
-      _save_npz_atomic(path, tokens=np.concatenate([np.asarray(s, np.int32) for s in gen]),
-                       offsets=offsets)
-      log(f"data: {len(gen)} continuations cached in {path}")
+      return generate_sequences(target, prompts, data_cfg["gen_tokens"],
+                                list(data_cfg["temperatures"]), data_cfg["gen_batch"], seed, log)
+
+    gen = _cached(path, make, log, "continuations")
     seqs += gen
   if "text" in data_cfg["sources"]:
     n = data_cfg["text_paragraphs"] or len(paragraphs)
-    seqs += [target.encode(p) for p in paragraphs[:n]]
+    text = [target.encode(p) for p in paragraphs[:n]]
+    if data_cfg.get("regenerate"):
+      regen_cfg = {k: data_cfg[k] for k in ("dev_path", "text_paragraphs", "prompt_tokens",
+                                            "temperatures", "gen_batch")}
+      regen_cfg.update(seed=seed, regenerate=True)
+      path = pathlib.Path(data_cfg["cache_dir"]) / \
+          f"regenerated_{data_key(fingerprint_sha, regen_cfg)}.npz"
+      text = _cached(path, lambda: regenerate_responses(
+          target, text, data_cfg["prompt_tokens"], list(data_cfg["temperatures"]),
+          data_cfg["gen_batch"], seed, log), log, "regenerated paragraphs")
+    seqs += text
   windows = pack_windows(seqs, data_cfg["window"])
   log(f"data: {windows.shape[0]} windows of {windows.shape[1]} tokens "
       f"({windows.size} tokens)")

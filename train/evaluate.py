@@ -14,13 +14,14 @@ def heldout_prompts(target, path, num_prompts: int, prompt_tokens: int) -> list:
 
 
 def measure(target, drafter, prompts, num_draft: int, temperatures, max_new_tokens: int,
-            seed: int = 0) -> dict:
-  """{temperature: {"alpha", "tau", "accepted_at"}} from sj.generate with `drafter`."""
+            seed: int = 0, tree=None) -> dict:
+  """{temperature: {"alpha", "tau", "accepted_at"}} from sj.generate with `drafter` (a chain of
+  num_draft, or `tree`, an sj.TreeSpec)."""
   out = {}
   for t in temperatures:
     res = sj.generate(target, prompts, drafter=drafter, num_draft=num_draft,
                       max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=float(t)),
-                      key=jax.random.key(seed))
+                      key=jax.random.key(seed), tree=tree)
     s = res.stats
     out[float(t)] = {"alpha": s.acceptance_rate, "tau": s.mean_accepted_length,
                      "accepted_at": list(s.accepted_at), "rounds": s.rounds}
@@ -36,5 +37,5 @@ def format_table(kind: str, num_draft: int, rows: dict) -> str:
   for name, r in rows.items():
     cells = "".join(f" | {r[t]['alpha']:>12.3f} {r[t]['tau']:>6.2f}" if t in r else
                     f" | {'-':>12} {'-':>6}" for t in temps)
-    lines.append(f"{name:8}{cells}")
+    lines.append(f"{name:8}{cells}" if len(name) <= 8 else f"{name}\n{'':8}{cells}")
   return "\n".join(lines)

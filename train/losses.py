@@ -13,6 +13,12 @@ the target would sample; greedy acceptance needs the argmax, which the soft labe
              Model.forward: target_head[..., t2d], position_mask = t2d[argmax] * loss_mask)
   MTP        as EAGLE-3 with the full vocabulary (feature = the target's pre-norm last layer
              output)
+  DFlash     sum_{a,k} w_k CE(p_{a+k-1}, slot k of the block anchored at a) / sum w_k over
+             A random anchors per window run in one pass (`DFlash.training_hidden`'s block
+             mask), w_k = exp(-(k-1)/gamma) for slots k = 1..b-1 (slot 0, the anchor's own
+             token, is not a draft); p_{a+k-1} is the target's distribution of token a+k given
+             the real prefix, whose average over the data is the marginal slot k must learn
+             (DFlash paper's position-decayed loss; SpecForge `OnlineDFlashModel.forward`)
 
 Each returns (loss, metrics) with metrics["agree"] [steps or heads] = top-1 agreement with the
 target's argmax per draft position.
@@ -97,3 +103,41 @@ def feature_head_loss(head, params, target_params, tokens, hidden, layer_hidden,
       step_loss = step_loss + cfg["feature_weight"] * smooth_l1(o, teacher[:, 1:], mask)
     loss = loss + cfg["step_decay"] ** (s - 1) * step_loss
   return loss, {"agree": jnp.stack(agree)}
+
+
+def dflash_gamma(block_size: int, gamma=None) -> float:
+  """The slot-weight decay: `gamma` when given, else 7 for b >= 16, 4 for b >= 8, b/2 below
+  (the DFlash paper's choices for b = 16 and 8)."""
+  if gamma is not None:
+    return float(gamma)
+  return 7.0 if block_size >= 16 else 4.0 if block_size >= 8 else max(block_size / 2, 1.0)
+
+
+def sample_anchors(key, batch: int, seq_len: int, num_anchors: int):
+  """int32 [B, A] distinct anchors per row, uniform over 0 .. T-2 (a and a+1 in the window),
+  sorted; A = min(num_anchors, T-1)."""
+  a = min(num_anchors, seq_len - 1)
+  u = jax.random.uniform(key, (batch, seq_len - 1))
+  return jnp.sort(jnp.argsort(u, axis=1)[:, :a], axis=1).astype(jnp.int32)
+
+
+def dflash_loss(head, params, target_params, tokens, layer_hidden, target_probs, cfg, key):
+  """DFlash's block-masked multi-anchor loss (module docstring). target_probs [B, T, V]."""
+  b, t = tokens.shape
+  bs = head.block_size
+  anchors = sample_anchors(key, b, t, cfg["num_anchors"])                     # [B, A]
+  hidden = head.training_hidden(params, target_params, tokens, layer_hidden, anchors)
+  logits = head.logits(params, target_params, hidden[:, :, 1:])               # [B, A, b-1, V]
+  k = jnp.arange(1, bs, dtype=jnp.int32)
+  label_pos = anchors[:, :, None] + k[None, None]                             # token a + k
+  valid = (label_pos < t).astype(jnp.float32)
+  rows = jnp.arange(b)[:, None, None]
+  p = target_probs[rows, jnp.minimum(label_pos - 1, t - 1)]                  # p_{a+k-1}
+  w = jnp.exp(-(k - 1).astype(jnp.float32) / dflash_gamma(bs, cfg["loss_gamma"]))
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  ce = -jnp.sum(p * logp, axis=-1)                                            # [B, A, b-1]
+  weight = valid * w
+  loss = cfg["ce_weight"] * jnp.sum(ce * weight) / jnp.maximum(jnp.sum(weight), 1e-6)
+  same = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)).astype(jnp.float32)
+  agree = jnp.sum(same * valid, axis=(0, 1)) / jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)
+  return loss, {"agree": agree}

@@ -5,8 +5,10 @@ Models: a Hugging Face folder, a llama2.c folder or .bin (anything `sj.load` rea
 tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.models.widen` to
 hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
 exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
-heads of MODEL (`heads:PATH`) are widened with it. Drafters: `none`, `ngram`, `ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel),
-`heads:PATH` (trained heads). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
+heads of MODEL (`heads:PATH`, `dflash:PATH`) are widened with it. Drafters: `none`, `ngram`,
+`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `heads:PATH` (trained heads), `dflash:PATH` (a
+DFlash block drafter: trained here or a published DFlash folder). A pair is `TARGET@DRAFTER`;
+`default` is DEFAULT_PAIRS.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ RANDOM_MODELS = {
                        max_position_embeddings=512, rms_norm_eps=1e-5),
 }
 
-DRAFTER_SPECS = "none, ngram, ngram:MAX[:MIN], draft:MODEL or heads:PATH"
+DRAFTER_SPECS = "none, ngram, ngram:MAX[:MIN], draft:MODEL, heads:PATH or dflash:PATH"
 WIDENED_DEFAULT = (768, 2048, 12)
 _WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
 
@@ -73,11 +75,11 @@ def drafter_label(spec: str) -> str:
   if spec in ("none", "", None):
     return "none"
   kind, _, arg = spec.partition(":")
-  if kind == "heads" and arg:
+  if kind in ("heads", "dflash") and arg:
     # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
     path = pathlib.Path(arg.rstrip("/"))
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
-    return f"heads:{name}"
+    return f"{kind}:{name}"
   if kind == "draft" and arg:
     return f"{kind}:{model_label(arg)}"
   return spec
@@ -153,9 +155,10 @@ def check_drafter_spec(spec: str) -> None:
     except ValueError:
       raise ValueError(f"bad drafter {spec!r}: ngram takes integers, ngram:MAX[:MIN]") from None
     return
-  if kind in ("draft", "heads"):
+  if kind in ("draft", "heads", "dflash"):
     if not arg:
-      what = "draft model (path or random:NAME)" if kind == "draft" else "trained heads' directory"
+      what = {"draft": "draft model (path or random:NAME)", "heads": "trained heads' directory",
+              "dflash": "DFlash drafter's directory"}[kind]
       raise ValueError(f"drafter {kind}:{'MODEL' if kind == 'draft' else 'PATH'} needs the {what}")
     return
   raise ValueError(f"unknown drafter {spec!r}; use {DRAFTER_SPECS}")
@@ -181,9 +184,14 @@ def make_drafter(spec: str, target, seed: int = 0):
     # Heads trained on the source of a widened:... target: load them for the source, then
     # widen them with it (the same drafts, exactly).
     source = widened[0]
-    heads = sj.drafters.load(str(resolve_path(arg)), source)
-    return sj.drafters.widen_heads(heads, source, target)
-  return sj.drafters.load(str(resolve_path(arg)), target)
+    drafter = sj.drafters.widen_heads(sj.drafters.load(str(resolve_path(arg)), source), source,
+                                      target)
+  else:
+    drafter = sj.drafters.load(str(resolve_path(arg)), target)
+  if kind == "dflash" and getattr(drafter, "kind", None) != "dflash":
+    raise ValueError(f"drafter {spec!r}: {arg} holds {getattr(drafter, 'kind', '?')} heads, not "
+                     f"a DFlash drafter; use heads:{arg}")
+  return drafter
 
 
 def draft_model_of(drafter):

@@ -10,8 +10,9 @@ A saved head is a folder:
 `load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
 that says what differs (the config, and which fields, or the weights). `load` on a public
 EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
-(`spec_jax.drafters.eagle3_format`); on a Hugging Face folder whose checkpoint carries MTP
-weights, that native MTP head; on a Gemma 4 assistant folder, that drafter
+(`spec_jax.drafters.eagle3_format`); on a published DFlash folder (`DFlashDraftModel`), that
+block drafter (`spec_jax.drafters.dflash_format`); on a Hugging Face folder whose checkpoint
+carries MTP weights, that native MTP head; on a Gemma 4 assistant folder, that drafter
 (`spec_jax.drafters.gemma4_assistant`).
 """
 
@@ -36,14 +37,15 @@ _IGNORED_FIELDS = ("attention_impl",)
 
 
 def _kinds():
+  from spec_jax.drafters.dflash import DFlash
   from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
   from spec_jax.drafters.medusa import Medusa
   from spec_jax.drafters.mtp import MTP
   return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused,
-          "mtp": MTP}
+          "mtp": MTP, "dflash": DFlash}
 
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp")
+HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp", "dflash")
 
 
 def config_fields(config) -> dict:
@@ -105,7 +107,7 @@ def _this_process_only(ocp):
 
 
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
-  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / EAGLE3Fused / MTP) trained for `target` into folder `path`."""
+  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / EAGLE3Fused / MTP / DFlash) trained for `target` into folder `path`."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -133,7 +135,7 @@ def build(kind: str, target, hyper_params: dict, key=None, **options):
   if kind not in kinds:
     raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
   hp = dict(hyper_params)
-  if kind == "eagle3":     # rebuilt from every saved shape option (EAGLE3.init checks them)
+  if kind in ("eagle3", "dflash"):     # rebuilt from every saved shape option (init checks them)
     return kinds[kind].init(target, key=key, **hp, **options)
   if kind == "medusa":
     return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")),
@@ -157,9 +159,10 @@ def load(path, target, greedy_drafts: bool = False):
 
   `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
   `heads/`; or a public EAGLE-3 folder (config.json with architectures
-  ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a Hugging Face folder
-  whose checkpoint carries MTP weights (its native head); or a Gemma 4 assistant folder
-  (model_type "gemma4_assistant", spec_jax.drafters.gemma4_assistant).
+  ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a published DFlash
+  folder (architectures ["DFlashDraftModel"], `spec_jax.drafters.dflash_format`); or a Hugging
+  Face folder whose checkpoint carries MTP weights (its native head); or a Gemma 4 assistant
+  folder (model_type "gemma4_assistant", spec_jax.drafters.gemma4_assistant).
   Raises ValueError when `target` differs from the model the heads were trained on.
   """
   import orbax.checkpoint as ocp
@@ -168,15 +171,17 @@ def load(path, target, greedy_drafts: bool = False):
     path = path / "heads"
   if not (path / META).is_file():
     if (path / "config.json").is_file():
-      from spec_jax.drafters import eagle3_format, gemma4_assistant_hf
+      from spec_jax.drafters import dflash_format, eagle3_format, gemma4_assistant_hf
       if gemma4_assistant_hf.is_assistant_folder(path):
         return gemma4_assistant_hf.load(path, target, greedy_drafts=greedy_drafts)
       if eagle3_format.is_eagle3_folder(path):
         return eagle3_format.load_eagle3(path, target, greedy_drafts=greedy_drafts)
+      if dflash_format.is_dflash_folder(path):
+        return dflash_format.load_dflash(path, target, greedy_drafts=greedy_drafts)
       return _load_native_mtp(path, target, greedy_drafts)
     raise ValueError(f"{path}: no {META} (not a folder saved by train.distill_heads) and no "
-                     "config.json (not a public EAGLE-3 folder nor a Hugging Face folder with "
-                     "MTP weights)")
+                     "config.json (not a public EAGLE-3 or DFlash folder nor a Hugging Face "
+                     "folder with MTP weights)")
   try:
     meta = json.loads((path / META).read_text())
   except (OSError, json.JSONDecodeError) as e:

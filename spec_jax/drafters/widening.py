@@ -18,6 +18,9 @@ takes the widened one's; a head with its own choice keeps it (its head_dim grows
 D' / num_heads, as `head_layer_config` builds it). EAGLE-3's target_layers stay the same
 indices: widen puts its extra identity layers after the source's.
 
+A DFlash drafter keeps its own head count and grows head_dim by D'/D: its q/k RMSNorms are
+exact only then (`spec_jax.models.widen.plan`), whatever the target's head shape.
+
 `HEAD_RULES` below is the one place that says how each kind's params widen, by param name.
 A kind whose architecture changes (e.g. a 2D-input attention) changes its entry here.
 """
@@ -34,6 +37,9 @@ from spec_jax.models.widen import LAYER_AXES, NORM, Rule, place, plan
 # [n*D, D]: reads a concatenation of n residual-width vectors, writes one.
 _CONCAT_IN = Rule(("res_blocks", "res"))
 _RES = Rule(("res",))
+
+# Decoder layers stacked on a leading [N] axis (DFlash): N is kept.
+_STACKED_LAYER = {name: Rule((None,) + rule.axes, rule.scale) for name, rule in LAYER_AXES.items()}
 
 # kind -> {param name: Rule, or a {name: Rule} dict for a decoder layer widened by the head
 # layer's own plan}.
@@ -75,6 +81,13 @@ HEAD_RULES = {
         "layer": LAYER_AXES,
         "out_norm": NORM,
     },
+    "dflash": {
+        "fc": _CONCAT_IN,                          # concat(captured layers) -> D
+        "hidden_norm": NORM,                       # normalises the context feature
+        "layers": _STACKED_LAYER,                  # [N, ...] Qwen3 layers (q/k norms)
+        "norm": NORM,
+        "mask_embed": _RES,                        # the learned mask embedding (ours)
+    },
 }
 
 
@@ -85,13 +98,17 @@ def _wide_hyper_params(drafter, source, widened) -> dict:
   if layer_config is None:
     return hp
   src, new = source.config, widened.config
-  hp["num_heads"] = new.num_heads if layer_config.num_heads == src.num_heads \
-      else layer_config.num_heads
+  if drafter.kind == "dflash":     # own heads, head_dim * D'/D: exact q/k norms (docstring)
+    hp["head_dim"] = layer_config.head_dim * new.hidden_size // src.hidden_size
+  else:
+    hp["num_heads"] = new.num_heads if layer_config.num_heads == src.num_heads \
+        else layer_config.num_heads
   hp["intermediate_size"] = new.intermediate_size \
       if layer_config.intermediate_size == src.intermediate_size \
       else layer_config.intermediate_size
   for name in ("num_kv_heads", "head_dim"):   # derived by head_layer_config when rebuilt
-    hp.pop(name, None)
+    if drafter.kind != "dflash":
+      hp.pop(name, None)
   if hp.get("rms_norm_eps") is not None:       # a head's own eps scales like the target's
     hp["rms_norm_eps"] = hp["rms_norm_eps"] * src.hidden_size / new.hidden_size
   return hp

@@ -42,7 +42,8 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
 
   Medusa: [T, K, V], every head at every position. EAGLE / EAGLE-3 / MTP: [steps, T-1, V], the
   head's teacher-forced outputs (step 1) and its own-feature outputs (steps > 1, as when it
-  drafts), through `FeatureHead.unroll`."""
+  drafts), through `FeatureHead.unroll`. DFlash: [T-1, b-1, V], the block anchored at every
+  position but the last (`DFlash.training_hidden`)."""
   import jax.numpy as jnp
   from spec_jax.drafters.medusa import medusa_logits
   from spec_jax.models.transformer import KVCache, forward
@@ -53,6 +54,11 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
                 return_layers=layers)
   if drafter.kind == "medusa":
     return np.asarray(medusa_logits(drafter.params, out.hidden)[0])
+  if drafter.kind == "dflash":
+    anchors = jnp.arange(toks.shape[1] - 1, dtype=jnp.int32)[None]
+    hidden = drafter.training_hidden(drafter.params, model.params, toks, out.layer_hidden,
+                                     anchors)
+    return np.asarray(drafter.logits(drafter.params, model.params, hidden[:, :, 1:])[0])
   feats = drafter.target_feature(drafter.params, out.hidden, out.layer_hidden)
   outs = drafter.unroll(drafter.params, model.params, toks, feats, steps=steps)
   return np.stack([np.asarray(drafter.logits(drafter.params, model.params, o)[0]) for o in outs])

@@ -78,8 +78,9 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
   Returns:
     (DraftTree with N+1 nodes (q set for sampled candidates), carry).
   """
-  if candidates not in CANDIDATES:
-    raise ValueError(f"candidates must be one of {CANDIDATES}, got {candidates!r}")
+  if candidates not in CANDIDATES or candidates == "auto":
+    raise ValueError(f"candidates must be one of {CANDIDATES[1:]} (resolve 'auto' with "
+                     f"TreeSpec.candidates_for), got {candidates!r}")
   b, v = root_logits.shape
   d_max, n = spec.depth, spec.num_nodes
   m = min(spec.top_k, v)
