@@ -37,7 +37,8 @@ def prepared(params, orientation: str):
 
   def prep(p):
     out = dict(p)
-    out["layers"] = layout.fuse_layers(p["layers"], transpose=transpose)
+    out["layers"] = layout.fuse_layers(p["layers"], transpose=transpose,
+                                       chunks=layout.cpu_weight_chunks())
     if transpose and "lm_head" in out:
       out["lm_head_t"] = jnp.swapaxes(out["lm_head"], 0, 1)
       if transpose is True:

@@ -194,3 +194,36 @@ def test_bf16_greedy_tokens_are_argmaxes_within_a_stated_tolerance():
       assert logits.max() - logits[a[j]] <= tol and logits.max() - logits[b[j]] <= tol
   assert checked == 2 * len(ids) * new
   assert np.mean(np.concatenate(decisive)) > 0.75      # the tolerance has teeth (84 %)
+
+
+def test_a_one_row_bf16_product_is_the_first_row_of_two():
+  """On CPU a one-row bf16 product runs as two rows (XLA:CPU's one-row bf16 dot upcasts the
+  whole weight to f32 every call): the same numbers as the direct dot, both orientations."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+  assert matmul.two_rows_for_one(w) == (jax.default_backend() == "cpu")
+  assert not matmul.two_rows_for_one(w.astype(jnp.float32))
+  direct = jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  for got in (matmul.dense(x, w), matmul.dense(x, w.T, transposed=True)):
+    assert got.shape == (1, 1, 96) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(direct, np.float32))
+  hlo = jax.jit(matmul.dense).lower(x, w).compile().as_text()
+  assert "f32[64,96]" not in hlo                       # no upcast copy of the weight
+
+
+@pytest.mark.parametrize("orientation", ["out_in", "in_out", "both"])
+def test_bf16_execution_layouts_give_the_canonical_logits(orientation, monkeypatch):
+  """Every CPU orientation of the bf16 weights gives the canonical params' logits (one row and
+  a verify block; bf16 rounding points are the same, so they agree to a few bf16 ulps)."""
+  from spec_jax.models import layout
+  monkeypatch.setenv("SPEC_JAX_CPU_LAYOUT", orientation)
+  model = target()
+  prepared = jax.jit(layout.prepare_params, static_argnums=1)(model.params, model.config)
+  for tokens in ([[5]], [[5, 9, 1, 7]]):
+    toks = jnp.asarray(tokens, jnp.int32)
+    run = lambda p: sj.forward(p, model.config, toks, sj.KVCache.zeros(model.config, 1, 8),
+                               jnp.zeros((1,), jnp.int32)).logits
+    want, got = np.asarray(run(model.params)), np.asarray(run(prepared))
+    np.testing.assert_allclose(got, want, atol=2 ** -6 * max(1.0, np.abs(want).max()))

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import kernels_pallas
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.gemma_layout import layout
+from spec_jax.models.matmul import activation_dtype
 from spec_jax.sharding import DATA, MODEL
 
 
@@ -57,7 +58,7 @@ class KVCache:
       head_major = default_head_major(config)
     l, h, dh = config.num_layers, config.num_kv_heads, config.head_dim
     shape = (l, batch, h, capacity, dh) if head_major else (l, batch, capacity, h, dh)
-    dtype = jnp.dtype(config.dtype)
+    dtype = jnp.dtype(activation_dtype(config))
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), head_major=bool(head_major))
 
   def seq_major(self) -> "KVCache":
@@ -155,7 +156,7 @@ class GemmaKVCache:
     """head_major None: the layout config's attention reads in place (default_head_major)."""
     if head_major is None:
       head_major = default_head_major(config)
-    dtype = jnp.dtype(config.dtype)
+    dtype = jnp.dtype(activation_dtype(config))
     ks, vs = [], []
     for g in layout(config).groups:
       shape = ((g.num_layers, batch, g.num_kv_heads, capacity, g.head_dim) if head_major else

@@ -49,6 +49,7 @@ from spec_jax.models.blocks import ForwardOutput, _attention, apply_rope, lm_hea
 from spec_jax.models.cache import GemmaKVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.gemma_layout import SLIDING
+from spec_jax.models.matmul import activation_dtype
 
 
 def dot(x, w):
@@ -83,7 +84,7 @@ def embed_tokens(params, config, tokens):
   x = jnp.take(table, tokens, axis=0)
   if config.embed_scale:
     x = x * jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(table.dtype)
-  return x.astype(jnp.dtype(config.dtype))
+  return x.astype(jnp.dtype(activation_dtype(config)))
 
 
 def per_layer_inputs(params, config, tokens, x):

@@ -84,10 +84,13 @@ def cpu_weight_chunks() -> int:
 ORIENTATIONS = ("out_in", "in_out", "both")
 
 
+
 def cpu_orientation(config: ModelConfig) -> str:
-  """How projections are stored on CPU: $SPEC_JAX_CPU_LAYOUT (one of ORIENTATIONS), else the
-  fastest measured for the dtype (docs/speed.md, "the one-token step"): "out_in" ([out, in],
-  every row count) for float32."""
+  """How projections are stored on CPU: $SPEC_JAX_CPU_LAYOUT (one of ORIENTATIONS), else
+  [out, in], the fastest in the whole model for both dtypes at every row count of decode and
+  verify but two (scripts/step_layouts.py; docs/speed.md "the one-token step": for the 78M
+  widened model in bf16 15.6 / 15.0 / 18.9 ms at T = 1 / 2 / 5 against 23.7 / 27.2 / 28.4 for
+  [in, out]; in float32 [in, out] is ~10 % faster at T = 1-2 only)."""
   env = os.environ.get("SPEC_JAX_CPU_LAYOUT")
   if env:
     if env not in ORIENTATIONS:

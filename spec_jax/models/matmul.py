@@ -16,6 +16,7 @@ f32 (a full copy of every weight, per call).
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Union
 
 import jax
@@ -55,12 +56,31 @@ def dense(x, w: Union[jax.Array, Sequence[jax.Array]], transposed: bool = False,
   -> [..., out] in out_dtype (default x's dtype), accumulated in float32 for bf16.
 
   With transposed, w may be a tuple of row chunks [out_i, in] (models.layout.fuse_layers'
-  chunks): one dot each, concatenated along out."""
-  contract = 1 if transposed else 0
-  dims = (((x.ndim - 1,), (contract,)), ((), ()))
+  chunks): one dot each, concatenated along out. The product is one rank-2 dot over x's rows
+  (XLA:CPU hands a rank-2 bf16 dot to YNNPACK's GEMM, a rank-3 one [B, T, in] to a path ~2x
+  slower: docs/speed.md), and on CPU a one-row product with low-precision weights is
+  computed as two rows (two_rows_for_one)."""
+  lead = x.shape[:-1]
+  rows = x.reshape(-1, x.shape[-1])          # [rows, in]: a rank-2 dot (see below)
+  pad = rows.shape[0] == 1 and two_rows_for_one(w)
+  if pad:
+    rows = jnp.concatenate([rows, rows], axis=0)
+  dims = (((1,), (1 if transposed else 0,)), ((), ()))
   if isinstance(w, (tuple, list)):
-    return jnp.concatenate([dot_general(x, c, dims, out_dtype) for c in w], axis=-1)
-  return dot_general(x, w, dims, out_dtype)
+    y = jnp.concatenate([dot_general(rows, c, dims, out_dtype) for c in w], axis=-1)
+  else:
+    y = dot_general(rows, w, dims, out_dtype)
+  return (y[:1] if pad else y).reshape(lead + y.shape[-1:])
+
+
+def two_rows_for_one(w) -> bool:
+  """Whether a one-row product with weight(s) w runs as two rows: for bf16 / f16 weights on
+  XLA:CPU, which lowers a one-row bf16 dot to a convert of the whole weight to f32 (a copy,
+  every call) and an f32 GEMV, while two rows take YNNPACK's bf16 GEMM: 48 bf16 768x2048
+  weights cost ~72 ms for one row, ~12 ms for two (scripts/bf16_dots.py; docs/speed.md). The
+  second row is thrown away."""
+  first = w[0] if isinstance(w, (tuple, list)) else w
+  return is_low_precision(first.dtype) and jax.default_backend() == "cpu"
 
 
 def einsum(subscripts: str, a, b, out_dtype=None):
@@ -87,3 +107,16 @@ def pick_weight(lp, name: str, rows: int):
   if plain is not None:
     return plain, False
   return None
+
+
+def activation_dtype(config) -> str:
+  """The dtype of the residual stream, the activations and the KV cache: config.dtype, except
+  bf16 models on CPU, which keep them in float32 ($SPEC_JAX_CPU_ACTIVATIONS=model keeps bf16).
+  Their weights stay bf16 and every dot takes bf16 operands with f32 accumulation, as on GPU
+  and TPU; XLA:CPU's bf16 elementwise work (norms, RoPE, residual adds and the casts between)
+  cost a bf16 forward of the 78M widened model 1.5-5 ms of 15-24 (scripts/step_layouts.py
+  --dtypes bfloat16 bf16-weights; docs/speed.md)."""
+  if (config.dtype == "bfloat16" and jax.default_backend() == "cpu"
+      and os.environ.get("SPEC_JAX_CPU_ACTIVATIONS", "float32") != "model"):
+    return "float32"
+  return config.dtype

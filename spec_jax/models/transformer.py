@@ -33,6 +33,7 @@ from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projec
                                     rms_norm, rope_inv_freq, rope_tables)
 from spec_jax.models.cache import KVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
+from spec_jax.models.matmul import activation_dtype
 
 
 
@@ -111,8 +112,7 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
     positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   inv_freq = rope_inv_freq(config)
   rope = rope_tables(positions, inv_freq)
-  dtype = jnp.dtype(config.dtype)
-  x = embed(params, tokens).astype(dtype)
+  x = embed(params, tokens).astype(activation_dtype(config))
   k_all, v_all = cache.k, cache.v
   wanted = set(int(i) for i in return_layers)
   layer_hidden = {}
