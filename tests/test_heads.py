@@ -6,6 +6,7 @@ the exact target joint (chi-square, alpha 1e-3). Heads get random non-zero weigh
 drafts vary, and the acceptance must lie strictly inside (0.05, 0.98).
 """
 
+import dataclasses
 import functools
 import json
 
@@ -359,6 +360,53 @@ def test_saved_heads_reload_and_refuse_another_target(tmp_path):
     sj.drafters.load(tmp_path / "nothing", target)
 
 
+
+
+def test_heads_load_on_the_bf16_cast_of_their_target_and_nowhere_else(tmp_path):
+  """The same checkpoint in bfloat16 is the same target (compared at bf16 precision); another
+  model's bf16 weights, or an older heads.json without the bf16 checksum, are refused."""
+  target = greedy_target()
+  head = make_head("medusa", target)
+  heads_io.save(tmp_path / "heads", head, target, num_draft=3)
+  back = sj.drafters.load(tmp_path / "heads", target.astype("bfloat16"))
+  for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other = sj.init_model(CFG, jax.random.key(2)).astype("bfloat16")
+  with pytest.raises(ValueError, match="weights differ"):
+    sj.drafters.load(tmp_path / "heads", other)
+  # One weight moved by more than bf16 rounding: refused at bf16 precision.
+  nudged = target.astype("bfloat16")
+  nudged = dataclasses.replace(
+      nudged, params=dict(nudged.params, embed=nudged.params["embed"].at[0, 0].add(1.0)))
+  with pytest.raises(ValueError, match="weights differ"):
+    sj.drafters.load(tmp_path / "heads", nudged)
+  meta_path = tmp_path / "heads" / "heads.json"
+  meta = json.loads(meta_path.read_text())
+  del meta["target"]["sha256_bfloat16"]
+  meta_path.write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match="without a bfloat16 checksum"):
+    sj.drafters.load(tmp_path / "heads", target.astype("bfloat16"))
+  sj.drafters.load(tmp_path / "heads", target)          # the float32 target still loads them
+
+
+def test_heads_saved_before_a_config_field_existed_load_when_it_holds_its_default(tmp_path):
+  target = greedy_target()
+  heads_io.save(tmp_path / "heads", make_head("medusa", target), target, num_draft=3)
+  meta_path = tmp_path / "heads" / "heads.json"
+  meta = json.loads(meta_path.read_text())
+  assert meta["target"]["config"]["norm_plus_one"] is False        # Gemma's field, default off
+  del meta["target"]["config"]["norm_plus_one"]
+  meta_path.write_text(json.dumps(meta))
+  sj.drafters.load(tmp_path / "heads", target)
+  # A missing field is read as its default, not ignored: a target that differs from the
+  # default there is refused.
+  default_eps = sj.ModelConfig.__dataclass_fields__["rms_norm_eps"].default
+  assert target.config.rms_norm_eps == default_eps
+  del meta["target"]["config"]["rms_norm_eps"]
+  meta_path.write_text(json.dumps(meta))
+  other_eps = dataclasses.replace(target, config=target.config.replace(rms_norm_eps=default_eps * 10))
+  with pytest.raises(ValueError, match="config differs.*rms_norm_eps"):
+    sj.drafters.load(tmp_path / "heads", other_eps)
 # ----------------------------------------------------------------------------- native MTP
 
 def _write_qwen3_with_mtp(folder, layout="qwen3_next"):

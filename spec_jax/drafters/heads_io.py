@@ -3,12 +3,15 @@
 A saved head is a folder:
 
     heads.json     metadata (written atomically): format, kind, num_draft (K trained for),
-                   hyper_params, and the target's fingerprint (its ModelConfig fields and the
-                   sha256 over the float32 bytes of every param leaf in tree order)
+                   hyper_params, and the target's fingerprint (its ModelConfig fields, the
+                   sha256 over the float32 bytes of every param leaf in tree order, and the
+                   same over the weights rounded to bfloat16)
     params/        the head's params (an orbax StandardCheckpointer checkpoint)
 
 `load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
-that says what differs (the config, and which fields, or the weights). `load` on a public
+that says what differs (the config, and which fields, or the weights). The same checkpoint in
+another dtype is the same target: heads trained on a float32 target load on its bfloat16 cast
+(the weights are compared at the coarser of the two dtypes). `load` on a public
 EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
 (`spec_jax.drafters.eagle3_format`); on a published DFlash folder (`DFlashDraftModel`), that
 block drafter (`spec_jax.drafters.dflash_format`); on a Hugging Face folder whose checkpoint
@@ -27,6 +30,7 @@ import shutil
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "spec_jax.heads/1"
@@ -57,10 +61,27 @@ def config_fields(config) -> dict:
   return json.loads(json.dumps(out))
 
 
-def weights_sha256(params) -> str:
-  """sha256 over the float32 little-endian bytes of every leaf, in jax.tree order."""
+def _field_defaults(config_type) -> dict:
+  """The JSON form of every ModelConfig field that has a default."""
+  out = {}
+  for f in dataclasses.fields(config_type):
+    if f.default is not dataclasses.MISSING:
+      out[f.name] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[f.name] = f.default_factory()
+  out = {k: v for k, v in out.items() if k not in _IGNORED_FIELDS}
+  return json.loads(json.dumps({k: [list(x) if isinstance(x, tuple) else x for x in v]
+                                if isinstance(v, tuple) else v for k, v in out.items()}))
+
+
+def weights_sha256(params, round_to: Optional[str] = None) -> str:
+  """sha256 over the float32 little-endian bytes of every leaf, in jax.tree order; with
+  round_to="bfloat16", of every floating leaf rounded to bfloat16 first (what a bf16 cast of
+  the same weights hashes to)."""
   h = hashlib.sha256()
   for leaf in jax.tree.leaves(params):
+    if round_to is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
+      leaf = jnp.asarray(leaf).astype(round_to)
     arr = np.ascontiguousarray(np.asarray(leaf, dtype=np.float32))
     h.update(str(arr.shape).encode())
     h.update(arr.astype("<f4").tobytes())
@@ -68,23 +89,39 @@ def weights_sha256(params) -> str:
 
 
 def fingerprint(model) -> dict:
-  """{"config": ModelConfig fields, "sha256": weights checksum} of a Model."""
-  return {"config": config_fields(model.config), "sha256": weights_sha256(model.params)}
+  """{"config": ModelConfig fields, "sha256": weights checksum, "sha256_bfloat16": the checksum
+  of the weights rounded to bfloat16} of a Model."""
+  return {"config": config_fields(model.config), "sha256": weights_sha256(model.params),
+          "sha256_bfloat16": weights_sha256(model.params, round_to="bfloat16")}
 
 
 def check_fingerprint(saved: dict, model, what: str = "these heads") -> None:
-  """Raises ValueError when `model` is not the target `saved` describes."""
+  """Raises ValueError when `model` is not the target `saved` describes. The dtype is not part
+  of the identity: a float32 target and its bfloat16 cast match at bfloat16 precision."""
   mine = config_fields(model.config)
-  theirs = saved.get("config", {})
-  diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+  # A field added to ModelConfig after the heads were saved held its default then.
+  theirs = {**_field_defaults(type(model.config)), **saved.get("config", {})}
+  diff = sorted(k for k in set(mine) | set(theirs)
+                if k != "dtype" and mine.get(k) != theirs.get(k))
   if diff:
     shown = "; ".join(f"{k}: trained on {theirs.get(k)!r}, given {mine.get(k)!r}"
                       for k in diff[:6])
     raise ValueError(f"{what} were trained on a different target: the config differs ({shown})")
-  sha = weights_sha256(model.params)
-  if sha != saved.get("sha256"):
+  trained_dtype = theirs.get("dtype", model.config.dtype)
+  if trained_dtype == model.config.dtype:
+    sha, want = weights_sha256(model.params), saved.get("sha256")
+  elif trained_dtype == "bfloat16":        # bf16 heads on an f32 target: compare in bf16
+    sha, want = weights_sha256(model.params, round_to="bfloat16"), saved.get("sha256")
+  else:                                    # f32 heads on a bf16 target
+    want = saved.get("sha256_bfloat16")
+    if want is None:
+      raise ValueError(f"{what} were saved for a {trained_dtype} target without a bfloat16 "
+                       f"checksum (an older heads.json): load them on the {trained_dtype} "
+                       f"target, or save them again with this version")
+    sha = weights_sha256(model.params, round_to="bfloat16")
+  if sha != want:
     raise ValueError(f"{what} were trained on a different target: the configs match but the "
-                     f"weights differ (sha256 {sha[:16]}... given, {str(saved.get('sha256'))[:16]}"
+                     f"weights differ (sha256 {sha[:16]}... given, {str(want)[:16]}"
                      f"... at training time)")
 
 
