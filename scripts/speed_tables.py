@@ -5,8 +5,10 @@
 Per batch size and temperature, every drafter's best row (fixed K or tree, by its speedup over
 the fastest plain decoding of any dtype timed in the same cell), with tau, c_verify, the bound
 tau / (K c_draft + c_verify) and the efficiency (speedup / bound); the governor's `auto` row
-beside it where one was run. The plot: greedy speedup vs batch size per drafter (best fixed K),
-plain decoding at 1.0x. Rows are read as the bench wrote them: nothing is recomputed but the
+beside it where one was run. The plot: greedy speedup vs batch size per drafter (best fixed K; the governor was not
+run at every batch size, so it is in the table only),
+plain decoding at 1.0x. A cell measured again in a later file replaces the earlier one.
+Rows are read as the bench wrote them: nothing is recomputed but the
 choice of the best row.
 """
 
@@ -19,7 +21,7 @@ from collections import defaultdict
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
-from spec_jax.bench.tables import fmt, table  # noqa: E402
+from spec_jax.bench.tables import fmt, table
 
 
 def drafter_name(spec: str) -> str:
@@ -29,14 +31,18 @@ def drafter_name(spec: str) -> str:
 
 
 def load_rows(paths):
-  rows = []
+  """Every speculative row of the files; a (batch, temperature, drafter) cell measured in a
+  later file replaces that cell of an earlier one (a rerun)."""
+  cells = {}
   for path in paths:
     with open(path) as f:
       res = json.load(f)
+    mine = defaultdict(list)
     for r in res["rows"]:
       if r["K"] != 0 or r.get("tree"):
-        rows.append(dict(r, source=path))
-  return rows
+        mine[(r["batch"], r["temperature"], r["drafter_spec"])].append(dict(r, source=path))
+    cells.update(mine)
+  return [r for rs in cells.values() for r in rs]
 
 
 def label(r) -> str:
@@ -82,8 +88,6 @@ def plot(best, path) -> None:
   for (b, t, spec), (r, auto) in best.items():
     if t == 0 and r is not None and not r.get("tree"):
       series[f"{drafter_name(spec)}, best K"].append((b, r["speedup_vs_fastest_plain"]))
-      if auto is not None:
-        series[f"{drafter_name(spec)}, governor"].append((b, auto["speedup_vs_fastest_plain"]))
   series = {k: v for k, v in series.items() if len(v) > 1}
   plots.speedup_vs_batch(series, "widened stories260K (78M, bf16 weights) on a 2-core CPU, greedy:"
                          " speedup over the fastest plain decoding", path)

@@ -368,9 +368,18 @@ def test_heads_load_on_the_bf16_cast_of_their_target_and_nowhere_else(tmp_path):
   target = greedy_target()
   head = make_head("medusa", target)
   heads_io.save(tmp_path / "heads", head, target, num_draft=3)
-  back = sj.drafters.load(tmp_path / "heads", target.astype("bfloat16"))
+  bf16 = target.astype("bfloat16")
+  back = sj.drafters.load(tmp_path / "heads", bf16)
+  # The heads follow the target's dtype: their weights rounded to bf16, nothing else changed.
   for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16), np.float32),
+                                  np.asarray(b, np.float32))
+  greedy = sj.Sampling(temperature=0.0)
+  plain = sj.generate(bf16, PROMPTS, max_new_tokens=12, sampling=greedy, stop_tokens=[])
+  spec = sj.generate(bf16, PROMPTS, drafter=back, num_draft=3, max_new_tokens=12,
+                     sampling=greedy, stop_tokens=[])
+  assert spec.tokens == plain.tokens
   other = sj.init_model(CFG, jax.random.key(2)).astype("bfloat16")
   with pytest.raises(ValueError, match="weights differ"):
     sj.drafters.load(tmp_path / "heads", other)

@@ -237,9 +237,23 @@ def load(path, target, greedy_drafts: bool = False):
   with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     params = ckpt.restore(path / PARAMS, abstract)
   params = jax.tree.map(jax.numpy.asarray, params)
-  drafter = skeleton.with_params(params, greedy_drafts=greedy_drafts)
+  drafter = in_target_dtype(skeleton.with_params(params, greedy_drafts=greedy_drafts), target)
   drafter.trained_num_draft = int(meta.get("num_draft", 0))
   return drafter
+
+
+def in_target_dtype(drafter, target):
+  """The drafter with its floating params in the target's dtype when that is low-precision
+  (heads trained in float32 decode in bf16 beside a bf16 target: half the bytes a draft step
+  reads, bf16 operands with f32 accumulation like every dot); as it is otherwise. Activations
+  stay as the drafter computes them (float32): only the weights are rounded."""
+  dtype = target.config.dtype
+  if dtype == "float32":
+    return drafter
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  out = drafter.with_params(jax.tree.map(cast, drafter.params))
+  out.trained_num_draft = getattr(drafter, "trained_num_draft", 0)
+  return out
 
 
 def _load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool):

@@ -167,6 +167,7 @@ def widen_heads(drafter, source, widened):
                      f"widened target's {kind} head needs: {got} vs {want}")
   params = jax.tree.map(lambda x, ref: jnp.asarray(x, jnp.asarray(ref).dtype), wide,
                         skeleton.params)
-  out = skeleton.with_params(params, greedy_drafts=drafter.greedy_drafts)
+  out = heads_io.in_target_dtype(skeleton.with_params(params, greedy_drafts=drafter.greedy_drafts),
+                                 widened)
   out.trained_num_draft = int(getattr(drafter, "trained_num_draft", 0) or 0)
   return out

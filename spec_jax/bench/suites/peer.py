@@ -138,7 +138,9 @@ def run_peer_suite(opts) -> dict:
                            "tokens_per_s": summarize(m["tokens_per_s"]), "tau": m["tau"],
                            "greedy_match": diff is None})
       s = _summarize_batch(label, batch, batch_rows)
-      s["roofline_tokens_per_s"] = decode_roofline(config, batch, plen + max_new // 2,
+      # The roofline of the bytes our fastest plain decoding reads: its dtype's weights.
+      s["roofline_tokens_per_s"] = decode_roofline(config.replace(dtype=s["ours_plain_dtype"]),
+                                                   batch, plen + max_new // 2,
                                                    bandwidth["read_bytes_per_s"])
       s["ours_plain_vs_roofline"] = s["ours_plain"] / s["roofline_tokens_per_s"]
       summary.append(s)
