@@ -37,3 +37,17 @@ _LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_df
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(_LONG_FILES)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: order within a file kept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+  """After each test file, drop jax's compiled executables and tracing caches: an xdist worker
+  runs many files, and with everything they compiled still held (~5 GB RSS) XLA:CPU crashed
+  compiling in a late file (a segfault in backend_compile, twice in test_lossless). Within a
+  file compiles stay shared."""
+  yield
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
