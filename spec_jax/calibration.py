@@ -30,6 +30,7 @@ from spec_jax.decoding.compiled import compiled_decode_call
 from spec_jax.files import atomic_write_json
 from spec_jax.governor import CostTable, Governor, resolve
 from spec_jax.governor.options import is_int
+from spec_jax.models.chat import default_stop_ids
 from spec_jax.sampling import Sampling
 from spec_jax.timing import interleaved_rounds, summarize
 
@@ -127,6 +128,7 @@ def _text_like_prompts(batch: int, length: int, vocab: int) -> np.ndarray:
 
 
 CALIBRATION_TOKENS = 96          # new tokens of the longer timed decode (the shorter: half)
+CALIBRATION_PROMPT = 32          # real prompt tokens per row of the timed decodes
 
 
 def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool, ks,
@@ -135,7 +137,8 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   """Seconds per loop iteration at each candidate K, timed on the compiled decode that
   generate(num_draft="auto") runs for these shapes (the same executable: calibrating compiles
   nothing extra). K is forced through the cost vector (cost 1 for it, 1e30 for the others).
-  Per K, one call of n new tokens (text-like prompts of prompt_len tokens; stop tokens that
+  Per K, one call of n new tokens (text-like prompts of up to CALIBRATION_PROMPT tokens in a
+  buffer of prompt_len; stop tokens that
   never occur, so every row runs to its limit); the smallest K >= 1, k1, also runs n/2 tokens,
   and the difference of its two lengths gives the per-call part f (prefill, dispatch). Then
   t(K) = (min over repeats of the call's seconds - f) / its loop iterations; for K = 0 the
@@ -146,10 +149,13 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   the difference.)
   -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
   kmax = max(ks)
-  p = max(1, min(int(prompt_len), capacity - kmax - 4))
+  # prompt_len is the static prompt buffer (generate() pads to the whole capacity); the rows'
+  # real prompts are at most CALIBRATION_PROMPT tokens of it, leaving room to decode.
+  buffer = max(1, min(int(prompt_len), capacity))
+  p = max(1, min(buffer, capacity - kmax - 4, CALIBRATION_PROMPT))
   n_long = max(2, min(capacity - p - kmax - 1, CALIBRATION_TOKENS))
   n_short = max(1, n_long // 2)
-  prompts = _text_like_prompts(batch, p, target.config.vocab_size)
+  prompts = _text_like_prompts(batch, buffer, target.config.vocab_size)
   lens = np.full((batch,), p, np.int32)
   sampling = Sampling(temperature=0.0 if greedy else 1.0).as_arrays(batch)
   stop = np.full((stop_count,), -1, np.int32)           # token ids are >= 0: never stops
@@ -246,7 +252,7 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
       return dataclasses.replace(table, from_cache=True,
                                  measure_seconds=time.perf_counter() - t0)
   if stop_count is None:
-    stop_count = len(target.config.eos_token_ids)
+    stop_count = len(default_stop_ids(target))
   timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats,
                               governor=gov, prompt_len=prompt_len, stop_count=stop_count,
                               mesh=mesh)

@@ -57,9 +57,9 @@ def test_decode_in_user_jit_equals_generate(models, temperature):
   target, draft = models
   sampling = sj.Sampling(temperature=temperature)
   key = jax.random.key(7)
-  out = sj.generate(target, PROMPTS, drafter=draft, num_draft=K, max_new_tokens=MAX_NEW,
-                    sampling=sampling, key=key, stop_tokens=[])
   prompts, lens, capacity = _batch(target)
+  out = sj.generate(target, PROMPTS, drafter=draft, num_draft=K, max_new_tokens=MAX_NEW,
+                    sampling=sampling, key=key, stop_tokens=[], capacity=capacity)
   fn = _user_fn(CFG, draft, capacity, sampling)
   res, score = fn(target.params, draft.params, prompts, lens, key)
   assert sj.new_tokens(res) == out.tokens

@@ -18,10 +18,11 @@ import numpy as np
 from spec_jax import calibration, global_batch, sharding as sharding_lib
 from spec_jax.decoding.compiled import compiled_decode_call
 from spec_jax.decoding.plan import drafting_plan, is_static_int
-from spec_jax.decoding.prompts import PROMPT_BUCKET, pad_batch, prompt_ids, stop_array
+from spec_jax.decoding.prompts import pad_batch, prompt_ids, stop_array
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter
 from spec_jax.governor import Governed
+from spec_jax.models.chat import chat_ids, check_messages
 from spec_jax.sampling import Sampling
 from spec_jax.stats import SpecStats
 from spec_jax.tree.round import TreeRounds
@@ -55,10 +56,11 @@ def _default_key():
   return jax.random.key(0)
 
 
-def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
+def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=4,
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
-             prompt_bucket: int = PROMPT_BUCKET, governor=None, tree=None) -> GenerateOutput:
+             prompt_bucket: Optional[int] = None, governor=None, tree=None,
+             messages=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -68,7 +70,12 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
   Args:
     target: a Model (sj.load / sj.init_model).
     prompts: list[str] (needs a tokenizer; BOS added as the tokenizer does) or list[list[int]];
-      rows may differ in length.
+      rows may differ in length. Give prompts or messages, not both.
+    messages: chat input instead of prompts: a list of conversations (one per row), each a
+      list of {"role": "system" | "user" | "assistant" | "tool", "content": str} ending with
+      a non-assistant message; the model's chat template is applied with the generation prompt
+      (spec_jax.models.chat), and with stop_tokens=None a row stops at the template's
+      end-of-turn token. text is then the assistant's answer without special tokens.
     drafter: a Drafter (sj.drafters.*) or None for plain decoding (then num_draft is ignored).
     num_draft: K, draft tokens per round (>= 1 with a drafter), or "auto": the governor picks
       K (0 = a plain step) every round from a cost table (`sj.calibrate`, measured on first
@@ -77,9 +84,11 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
     max_new_tokens: new tokens per row at most (>= 1).
     sampling: Sampling, scalars or per-row [B] arrays; temperature 0 = greedy.
     key: jax PRNG key (default key(0)).
-    stop_tokens: None = the model's end-of-text tokens; [] = never stop early.
+    stop_tokens: None = the model's end-of-text tokens (its EOS ids and its tokenizer's
+      end-of-turn tokens: <|im_end|>, <|endoftext|>, <|eot_id|>, <end_of_turn>, ...); [] = never
+      stop early.
     capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
-      up to a multiple of 64).
+      up to a power of two, at least 128: decode compiles once per such bucket).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
       A mesh over several processes (after spec_jax.distributed.initialize()): every process
@@ -87,8 +96,10 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
       is every process's rows in process order (spec_jax.global_batch); each process gets its
       own rows' tokens and text back, and statistics over all rows (stats.processes says how
       many processes they sum over).
-    prompt_bucket: prompts are right-padded to a multiple of this (one compile per padded
-      length; the padding is masked, so outputs do not depend on it).
+    prompt_bucket: None (default): prompts are padded to the whole cache capacity, so one
+      compiled decode serves every prompt length up to it (its prefill runs chunk by chunk over
+      the real tokens only: spec_jax.models.prefill); an integer m: padded to a multiple of m
+      instead (one compile per padded length; the padding is masked either way).
     governor: with num_draft="auto", a `sj.Governor` (or a dict of its options); None = the
       defaults.
     tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
@@ -101,6 +112,13 @@ def generate(target, prompts, drafter: Optional[Drafter] = None, num_draft=4,
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
+  if messages is not None:
+    if prompts is not None:
+      raise ValueError("give prompts or messages, not both")
+    prompts = [chat_ids(target, c) for c in check_messages(messages)]
+  elif prompts is None:
+    raise ValueError("generate needs prompts (a list of strings or token-id lists) or messages "
+                     "(a list of chat conversations)")
   strategy = drafting_plan(drafter, num_draft, tree, governor)
   strategy.check_target(as_target(target.config))
   k, extent = strategy.width, strategy.extent

@@ -16,6 +16,7 @@ from spec_jax.decoding.rounds import NoDrafter, row_keys
 from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter, PrefillInfo
+from spec_jax.models.prefill import PREFILL_CHUNK, chunked_prefill
 from spec_jax.sampling import Sampling
 
 
@@ -23,7 +24,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            drafter: Optional[Drafter] = None, drafter_params=None, num_draft=4,
            max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
            tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
-           governor=None, round_costs=None) -> DecodeResult:
+           governor=None, round_costs=None,
+           prefill_chunk: int = PREFILL_CHUNK) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
   `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
 
@@ -97,9 +99,11 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     if max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     check_capacity(capacity, p, int(max_new_tokens), extent)
-  elif not is_static_int(capacity) or capacity < p + extent + 2:
-    raise ValueError(f"capacity must be an integer >= P + K + 2 = {p + extent + 2}, got "
-                     f"{capacity!r}")
+  elif not is_static_int(capacity) or capacity < max(p, extent + 2):
+    raise ValueError(f"capacity must be an integer >= max(P, K + 2) = {max(p, extent + 2)}, "
+                     f"got {capacity!r}")
+  if not is_static_int(prefill_chunk) or prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   costs = strategy.round_costs(drafter, round_costs)          # ValueError on a bad table
@@ -107,7 +111,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                          drafter=drafter, drafter_params=drafter_params,
                          max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                          stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
-                         width=strategy.width, lazy_drafter=strategy.lazy_drafter)
+                         width=strategy.width, extent=extent,
+                         lazy_drafter=strategy.lazy_drafter, prefill_chunk=prefill_chunk)
   env = env._replace(round_costs=costs)
   final = strategy.run(env, strategy.init(env, state))
   return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
@@ -119,14 +124,15 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
               drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
-              cache=None, width: int = 0,
-              lazy_drafter: bool = False) -> tuple:
+              cache=None, width: int = 0, extent: Optional[int] = None,
+              lazy_drafter: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
   with accepted_at [B, width]. config: a Target or a ModelConfig. lazy_drafter: the loop calls
   drafter.catch_up before drafting (the governor's loop; PrefillInfo.lazy)."""
   target = as_target(config)
   b, p = prompt_tokens.shape
+  extent = width if extent is None else extent
   if greedy is None:
     greedy = _concretely_greedy(sampling)
   sampling = Sampling(
@@ -136,7 +142,10 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
   s = int(capacity)
   layers = tuple(drafter.target_layers)
-  limit = prompt_lens + jnp.asarray(max_new_tokens, jnp.int32)  # max committed length per row
+  # Max committed length per row; never past the cache (a round writes width + 1 slots from
+  # lengths - 1), so a prompt too long for `capacity` stops its row instead of writing out of
+  # bounds (generate checks the real lengths on the host first).
+  limit = jnp.minimum(prompt_lens + jnp.asarray(max_new_tokens, jnp.int32), s - extent - 1)
   # Loop-invariant work on the weights, once per call, outside the loop (the execution layout:
   # see models.layout.prepare_params).
   target_params = target.prepare(target_params, mesh)
@@ -149,9 +158,12 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   else:
     target.check_cache(cache, b, s)
   cache = target.constrain_cache(mesh, cache)
-  pre = target.forward(target_params, prompt_tokens, cache, jnp.zeros((b,), jnp.int32),
-                       return_layers=layers)
-  last_logits = jnp.take_along_axis(pre.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  pre = chunked_prefill(
+      lambda tok, cache, offsets, last, layers: target.forward_last(
+          target_params, tok, cache, offsets, last, return_layers=layers),
+      prompt_tokens, prompt_lens, cache, chunk=prefill_chunk,
+      keep_hidden=drafter.reads_prompt_hidden, return_layers=layers)
+  last_logits = pre.last_logits
   key, first_key = jax.random.split(key)
   if greedy:
     first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)

@@ -8,13 +8,21 @@ from typing import Sequence
 import numpy as np
 
 from spec_jax.decoding.plan import check_capacity, is_static_int
+from spec_jax.models.chat import default_stop_ids
 
 PROMPT_BUCKET = 16
 CAPACITY_BUCKET = 64
+MIN_CAPACITY = 128
 
 
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
+
+
+def capacity_bucket(needed: int) -> int:
+  """generate()'s default KV capacity: the next power of two >= needed (at least
+  MIN_CAPACITY), so that prompts of any length share a few compiled decodes (one per bucket)."""
+  return max(MIN_CAPACITY, 1 << max(0, int(needed) - 1).bit_length())
 
 
 def as_token_ids(values, what: str) -> list:
@@ -58,8 +66,10 @@ def prompt_ids(target, prompts, allow_empty: bool = False) -> list[list[int]]:
 
 
 def stop_array(target, stop_tokens) -> np.ndarray:
+  """int32 [N] stop ids; None = the model's default stops (its EOS ids and its tokenizer's
+  end-of-turn tokens: spec_jax.models.chat.default_stop_ids)."""
   if stop_tokens is None:
-    stop_tokens = target.config.eos_token_ids
+    stop_tokens = default_stop_ids(target)
   if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray)):
     raise ValueError(f"stop_tokens must be None (the model's end-of-text tokens) or a list of "
                      f"token ids ([] = never stop early), got {stop_tokens!r}")
@@ -81,10 +91,16 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
                     prompt_bucket)
 
 
-def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_bucket: int):
-  """prepare_batch after the prompts were checked (ids: list[list[int]], non-empty rows)."""
-  if not is_static_int(prompt_bucket) or prompt_bucket < 1:
-    raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
+def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_bucket):
+  """prepare_batch after the prompts were checked (ids: list[list[int]], non-empty rows).
+
+  prompt_bucket None: generate()'s layout — the capacity (default: capacity_bucket of what the
+  batch needs) and a prompt buffer as long as the cache (P = S), so one compiled decode serves
+  every prompt length of a bucket (the chunked prefill works on the real tokens only); an
+  integer: prompts padded to a multiple of it (P < S) and capacity rounded up to a multiple of
+  CAPACITY_BUCKET (what sj.decode with a static max_new_tokens checks)."""
+  if prompt_bucket is not None and (not is_static_int(prompt_bucket) or prompt_bucket < 1):
+    raise ValueError(f"prompt_bucket must be None or a positive integer, got {prompt_bucket!r}")
   longest = max(len(r) for r in ids)
   max_pos = target.config.max_position_embeddings
   if longest + max_new_tokens > max_pos:
@@ -92,11 +108,15 @@ def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_b
                      f"exceeds the model's context of {max_pos} positions")
   needed = longest + max_new_tokens + k + 1
   if capacity is None:
-    capacity = round_up(needed, CAPACITY_BUCKET)
+    capacity = capacity_bucket(needed) if prompt_bucket is None else round_up(needed,
+                                                                             CAPACITY_BUCKET)
   else:
     check_capacity(capacity, longest, max_new_tokens, k)
-  p = min(round_up(longest, prompt_bucket), capacity - max_new_tokens - k - 1)
-  p = max(p, longest)
+  if prompt_bucket is None:
+    p = int(capacity)
+  else:
+    p = min(round_up(longest, prompt_bucket), capacity - max_new_tokens - k - 1)
+    p = max(p, longest)
   prompt_tokens = np.zeros((len(ids), p), np.int32)
   for b, r in enumerate(ids):
     prompt_tokens[b, :len(r)] = r

@@ -34,6 +34,7 @@ from spec_jax.sampling import Sampling
 
 class NoDrafter(Drafter):
   """K = 0: plain decoding. Proposes nothing."""
+  reads_prompt_hidden = False
 
   def propose(self, params, state, ctx):
     b = ctx.tokens.shape[0]

@@ -93,6 +93,14 @@ class Target:
     """-> ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache)."""
     raise NotImplementedError
 
+  def forward_last(self, params, tokens, cache, offsets, logits_index, return_layers=()):
+    """The prefill's forward: forward over tokens [B, T] with the logits of new token
+    logits_index[b] of each row only -> ForwardOutput(logits [B, 1, V], hidden [B, T, D], ...).
+    Default: the full forward, gathered; override it to skip the LM head elsewhere."""
+    out = self.forward(params, tokens, cache, offsets, return_layers=return_layers)
+    logits = jax.numpy.take_along_axis(out.logits, logits_index[:, None, None], axis=1)
+    return out._replace(logits=logits)
+
   def move_kv(self, cache, lengths, path, n_accepted):
     """After a tree round: the accepted path's entries to contiguous slots. The verify wrote
     node i of row b at slot lengths[b]-1+i; node path[b, j] (j < n_accepted[b]) moves to slot
@@ -147,6 +155,10 @@ class ModelTarget(Target):
     return forward(params, self.config, tokens, cache, offsets, positions=positions,
                    tree_mask=tree_mask, return_layers=return_layers)
 
+  def forward_last(self, params, tokens, cache, offsets, logits_index, return_layers=()):
+    return forward(params, self.config, tokens, cache, offsets, return_layers=return_layers,
+                   logits_index=logits_index)
+
   def move_kv(self, cache, lengths, path, n_accepted):
     return cache_lib.move_kv(cache, lengths, path, n_accepted)
 
@@ -173,6 +185,10 @@ class GemmaTarget(ModelTarget):
               return_layers=()):
     return gemma.forward(params, self.config, tokens, cache, offsets, positions=positions,
                          tree_mask=tree_mask, return_layers=return_layers)
+
+  def forward_last(self, params, tokens, cache, offsets, logits_index, return_layers=()):
+    return gemma.forward(params, self.config, tokens, cache, offsets,
+                         return_layers=return_layers, logits_index=logits_index)
 
   def move_kv(self, cache, lengths, path, n_accepted):
     return cache.move_accepted(lengths, path, n_accepted)

@@ -48,7 +48,8 @@ class PrefillInfo:
     sampled token at prompt_lens[b] (lengths = prompt_lens + 1 committed tokens).
   prompt_tokens: int32 [B, P] the right-padded prompts the target prefilled (offset 0).
   prompt_lens: int32 [B].
-  hidden: [B, P, D] the target's final hidden states over the (right-padded) prompt.
+  hidden: [B, P, D] the target's final hidden states over the (right-padded) prompt; None for
+    drafters whose `reads_prompt_hidden` is False.
   layer_hidden: tuple of [B, P, D], the layers the drafter asked for (`target_layers`).
   target_params: the target model's params (heads reuse its embedding and LM head).
   sampling: per-row Sampling arrays [B].
@@ -128,8 +129,11 @@ class Drafter:
     supports_tree: propose_tree is implemented (tree drafting, spec_jax.tree).
     samples_tree_candidates: its trees draw sampled candidates at T > 0 when the TreeSpec asks
       (False: top-k or trie candidates at every temperature, n-gram's).
+    reads_prompt_hidden: init_state reads PrefillInfo.hidden / layer_hidden (the target's
+      features over the prompt); when False the prefill keeps none and passes hidden None.
   """
   params: Any = None
+  reads_prompt_hidden: bool = True
   target_layers: tuple = ()
   max_draft: Optional[int] = None
   supports_tree: bool = False

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.models.prefill import chunked_prefill
 from spec_jax.models.layout import prepare_params
 from spec_jax.models.transformer import KVCache, forward
 
@@ -105,6 +106,7 @@ class DraftModel(Drafter):
   """
 
   supports_tree = True
+  reads_prompt_hidden = False
 
   def __init__(self, model, greedy_drafts: bool = False, catch_up_chunk: int = 16):
     if isinstance(catch_up_chunk, bool) or not isinstance(catch_up_chunk, int) \
@@ -131,7 +133,10 @@ class DraftModel(Drafter):
     cache = KVCache.zeros(self.config, b, s)
     if prefill.lazy:                        # catch_up prefills when (if) drafting starts
       return DraftModelState(cache=cache, synced=jnp.zeros((b,), jnp.int32))
-    out = forward(params, self.config, prefill.prompt_tokens, cache, jnp.zeros((b,), jnp.int32))
+    out = chunked_prefill(
+        lambda tok, cache, offsets, last, layers: forward(
+            params, self.config, tok, cache, offsets, logits_index=last),
+        prefill.prompt_tokens, prefill.prompt_lens, cache, keep_hidden=False)
     return DraftModelState(cache=out.cache, synced=prefill.prompt_lens)
 
   def catch_up(self, params, state: DraftModelState, tokens, lengths) -> DraftModelState:

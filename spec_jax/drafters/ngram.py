@@ -28,6 +28,7 @@ class NGram(Drafter):
   params = None
   supports_tree = True
   samples_tree_candidates = False        # its trees are tries of matches
+  reads_prompt_hidden = False
 
   def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
     for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from spec_jax.models.chat import chat_ids, hf_chat_tokenizer
+
 CHAT_TEMPLATE, RAW_TEXT = "chat_template", "raw"
 
 
@@ -40,8 +42,7 @@ def select_records(records, limit_per_category: Optional[int]) -> list:
 
 def chat_tokenizer(model):
   """The transformers tokenizer behind model.tokenizer when it has a chat template, else None."""
-  hf = getattr(model.tokenizer, "hf", None)
-  return hf if hf is not None and getattr(hf, "chat_template", None) else None
+  return hf_chat_tokenizer(model.tokenizer)
 
 
 def prompt_format(model) -> str:
@@ -62,13 +63,9 @@ def conversation(record, turn: int, answers: dict) -> list:
 
 def encode_conversation(model, messages: list) -> list:
   """Token ids of a conversation ending with a user message, ready for the answer."""
-  hf = chat_tokenizer(model)
-  if hf is None:
+  if chat_tokenizer(model) is None:
     return model.encode("\n\n".join(m["content"] for m in messages))
-  ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-  if hasattr(ids, "keys"):                 # transformers >= 5 returns a BatchEncoding
-    ids = ids["input_ids"]
-  return [int(t) for t in ids]
+  return chat_ids(model, messages)
 
 
 def build_requests(model, records, turn: int, answers: dict, context: int,

@@ -163,6 +163,14 @@ def embed(params, tokens):
   return jnp.take(params["embed"], tokens, axis=0)
 
 
+def select_rows(hidden, index):
+  """hidden [B,T,D] -> [B,1,D] at token index[b] of row b (int32 [B]); hidden itself when index
+  is None."""
+  if index is None:
+    return hidden
+  return jnp.take_along_axis(hidden, index.astype(jnp.int32)[:, None, None], axis=1)
+
+
 def lm_head(params, config: ModelConfig, hidden):
   """hidden [..., D] (after the final norm) -> float32 logits [..., V] (soft-capped,
   c * tanh(logits / c), when config.final_logit_softcap is set: Gemma)."""

@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.reference import visibility
 from spec_jax.models import gemma_layout
-from spec_jax.models.blocks import ForwardOutput, _attention, apply_rope, lm_head, rope_tables
+from spec_jax.models.blocks import (ForwardOutput, _attention, apply_rope, lm_head, rope_tables,
+                                    select_rows)
 from spec_jax.models.cache import GemmaKVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.gemma_layout import SLIDING
@@ -208,10 +209,10 @@ def rope_by_type(config, positions) -> dict:
 
 
 def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=None,
-            tree_mask=None, return_layers=()):
+            tree_mask=None, return_layers=(), logits_index=None):
   """transformer.forward for Gemma configs (same arguments, same ForwardOutput; cache is a
   GemmaKVCache). logits [B, T, V] float32 (soft-capped when the config says so); hidden
-  [B, T, D] after the final norm."""
+  [B, T, D] after the final norm; logits_index int32 [B]: logits [B, 1, V] of that token only."""
   if not isinstance(cache, GemmaKVCache):
     raise ValueError(f"a {config.model_type} forward needs the Gemma KV cache "
                      f"(sj.KVCache.zeros(config, B, S)), got {type(cache).__name__}")
@@ -242,7 +243,7 @@ def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=N
       layer_hidden[plan.index] = x
   hidden = norm(x, params["final_norm"], config.rms_norm_eps, config.norm_plus_one)
   hidden = hidden.astype(x.dtype)
-  logits = lm_head(params, config, hidden)
+  logits = lm_head(params, config, select_rows(hidden, logits_index))
   return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
                        GemmaKVCache(k=k_bufs, v=v_bufs, head_major=cache.head_major))
 

@@ -227,14 +227,25 @@ def load_hf(folder, dtype: Optional[str] = None) -> tuple:
         raise ValueError(f"{folder / 'model.safetensors.index.json'} maps {name} to {shard}, "
                          f"which does not contain it")
 
-  # Which dtype: the caller's, else the checkpoint's (taken from the embedding / LM head).
   if dtype is None:
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-      if name in where:
-        dtype = _checkpoint_dtype(where[name].meta[name][0])
-        break
-    else:
-      dtype = "float32"
+    dtype = checkpoint_dtype_of(where)
+  return assemble_params(config, where, folder, dtype)
+
+
+def checkpoint_dtype_of(where: dict) -> str:
+  """The checkpoint's dtype, taken from the embedding / LM head (float32 when neither is
+  stored in bfloat16)."""
+  for name in ("model.embed_tokens.weight", "lm_head.weight"):
+    if name in where:
+      return _checkpoint_dtype(where[name].meta[name][0])
+  return "float32"
+
+
+def assemble_params(config: ModelConfig, where: dict, folder, dtype: str) -> tuple:
+  """Hugging Face tensors -> (config with dtype, numpy params in transformer.py's layout, mtp
+  dict or None). `where` maps each tensor name to the file that holds it: anything with `path`,
+  `meta[name] = (dtype string, shape)` and `read(name) -> np.ndarray` (a safetensors file, a
+  GGUF file's dequantised view). Every shape is checked before any data is read."""
   config = config.replace(dtype=dtype)
   shapes = expected_shapes(config)
   np_dtype = _np_dtype(dtype)

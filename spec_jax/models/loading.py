@@ -1,8 +1,12 @@
-"""sj.load: one entry point for Hugging Face folders and llama2.c `.bin` checkpoints.
+"""sj.load: one entry point for Hugging Face folders, GGUF files and llama2.c `.bin` checkpoints.
 
     model = sj.load("../shared/models/stories260K")        # llama2.c folder (.bin + tok*.bin)
     model = sj.load("../shared/models/tinystories656K")    # HF folder (config.json + safetensors)
     model = sj.load("path/to/model.bin", dtype="bfloat16")
+    model = sj.load("../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+A GGUF file (spec_jax.models.gguf_file) is dequantised once into a cached Hugging Face folder,
+which later loads read; a folder holding exactly one .gguf file (and no config.json) loads it.
 
 A Hugging Face folder's tokenizer is a llama2.c `tok*.bin` in it when there is one (what
 `spec_jax.models.hf_export.save_hf` writes for llama2.c models), else its transformers tokenizer.
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.models import hf, llama2c
+from spec_jax.models import gguf_file, hf, llama2c
 from spec_jax.models.model import Model
 from spec_jax.models.tokenizers import HFTokenizer, Llama2cTokenizer, find_llama2c_tokenizer
 
@@ -49,12 +53,33 @@ def _to_device(params, dtype: str):
   return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(target, copy=False)), params)
 
 
+def _load_hf_folder(folder: pathlib.Path, dtype, source: str) -> Model:
+  config, params, mtp = hf.load_hf(folder, dtype)
+  tokenizer = _hf_folder_tokenizer(folder, config)
+  return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
+               mtp_params=mtp, source=source)
+
+
+def _load_gguf(path: pathlib.Path, dtype) -> Model:
+  """A GGUF file through its cached Hugging Face folder (written on the first load), or read
+  directly when caching is off."""
+  folder = gguf_file.cached_folder(path)
+  if folder is None:
+    config, params, tokenizer = gguf_file.read_gguf(path, dtype)
+    return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
+                 source=str(path))
+  if not (folder / "model.safetensors").is_file():
+    gguf_file.write_folder(path, folder, overwrite=True)
+  return _load_hf_folder(folder, dtype, source=str(path))
+
+
 def load(path, dtype: Optional[str] = None) -> Model:
   """Loads a checkpoint into a Model(config, params, tokenizer, mtp_params, source).
 
   Args:
-    path: a Hugging Face folder (config.json + model.safetensors or a sharded index), a
-      llama2.c folder (exactly one model `.bin` beside its `tok*.bin`), or a llama2.c `.bin`.
+    path: a Hugging Face folder (config.json + model.safetensors or a sharded index), a GGUF
+      file (or a folder holding exactly one), a llama2.c folder (exactly one model `.bin`
+      beside its `tok*.bin`), or a llama2.c `.bin`.
     dtype: None keeps the checkpoint's dtype; "float32" or "bfloat16" converts the params and
       sets config.dtype.
 
@@ -71,24 +96,30 @@ def load(path, dtype: Optional[str] = None) -> Model:
     raise ValueError(f"no such file or directory: {path}")
 
   if path.is_dir() and (path / "config.json").is_file():
-    config, params, mtp = hf.load_hf(path, dtype)
-    tokenizer = _hf_folder_tokenizer(path, config)
-    return Model(config=config, params=_to_device(params, config.dtype), tokenizer=tokenizer,
-                 mtp_params=mtp, source=str(path))
+    return _load_hf_folder(path, dtype, source=str(path))
+  if path.is_dir():
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+      path = ggufs[0]
+    elif len(ggufs) > 1:
+      raise ValueError(f"{path}: holds {len(ggufs)} .gguf files "
+                       f"({', '.join(p.name for p in ggufs)}); pass the one to load")
+  if gguf_file.is_gguf(path):
+    return _load_gguf(path, dtype)
 
   if path.is_dir():
     weights = _llama2c_weights(path)
     if len(weights) != 1:
       found = ", ".join(p.name for p in weights) or "none"
-      raise ValueError(f"{path}: expected a Hugging Face folder (config.json + safetensors) or a "
-                       f"llama2.c folder with exactly one model .bin (besides tok*.bin); "
+      raise ValueError(f"{path}: expected a Hugging Face folder (config.json + safetensors), a "
+                       f"GGUF file, or a llama2.c folder with exactly one model .bin (besides tok*.bin); "
                        f"found model .bin files: {found}")
     bin_path = weights[0]
   elif path.suffix == ".bin":
     bin_path = path
   else:
-    raise ValueError(f"{path}: expected a Hugging Face folder (with config.json), a llama2.c "
-                     f"folder, or a llama2.c .bin file")
+    raise ValueError(f"{path}: expected a Hugging Face folder (with config.json), a .gguf "
+                     f"file, a llama2.c folder, or a llama2.c .bin file")
 
   config, params = llama2c.read_llama2c(bin_path)
   if dtype is not None:

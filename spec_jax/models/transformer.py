@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projection,
                                     _qkv_projections, apply_rope, embed, lm_head,
-                                    rms_norm, rope_inv_freq, rope_tables)
+                                    rms_norm, rope_inv_freq, rope_tables, select_rows)
 from spec_jax.models.cache import KVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.matmul import activation_dtype
@@ -79,7 +79,8 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offse
 
 
 def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
-            positions=None, tree_mask=None, return_layers: Sequence[int] = ()) -> ForwardOutput:
+            positions=None, tree_mask=None, return_layers: Sequence[int] = (),
+            logits_index=None) -> ForwardOutput:
   """Runs T new tokens per row through the model, writing their KV at per-row offsets.
 
   Args:
@@ -95,9 +96,13 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
       [B, T, W] (W > T) over the last W cache entries ending with the new tokens (a draft tree
       growing in the cache; see kernels_pallas.reference).
     return_layers: indices of layers whose output residual stream to return (EAGLE-3 features).
+    logits_index: optional int32 [B]: compute the logits of new token logits_index[b] of row b
+      only (logits [B,1,V]; a prefill needs the last prompt token's, not the LM head over
+      every position).
 
   Returns:
-    ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache).
+    ForwardOutput(logits [B,T,V] f32 ([B,1,V] with logits_index), hidden [B,T,D],
+    layer_hidden, cache).
 
   Gemma configs run spec_jax.models.gemma.forward (same arguments; their cache is a
   GemmaKVCache from KVCache.zeros).
@@ -105,7 +110,8 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
   if config.is_gemma:
     from spec_jax.models import gemma
     return gemma.forward(params, config, tokens, cache, offsets, positions=positions,
-                         tree_mask=tree_mask, return_layers=return_layers)
+                         tree_mask=tree_mask, return_layers=return_layers,
+                         logits_index=logits_index)
   b, t = tokens.shape
   offsets = offsets.astype(jnp.int32)
   if positions is None:
@@ -129,7 +135,7 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
     if layer in wanted:
       layer_hidden[layer] = x
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-  logits = lm_head(params, config, hidden)
+  logits = lm_head(params, config, select_rows(hidden, logits_index))
   return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
                        KVCache(k=k_all, v=v_all, head_major=cache.head_major))
 
