@@ -4,6 +4,8 @@
     python -m spec_jax generate --drafter ngram --num-draft 4 --temperature 0.8
     python -m spec_jax generate --drafter draft:../shared/models/salty279K --num-draft 4
     python -m spec_jax generate --prompt A --prompt B ... --mesh data=8,model=1
+    python -m spec_jax generate --model ../shared/models/smollm2-135m-instruct --chat \
+        --prompt "What is the capital of France?" --drafter ngram --dtype bfloat16
     python -m spec_jax.launch --processes 2 --devices-per-process 4 -- \
         python -m spec_jax generate --prompt A ... --mesh data=8,model=1   (the same output)
     python -m spec_jax bench ...          (same as python -m spec_jax.bench ...)
@@ -26,22 +28,30 @@ def _generate(args) -> int:
   import spec_jax as sj
   from spec_jax import distributed, sharding
   if not os.path.exists(args.model):
-    print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder "
-          "or a llama2.c .bin)", file=sys.stderr)
+    print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder, "
+          "a .gguf file or a llama2.c .bin)", file=sys.stderr)
     return 2
+  from spec_jax import compile_cache
   from spec_jax.bench.specs import make_drafter
-  prompts = args.prompt or ["Once upon a time"]
+  compile_cache.enable()
+  prompts = args.prompt or (["What is the capital of France?"] if args.chat
+                            else ["Once upon a time"])
   try:
     if jax.process_count() > 1 and args.mesh is None:
       raise ValueError(f"this run has {jax.process_count()} processes: give --mesh "
                        f"data=N,model=M over their {jax.device_count()} devices")
     mesh = sharding.parse_mesh(args.mesh)
-    model = sj.load(args.model)
+    model = sj.load(args.model, dtype=args.dtype)
     drafter = make_drafter(args.drafter, model)
     sampling = sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
-    out = sj.generate(model, mine, drafter=drafter, num_draft=args.num_draft,
+    if args.chat:
+      system = [{"role": "system", "content": args.system}] if args.system else []
+      inputs = dict(messages=[system + [{"role": "user", "content": p}] for p in mine])
+    else:
+      inputs = dict(prompts=mine)
+    out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
                       key=jax.random.key(args.seed), mesh=mesh)
   except ValueError as e:
@@ -53,12 +63,13 @@ def _generate(args) -> int:
   texts = ([model.tokenizer.decode(t) for t in every] if model.tokenizer is not None
            else [None] * len(every))
   for prompt, text, toks in zip(prompts, texts, every):
-    print(prompt + (text if text is not None else " " + " ".join(map(str, toks))))
+    shown = text if text is not None else " " + " ".join(map(str, toks))
+    print(f"> {prompt}\n{shown}" if args.chat else prompt + shown)
     print()
   s = out.stats
   over = f" (all {s.processes} processes)" if s.processes > 1 else ""
   print(f"{s.new_tokens} new tokens{over} in {s.seconds:.3f} s: {s.tokens_per_second:.1f} "
-        f"tokens/s (compile excluded)")
+        f"tokens/s (compile excluded: {out.compile_seconds:.1f} s compiling)")
   if drafter is not None:
     print(s.summary())
   return 0
@@ -81,8 +92,15 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m spec_jax")
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
-  g.add_argument("--model", default=DEFAULT_MODEL, help="HF folder or llama2.c .bin (default: %(default)s)")
+  g.add_argument("--model", default=DEFAULT_MODEL,
+                 help="HF folder, .gguf file or llama2.c .bin (default: %(default)s)")
   g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+  g.add_argument("--chat", action="store_true",
+                 help="each prompt is a user message, asked in the model's chat template; the "
+                 "answer ends at the template's end-of-turn token")
+  g.add_argument("--system", default=None, help="with --chat: a system message first")
+  g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="the weights' dtype (default: the checkpoint's; float32 for GGUF)")
   g.add_argument("--max-new-tokens", type=int, default=128)
   g.add_argument("--temperature", type=float, default=0.0)
   g.add_argument("--top-k", type=int, default=0)

@@ -230,6 +230,8 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  from spec_jax import compile_cache
+  compile_cache.enable()        # compiles are never timed; a rerun need not repeat them
   suites = ["plain", "spec"] if args.suite == "all" else [args.suite]
   for suite in suites:
     out_path = output_path(args, suite, len(suites))

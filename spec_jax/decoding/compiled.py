@@ -5,6 +5,7 @@ time (compilation is never inside a timed call)."""
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 
 import jax
@@ -45,8 +46,11 @@ class PackedDecode:
   """An AOT-compiled decode whose call returns its DecodeResult as one int32 vector [N];
   `unpack` turns the host copy of that vector back into a DecodeResult of numpy arrays."""
 
-  def __init__(self, compiled, treedef, shapes: list):
+  def __init__(self, compiled, treedef, shapes: list, compile_seconds: float = 0.0):
     self.compiled, self._treedef = compiled, treedef
+    # Seconds spent tracing + compiling it; last_compile_seconds: that for the call that just
+    # fetched it, 0.0 when it was already in memory (a persistent-cache hit still traces).
+    self.compile_seconds = self.last_compile_seconds = compile_seconds
     self._layout, start = [], 0
     for shape, dtype in shapes:
       size = int(np.prod(shape, dtype=np.int64))
@@ -76,9 +80,13 @@ def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
   hit = _COMPILED.get(sig)
   if hit is None:
     layout = []
+    start = time.perf_counter()
     packed = jax.jit(functools.partial(_packed_decode, layout), static_argnames=_DECODE_STATIC)
     compiled = packed.lower(*positional, **keywords, **static).compile()
-    hit = _COMPILED[sig] = PackedDecode(compiled, *layout)
+    hit = _COMPILED[sig] = PackedDecode(compiled, *layout,
+                                        compile_seconds=time.perf_counter() - start)
+  else:
+    hit.last_compile_seconds = 0.0
   return hit
 
 

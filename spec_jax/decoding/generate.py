@@ -32,7 +32,9 @@ class GenerateOutput(NamedTuple):
   """tokens: list[list[int]] new tokens per row (a stop token that ended a row is included);
   text: list[str] or None (decoded new tokens, special tokens dropped); stats: SpecStats;
   result: the DecodeResult as numpy arrays (per-row statistics, finished_at_round); rows: the
-  global row indices of tokens and text. With a mesh over several processes, tokens and text are
+  global row indices of tokens and text; compile_seconds: what this call spent tracing and
+  compiling decode (0.0 when its executable was already in memory; a persistent-cache hit,
+  spec_jax.compile_cache, makes it the tracing only), never part of stats.seconds. With a mesh over several processes, tokens and text are
   this process's rows, result and stats cover every process's rows (new_tokens(result) is every
   row's tokens, in global order)."""
   tokens: list
@@ -40,6 +42,7 @@ class GenerateOutput(NamedTuple):
   stats: SpecStats
   result: Optional[Any] = None
   rows: Optional[range] = None
+  compile_seconds: float = 0.0
 
 
 def new_tokens(result) -> list:
@@ -181,7 +184,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
                                 tree=None if tree is None else tree.resolved(
                                     greedy or getattr(drafter, "greedy_drafts", False) or
                                     not drafter.samples_tree_candidates))
-  return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows)
+  return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows,
+                        compile_seconds=compiled.last_compile_seconds)
 
 
 def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,

@@ -3,7 +3,7 @@ padding to a bucketed length, the stop-token array. Shared by generate() and the
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -12,17 +12,26 @@ from spec_jax.models.chat import default_stop_ids
 
 PROMPT_BUCKET = 16
 CAPACITY_BUCKET = 64
-MIN_CAPACITY = 128
+MIN_CAPACITY = 512
 
 
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def capacity_bucket(needed: int) -> int:
-  """generate()'s default KV capacity: the next power of two >= needed (at least
-  MIN_CAPACITY), so that prompts of any length share a few compiled decodes (one per bucket)."""
-  return max(MIN_CAPACITY, 1 << max(0, int(needed) - 1).bit_length())
+def _pow2(x: int) -> int:
+  return 1 << max(0, int(x) - 1).bit_length()
+
+
+def capacity_bucket(needed: int, context: Optional[int] = None) -> int:
+  """generate()'s default KV capacity: the next power of two >= needed, at least MIN_CAPACITY
+  (or, for a model with a shorter context, the power of two covering that context). Prompts of
+  any length then share a few compiled decodes: with the 512 floor every request up to 2048
+  tokens (prompt + new tokens) compiles at most three times (512, 1024, 2048); attention reads
+  only the filled part of a bucket (kernels_pallas.blocked), so the floor costs memory, not
+  time."""
+  floor = MIN_CAPACITY if context is None else min(MIN_CAPACITY, _pow2(context))
+  return max(floor, _pow2(needed))
 
 
 def as_token_ids(values, what: str) -> list:
@@ -108,8 +117,8 @@ def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_b
                      f"exceeds the model's context of {max_pos} positions")
   needed = longest + max_new_tokens + k + 1
   if capacity is None:
-    capacity = capacity_bucket(needed) if prompt_bucket is None else round_up(needed,
-                                                                             CAPACITY_BUCKET)
+    capacity = capacity_bucket(needed, max_pos) if prompt_bucket is None else round_up(
+        needed, CAPACITY_BUCKET)
   else:
     check_capacity(capacity, longest, max_new_tokens, k)
   if prompt_bucket is None:

@@ -35,9 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompts that do not fit the context are an error, not skipped")
   p.add_argument("--repeats", type=int, default=1, help="timed rounds per batch (default 1)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--prompt-bucket", type=int, default=64, metavar="N",
-                 help="pad prompts to a multiple of N tokens: one compile per padded length "
-                 "(default 64; the engine's own is 16)")
   p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
   p.add_argument("--mesh", default=None, metavar="data=N,model=M",
                  help="run every batch sharded over all devices of all processes; needed "
@@ -50,7 +47,7 @@ def options_from(args) -> EvalOptions:
                      prompts=args.prompts, batch=tuple(args.batch), num_draft=args.num_draft,
                      temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      limit_per_category=args.limit_per_category, strict=args.strict,
-                     repeats=args.repeats, seed=args.seed, prompt_bucket=args.prompt_bucket,
+                     repeats=args.repeats, seed=args.seed,
                      progress=not args.no_progress, mesh=args.mesh)
 
 
@@ -82,12 +79,13 @@ def summary_text(res: dict) -> str:
 def main(argv=None) -> int:
   """0 on success; 2 with an `error:` line for bad options or inputs; 1 when greedy outputs
   of a drafter differ from plain decoding's."""
-  from spec_jax import distributed
+  from spec_jax import compile_cache, distributed
   from spec_jax.eval.evaluate import evaluate
   from spec_jax.eval.runner import LossyOutputError
   args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
   try:
     distributed.initialize()          # a multi-process run (spec_jax.launch, a pod) or nothing
+    compile_cache.enable()            # a rerun (or a resumed run) compiles nothing
     res = evaluate(options_from(args))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

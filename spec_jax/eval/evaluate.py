@@ -50,7 +50,7 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
   return {"target": target, "prompts": str(source_path(opts.prompts).resolve()),
           "limit_per_category": opts.limit_per_category, "num_draft": opts.num_draft,
           "temperature": opts.temperature, "max_new_tokens": opts.max_new_tokens,
-          "repeats": opts.repeats, "seed": opts.seed, "prompt_bucket": opts.prompt_bucket,
+          "repeats": opts.repeats, "seed": opts.seed,
           "prompt_format": fmt}
 
 
@@ -133,7 +133,7 @@ def evaluate(opts: EvalOptions) -> dict:
         continue
       progress.add_total(sum(-(-len(requests) // b) for b in opts.batch))
       runner = runner or UnitRunner(target, configs, opts.max_new_tokens, opts.temperature,
-                                    opts.seed, opts.repeats, opts.prompt_bucket, progress, mesh)
+                                    opts.seed, opts.repeats, progress, mesh)
       turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters)
       units += turn_units
       answers.update(_answers_from(turn_units, turn))

@@ -38,7 +38,6 @@ class EvalOptions:
   first N questions of every category (None = all); strict: prompts that do not fit the
   context are an error instead of being skipped (turn t > 1 prompts are known only once turn
   t - 1 has run; what ran is kept in DIR); repeats: timed rounds per batch;
-  prompt_bucket: prompts are padded to a multiple of this many tokens (fewer compiles);
   mesh: None or 'data=N,model=M' (spec_jax.sharding.parse_mesh): every generate() call on that
   mesh; needed when several processes run the evaluation (spec_jax.launch, a pod), and then
   every batch size must divide over N."""
@@ -54,7 +53,6 @@ class EvalOptions:
   strict: bool = False
   repeats: int = 1
   seed: int = 0
-  prompt_bucket: int = 64
   progress: bool = True
   mesh: Optional[str] = None
 
@@ -88,8 +86,6 @@ class EvalOptions:
       raise ValueError(f"--limit-per-category must be >= 1, got {self.limit_per_category}")
     if self.repeats < 1:
       raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
-    if self.prompt_bucket < 1:
-      raise ValueError(f"--prompt-bucket must be >= 1, got {self.prompt_bucket}")
     if not self.out:
       raise ValueError("--out DIR is required")
     if self.mesh is not None:

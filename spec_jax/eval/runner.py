@@ -64,19 +64,14 @@ def plan_units(requests, batch: int, turn: int) -> list:
   return units
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
 def generate_call(target, prompts, config: Config, max_new_tokens: int, temperature: float,
-                  key, capacity, prompt_bucket: int, mesh=None):
-  """The one generate() call of the harness (stop at the model's end-of-text tokens).
-
-  Prompts are padded to multiples of `prompt_bucket` (one compile per padded length; the
-  padding is masked, so outputs do not change, and the prefill pays for it in plain and
-  speculative decoding alike): hundreds of prompts of every length would otherwise mean
-  dozens of compiles. With a mesh over several processes, each process feeds its share of
-  `prompts` (spec_jax.distributed.share); every_row() gives every row back."""
+                  key, capacity, mesh=None):
+  """The one generate() call of the harness (stop at the model's end-of-text and end-of-turn
+  tokens). Prompts are padded to the whole cache capacity, which the runner picks per unit as
+  a power-of-two bucket (decoding.prompts.capacity_bucket): every prompt length of a bucket
+  shares one compiled decode, and the chunked prefill works on the real tokens only. With a
+  mesh over several processes, each process feeds its share of `prompts`
+  (spec_jax.distributed.share); every_row() gives every row back."""
   import spec_jax as sj
   from spec_jax import distributed, sharding
   if sharding.spans_processes(mesh):
@@ -84,8 +79,7 @@ def generate_call(target, prompts, config: Config, max_new_tokens: int, temperat
   return sj.generate(target, prompts, drafter=config.drafter,
                      num_draft=config.num_draft if config.drafter is not None else 1,
                      max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature),
-                     key=key, stop_tokens=None, capacity=capacity, prompt_bucket=prompt_bucket,
-                     mesh=mesh)
+                     key=key, stop_tokens=None, capacity=capacity, mesh=mesh)
 
 
 def every_row(out, tokenizer=None):
@@ -124,24 +118,26 @@ class UnitRunner:
   new shape gets one untimed run first, so first-run effects stay out of the timings)."""
 
   def __init__(self, target, configs, max_new_tokens: int, temperature: float, seed: int,
-               repeats: int, prompt_bucket: int = 64, progress=None, mesh=None):
+               repeats: int, progress=None, mesh=None):
     self.target, self.configs, self.mesh = target, list(configs), mesh
     self.max_new, self.temperature, self.seed = max_new_tokens, temperature, seed
-    self.repeats, self.bucket, self.progress = repeats, prompt_bucket, progress
+    self.repeats, self.progress = repeats, progress
     self._warm: set = set()
 
   def _key(self, unit: Unit):
     import jax
     return jax.random.fold_in(jax.random.key(self.seed), unit.turn * 1_000_003 + unit.index)
 
-  def _padded_length(self, prompts) -> int:
-    return _round_up(max(len(p) for p in prompts), self.bucket)
-
-  def _capacity(self, prompts, config: Config):
-    """generate()'s capacity for the padded prompt length: one cache size per prompt bucket."""
-    if not isinstance(config.num_draft, int):
-      return None                         # "auto": generate() picks it
-    return engine_capacity(self._padded_length(prompts), self.max_new, config.num_draft)
+  def _capacity(self, prompts, config: Config) -> int:
+    """The unit's KV capacity: the power-of-two bucket of its longest prompt + max_new_tokens +
+    the configuration's widest round, the same for the timed call and the 1-token TTFT call (one
+    compiled decode per bucket and configuration)."""
+    from spec_jax.decoding.plan import drafting_plan
+    from spec_jax.decoding.prompts import capacity_bucket
+    extent = 0 if config.drafter is None else drafting_plan(config.drafter,
+                                                            config.num_draft).extent
+    return capacity_bucket(max(len(p) for p in prompts) + self.max_new + extent + 1,
+                           self.target.config.max_position_embeddings)
 
   def _runs(self, unit: Unit, prompts: list) -> dict:
     key = self._key(unit)
@@ -153,8 +149,8 @@ class UnitRunner:
         if self.progress is not None:
           self.progress.describe(f"{unit.describe()} | {c.label}")
         call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap,
-                                       self.bucket, self.mesh)
-        sig = (c.key, len(prompts), self._padded_length(prompts), cap)
+                                       self.mesh)
+        sig = (c.key, len(prompts), cap)
         if sig not in self._warm:           # compile (excluded anyway) and a first run
           call(self.max_new)
           call(1)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
+from kernels_pallas import blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
@@ -103,6 +104,9 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
                                       head_major=head_major)
   if head_major:
     if default_head_major(config):      # the jnp path: the layout it reads in place
+      if blocked.use_blocked(s):        # read the cache only up to the longest row
+        return blocked.verify_attention_blocked(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                                head_major=True)
       return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                         head_major=True)
     # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
