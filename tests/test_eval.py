@@ -62,13 +62,20 @@ def test_eval_writes_results_report_plots_and_resumes(tmp_path, prompt_file, cap
   for r in res["summary"]:
     if r["drafter"] == "plain":
       assert r["speedup"] == 1.0 and r["tau"] == 1.0 and r["alpha"] is None
+      assert r["speedup_vs_fastest_plain"] == 1.0 and r["fastest_plain"] == "plain"
+    else:                   # per-position acceptance: a non-increasing fraction of rounds
+      at = r["accepted_at"]
+      assert len(at) == 4 and all(1 >= a >= b >= 0 for a, b in zip(at, at[1:]))
+  # Every (configuration, batch) compiled its decodes once, never inside a timed call.
+  assert res["compile"]["seconds"] > 0 and res["compile"]["units_that_compiled"] >= 2
   for r in res["latency"]:
     assert set(r["ttft_ms"]) == {"p50", "p90", "p99"} and r["requests"] == 3
   turn2 = [a for a in res["answers"] if a["turn"] == 2]
   assert [a["id"] for a in turn2] == ["b1"] and isinstance(turn2[0]["text"], str)
   # matplotlib is in the test extra: the plots are always drawn and checked here.
   assert have_matplotlib()
-  assert res["plots"] == ["speedup_vs_batch.png", "tau_per_category.png", "tpot_vs_batch.png"]
+  assert res["plots"] == ["speedup_per_category.png", "speedup_vs_batch.png",
+                          "tau_per_category.png", "tpot_vs_batch.png"]
   for name in res["plots"]:
     assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in report
   assert "No plots: plots need matplotlib: pip install 'spec_jax[plot]'" in (
@@ -215,3 +222,26 @@ def test_prompt_records_units_and_latency_arithmetic():
   assert [x["tpot_s"] and round(x["tpot_s"], 9) for x in lat] == [0.05, 0.05, None]
   assert all(x["ttft_s"] == 0.2 for x in lat)
 
+
+
+def test_eval_plain_in_other_dtypes(tmp_path, prompt_file):
+  """--plain-dtypes times plain decoding in another dtype in every unit; every row also gets
+  its speedup over the fastest plain of any dtype (and which one that was)."""
+  model = need_shared("models", TINY)
+  out = tmp_path / "dtypes"
+  assert cli.main(_argv(model, prompt_file, out, "--dtype", "float32", "--plain-dtypes",
+                        "bfloat16", "--repeats", "2")) == 0
+  res = json.loads((out / "results.json").read_text())
+  rows = {r["drafter"]: r for r in res["throughput"]}
+  assert set(rows) == {"plain", "plain bfloat16", "ngram"}
+  fastest = max(("plain", "plain bfloat16"), key=lambda d: rows[d]["tokens_per_s"])
+  for r in rows.values():
+    assert r["fastest_plain"] == fastest
+    assert r["speedup_vs_fastest_plain"] == pytest.approx(
+        r["tokens_per_s"] / rows[fastest]["tokens_per_s"])
+    assert r["plain_noise"] is not None and r["plain_noise"] >= 0     # two repeats: a spread
+  # the greedy check compares the drafter with plain decoding of its own dtype only
+  assert res["greedy_check"]["checked"]
+  with pytest.raises(ValueError, match="its plain decoding always runs"):
+    cli.options_from(cli.build_parser().parse_args(_argv(
+        model, prompt_file, out, "--dtype", "bfloat16", "--plain-dtypes", "bfloat16"))).validate()

@@ -72,9 +72,11 @@ def speedup_vs_batch(series: dict, title: str, path) -> None:
 
 
 def bars_per_category(values: dict, categories: list, title: str, ylabel: str, path,
-                      baseline: float = None, baseline_label: str = None) -> None:
+                      baseline: float = None, baseline_label: str = None,
+                      band: tuple = None, band_label: str = None) -> None:
   """values: series label -> {category: value}; grouped bars, one group per category; an
-  optional horizontal reference line (e.g. tau = 1 for plain decoding)."""
+  optional horizontal reference line (e.g. tau = 1 for plain decoding) and an optional shaded
+  band (lo, hi) around it (plain decoding's own noise)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(max(7, 0.7 * len(categories) * max(1, len(values))), 4.2))
   width = 0.8 / max(1, len(values))
@@ -85,6 +87,8 @@ def bars_per_category(values: dict, categories: list, title: str, ylabel: str, p
     ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
   if baseline is not None:
     ax.axhline(baseline, color="black", linestyle="--", linewidth=1.2, label=baseline_label)
+  if band is not None:
+    ax.axhspan(band[0], band[1], color="grey", alpha=0.25, label=band_label)
   ax.set_xticks(range(len(categories)))
   ax.set_xticklabels(categories, rotation=30, ha="right")
   ax.set_xlabel("prompt category")

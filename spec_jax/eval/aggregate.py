@@ -20,8 +20,19 @@ EVAL_DEFINITIONS = {
     "tokens_per_s": "summary: new tokens of the group's requests / the sum of their end-to-end "
                     "latencies (per-request speed; at batch 1 the plain throughput); "
                     "throughput: new tokens of all requests / wall seconds of all batches",
-    "speedup": "tokens_per_s of the drafter / tokens_per_s of plain decoding on the same "
-               "requests and batch size, measured interleaved in the same run",
+    "speedup": "tokens_per_s of the drafter / tokens_per_s of plain decoding (the target's "
+               "dtype) on the same requests and batch size, measured interleaved in the same "
+               "run",
+    "speedup_vs_fastest_plain": "tokens_per_s / the highest tokens_per_s of plain decoding in "
+                                "any dtype timed in the run (--plain-dtypes), same requests and "
+                                "batch size; fastest_plain names it",
+    "accepted_at": "per draft position i: rounds that accepted at least i + 1 drafts / all "
+                   "rounds, over the group's requests",
+    "plain_noise": "per batch size: the median over its batches of (max - min) / median of "
+                   "plain decoding's seconds over the timed repeats (null with one repeat): "
+                   "speedups within it of 1.0 are not distinguishable from plain decoding",
+    "compile_s": "seconds spent tracing and compiling decodes (never inside a timed call), "
+                 "with the number of compiled decodes",
     "ttft_ms": "time to first token: seconds of generate(max_new_tokens=1) on the same batch "
                "and cache capacity (prefill + drafter init; every row's first token comes from "
                "the prefill); p50/p90/p99 over requests",
@@ -68,8 +79,11 @@ def group_stats(rows, k) -> dict:
                                   accepted_at=[at], seconds=1.0, new_tokens=0, iterations=0,
                                   num_draft=k)
     alpha_token = alpha_per_verified_token(stats)
+  width = len(rows[0]["accepted_at"]) if rows else 0
+  accepted_at = [sum(r["accepted_at"][i] for r in rows) / rounds for i in range(width)] \
+      if rounds else []
   return {"requests": len(rows), "new_tokens": tokens, "e2e_s": e2e,
-          "tau": (accepted + rounds) / rounds if rounds else None,
+          "tau": (accepted + rounds) / rounds if rounds else None, "accepted_at": accepted_at,
           "alpha": accepted / drafted if drafted else None, "alpha_token": alpha_token,
           "tokens_per_s": tokens / e2e if e2e > 0 else None}
 
@@ -89,11 +103,42 @@ def summary_table(rows, configs, batches, categories) -> list:
       stats = {c.key: group_stats([r for r in sel if r["config"] == c.key], c.num_draft)
                for c in configs}
       base = stats[PLAIN]["tokens_per_s"]
+      fastest = _fastest_plain(configs, {k: s["tokens_per_s"] for k, s in stats.items()})
       for c in configs:
+        rate = stats[c.key]["tokens_per_s"]
         out.append(dict({"drafter": c.label, "config": c.key, "num_draft": c.num_draft,
                          "batch": b, "category": cat}, **stats[c.key],
-                        speedup=_speedup(stats[c.key]["tokens_per_s"], base)))
+                        speedup=_speedup(rate, base),
+                        speedup_vs_fastest_plain=_speedup(rate, fastest[1]),
+                        fastest_plain=fastest[0]))
   return out
+
+
+def _fastest_plain(configs, rates: dict) -> tuple:
+  """(label, tokens/s) of the fastest plain configuration (any dtype) among `rates`."""
+  plain = [(rates[c.key], c.label) for c in configs if c.is_plain and rates.get(c.key)]
+  if not plain:
+    return None, None
+  rate, label = max(plain)
+  return label, rate
+
+
+def plain_noise(units, batch: int):
+  """The median relative spread (max - min) / median of plain decoding's timed seconds over the
+  batches of this size; None with a single repeat."""
+  spreads = []
+  for u in units:
+    secs = u["configs"][PLAIN]["seconds"] if u["batch"] == batch else []
+    if len(secs) > 1:
+      mid = sorted(secs)[len(secs) // 2]
+      spreads.append((max(secs) - min(secs)) / mid)
+  return sorted(spreads)[len(spreads) // 2] if spreads else None
+
+
+def compile_summary(units) -> dict:
+  """Seconds spent compiling (tracing included) over the run, and how many decodes compiled."""
+  per = [m.get("compile_s", 0.0) for u in units for m in u["configs"].values()]
+  return {"seconds": sum(per), "units_that_compiled": sum(1 for s in per if s > 0)}
 
 
 def throughput_table(units, configs, batches) -> list:
@@ -106,12 +151,16 @@ def throughput_table(units, configs, batches) -> list:
       tokens = sum(sum(u["configs"][c.key]["new_tokens"]) for u in us)
       seconds = sum(u["configs"][c.key]["seconds_median"] for u in us)
       tps[c.key] = (tokens, seconds, tokens / seconds if seconds > 0 else None)
+    fastest = _fastest_plain(configs, {k: v[2] for k, v in tps.items()})
+    noise = plain_noise(us, b)
     for c in configs:
       tokens, seconds, rate = tps[c.key]
       out.append({"drafter": c.label, "config": c.key, "batch": b, "batches": len(us),
                   "requests": sum(len(u["requests"]) for u in us), "new_tokens": tokens,
                   "seconds": seconds, "tokens_per_s": rate,
-                  "speedup": _speedup(rate, tps[PLAIN][2])})
+                  "speedup": _speedup(rate, tps[PLAIN][2]),
+                  "speedup_vs_fastest_plain": _speedup(rate, fastest[1]),
+                  "fastest_plain": fastest[0], "plain_noise": noise})
   return out
 
 

@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompts that do not fit the context are an error, not skipped")
   p.add_argument("--repeats", type=int, default=1, help="timed rounds per batch (default 1)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                 help="the target's (and draft models') weights; default: as stored")
+  p.add_argument("--plain-dtypes", nargs="+", default=[], choices=["float32", "bfloat16"],
+                 metavar="DTYPE", help="also time plain decoding in these dtypes, in every "
+                 "unit: speedups are reported against the fastest plain of any dtype too")
   p.add_argument("--no-progress", action="store_true", help="log lines instead of a bar")
   p.add_argument("--mesh", default=None, metavar="data=N,model=M",
                  help="run every batch sharded over all devices of all processes; needed "
@@ -48,7 +53,8 @@ def options_from(args) -> EvalOptions:
                      temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                      limit_per_category=args.limit_per_category, strict=args.strict,
                      repeats=args.repeats, seed=args.seed,
-                     progress=not args.no_progress, mesh=args.mesh)
+                     progress=not args.no_progress, mesh=args.mesh, dtype=args.dtype,
+                     plain_dtypes=tuple(args.plain_dtypes))
 
 
 def summary_text(res: dict) -> str:

@@ -29,8 +29,14 @@ from spec_jax.files import atomic_write_json, atomic_write_text
 
 
 def make_configs(target, opts: EvalOptions) -> list:
-  """Plain decoding first, then every drafter (ValueError: K above a drafter's max_draft)."""
-  configs = [Config(key=PLAIN, label="plain", drafter=None, num_draft=0)]
+  """Plain decoding first (then plain decoding in each of opts.plain_dtypes), then every
+  drafter (ValueError: K above a drafter's max_draft)."""
+  dtype = target.config.dtype
+  configs = [Config(key=PLAIN, label="plain", drafter=None, num_draft=0, dtype=dtype)]
+  for other in opts.plain_dtypes:
+    if other != dtype:
+      configs.append(Config(key=f"{PLAIN}@{other}", label=f"plain {other}", drafter=None,
+                            num_draft=0, target=target.astype(other), dtype=other))
   for spec in opts.drafters:
     dr = make_drafter(spec, target, opts.seed)
     cap = getattr(dr, "max_draft", None)
@@ -38,7 +44,7 @@ def make_configs(target, opts: EvalOptions) -> list:
       raise ValueError(f"drafter {spec} proposes at most {cap} tokens per round; give "
                        f"--num-draft {cap} or less (got {opts.num_draft})")
     configs.append(Config(key=spec, label=drafter_label(spec), drafter=dr,
-                          num_draft=opts.num_draft))
+                          num_draft=opts.num_draft, dtype=dtype))
   return configs
 
 
@@ -50,7 +56,8 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
   return {"target": target, "prompts": str(source_path(opts.prompts).resolve()),
           "limit_per_category": opts.limit_per_category, "num_draft": opts.num_draft,
           "temperature": opts.temperature, "max_new_tokens": opts.max_new_tokens,
-          "repeats": opts.repeats, "seed": opts.seed,
+          "repeats": opts.repeats, "seed": opts.seed, "dtype": opts.dtype,
+          "plain_dtypes": list(opts.plain_dtypes),
           "prompt_format": fmt}
 
 
@@ -107,7 +114,7 @@ def evaluate(opts: EvalOptions) -> dict:
                      "--mesh data=N,model=M over all their devices")
   mesh = sharding.parse_mesh(opts.mesh)
   main = distributed.is_main()
-  target = load_model(opts.target, opts.seed)
+  target = load_model(opts.target, opts.seed, dtype=opts.dtype)
   if target.tokenizer is None:
     raise ValueError(f"{opts.target} has no tokenizer: the evaluation reads text prompts")
   configs = make_configs(target, opts)
@@ -178,6 +185,7 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
                        if greedy else 0},
       "summary": aggregate.summary_table(rows, configs, batches, categories),
       "throughput": aggregate.throughput_table(units, configs, batches),
+      "compile": aggregate.compile_summary(units),
       "latency": aggregate.latency_table(rows, configs, batches),
       "requests": rows,
       "answers": aggregate.answers_of(units),

@@ -38,6 +38,9 @@ class EvalOptions:
   first N questions of every category (None = all); strict: prompts that do not fit the
   context are an error instead of being skipped (turn t > 1 prompts are known only once turn
   t - 1 has run; what ran is kept in DIR); repeats: timed rounds per batch;
+  dtype: the target's weights (and a draft model's): None = as stored, 'float32' or
+  'bfloat16'; plain_dtypes: plain decoding in these other dtypes runs beside it in every unit,
+  and every speedup is also reported against the fastest plain decoding of any dtype;
   mesh: None or 'data=N,model=M' (spec_jax.sharding.parse_mesh): every generate() call on that
   mesh; needed when several processes run the evaluation (spec_jax.launch, a pod), and then
   every batch size must divide over N."""
@@ -55,6 +58,8 @@ class EvalOptions:
   seed: int = 0
   progress: bool = True
   mesh: Optional[str] = None
+  dtype: Optional[str] = None
+  plain_dtypes: tuple = ()
 
   def validate(self) -> "EvalOptions":
     """The options with batch sorted and num_draft parsed; ValueError saying what is wrong
@@ -96,7 +101,19 @@ class EvalOptions:
                          f"{self.mesh}'s data axis of {data}: give batch sizes that are "
                          f"multiples of {data}")
     source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
-    return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft)
+    if self.dtype not in DTYPES:
+      raise ValueError(f"--dtype must be one of float32, bfloat16 (or omitted: as stored), got "
+                       f"{self.dtype!r}")
+    plain_dtypes = tuple(dict.fromkeys(self.plain_dtypes or ()))
+    bad = [d for d in plain_dtypes if d not in DTYPES[1:]]
+    if bad:
+      raise ValueError(f"--plain-dtypes takes float32 and/or bfloat16, got {bad}")
+    if self.dtype is not None and self.dtype in plain_dtypes:
+      raise ValueError(f"--plain-dtypes {self.dtype} is the target's own dtype (--dtype): its "
+                       f"plain decoding always runs")
+    return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft,
+                               plain_dtypes=plain_dtypes)
 
 
 PROMPT_CHOICES = " | ".join(PROMPT_SETS)
+DTYPES = (None, "float32", "bfloat16")

@@ -9,8 +9,8 @@ from spec_jax.bench import plots
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.aggregate import ALL
 
-PLOT_FILES = {"speedup": "speedup_vs_batch.png", "tau": "tau_per_category.png",
-              "tpot": "tpot_vs_batch.png"}
+PLOT_FILES = {"category": "speedup_per_category.png", "speedup": "speedup_vs_batch.png",
+              "tau": "tau_per_category.png", "tpot": "tpot_vs_batch.png"}
 
 
 _FORMATS = {"chat_template": "prompts through the tokenizer's chat template",
@@ -44,6 +44,7 @@ def write_plots(res: dict, out_dir) -> list:
   b0 = min(res["options"]["batch"])
   cats = [c for c in res["prompts"]["categories"]
           if any(r["category"] == c for r in res["summary"])]
+  _category_plot(res, drafters, cats, b0, out_dir / PLOT_FILES["category"])
   tau = {d: {r["category"]: r["tau"] for r in res["summary"]
              if r["drafter"] == d and r["batch"] == b0 and r["category"] != ALL
              and r["tau"] is not None} for d in drafters}
@@ -59,7 +60,24 @@ def write_plots(res: dict, out_dir) -> list:
         per_q[q].append((r["batch"], r["tpot_ms"][q]))
   plots.percentiles_vs_batch(tpot, f"time per output token per request — {_title(res)}",
                              "TPOT (ms per output token)", out_dir / PLOT_FILES["tpot"])
-  return [PLOT_FILES[k] for k in ("speedup", "tau", "tpot")]
+  return [PLOT_FILES[k] for k in ("category", "speedup", "tau", "tpot")]
+
+
+def _category_plot(res, drafters, cats, batch, path) -> None:
+  """What a reader looks at first: each drafter's speedup over the fastest plain decoding per
+  category at the smallest batch, the 1.0x line and plain decoding's noise band around it."""
+  speed = {d: {r["category"]: r["speedup_vs_fastest_plain"] for r in res["summary"]
+               if r["drafter"] == d and r["batch"] == batch and r["category"] != ALL
+               and r.get("speedup_vs_fastest_plain") is not None} for d in drafters}
+  noise = next((r.get("plain_noise") for r in res["throughput"] if r["batch"] == batch), None)
+  band = None if not noise else (1 - noise / 2, 1 + noise / 2)
+  fastest = next((r.get("fastest_plain") for r in res["throughput"] if r["batch"] == batch),
+                 "plain")
+  plots.bars_per_category(
+      speed, cats, f"speedup over the fastest plain decoding ({fastest}) per category, batch "
+      f"{batch} — {_title(res)}", "speedup (×, per-request tokens/s)", path, baseline=1.0,
+      baseline_label=f"{fastest} (1.0×)", band=band,
+      band_label=f"plain noise ±{noise / 2:.0%} (spread over repeats)" if noise else None)
 
 
 def _header(res) -> list:
@@ -91,22 +109,34 @@ def _header(res) -> list:
 def render_markdown(res: dict) -> str:
   """report.md: throughput, per-category, latency and skipped-prompt sections, definitions."""
   out = _header(res)
+  if PLOT_FILES["category"] in res["plots"]:
+    out += [f"![speedup per category]({PLOT_FILES['category']})", ""]
   out += ["## Throughput and speedup over plain decoding", ""]
-  out.append(table(["drafter", "B", "requests", "new tokens", "seconds", "tok/s", "speedup"],
+  out.append(table(["drafter", "B", "requests", "new tokens", "seconds", "tok/s", "speedup",
+                    "vs fastest plain", "plain noise"],
                    [[r["drafter"], r["batch"], r["requests"], r["new_tokens"],
-                     fmt(r["seconds"]), fmt(r["tokens_per_s"], 1), _x(r["speedup"])]
+                     fmt(r["seconds"]), fmt(r["tokens_per_s"], 1), _x(r["speedup"]),
+                     _x(r.get("speedup_vs_fastest_plain")),
+                     f"{r['plain_noise']:.0%}" if r.get("plain_noise") is not None else "-"]
                     for r in res["throughput"]],
                    markdown=True))
+  comp = res.get("compile")
+  if comp:
+    out += ["", f"Compiling (never timed): {comp['seconds']:.0f} s over "
+                f"{comp['units_that_compiled']} (configuration, batch) measurements that "
+                f"compiled a decode."]
   if PLOT_FILES["speedup"] in res["plots"]:
     out += ["", f"![speedup vs batch size]({PLOT_FILES['speedup']})"]
   for b in res["options"]["batch"]:
     out += ["", f"## Per category, batch {b}", ""]
     rows = [r for r in res["summary"] if r["batch"] == b]
     out.append(table(["category", "drafter", "requests", "tau", "alpha", "a_tok",
-                      "tok/s per request", "speedup"],
+                      "accepted at 1..K", "tok/s per request", "speedup", "vs fastest plain"],
                      [[r["category"], r["drafter"], r["requests"], fmt(r["tau"]),
-                       fmt(r["alpha"]), fmt(r["alpha_token"]), fmt(r["tokens_per_s"], 1),
-                       _x(r["speedup"])] for r in rows], markdown=True))
+                       fmt(r["alpha"]), fmt(r["alpha_token"]),
+                       " ".join(f"{a:.2f}" for a in r.get("accepted_at") or []) or "-",
+                       fmt(r["tokens_per_s"], 1), _x(r["speedup"]),
+                       _x(r.get("speedup_vs_fastest_plain"))] for r in rows], markdown=True))
   if PLOT_FILES["tau"] in res["plots"]:
     out += ["", f"![tau per category]({PLOT_FILES['tau']})"]
   out += ["", "## Latency per batch size (ms; p50 / p90 / p99 over requests)", ""]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any
+from typing import Any, Optional
 
 from spec_jax.bench.metrics import engine_capacity, first_difference
 from spec_jax.timing import interleaved_rounds
@@ -23,12 +23,20 @@ class LossyOutputError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """One way to decode: key (the drafter spec, 'none' for plain decoding), label (for
-  tables), drafter (None for plain), num_draft (K, 'auto', or 0 for plain)."""
+  """One way to decode: key (the drafter spec, 'none' for plain decoding, 'none@DTYPE' for
+  plain decoding in another dtype), label (for tables), drafter (None for plain), num_draft (K,
+  'auto', or 0 for plain); target: the model it decodes with (None: the runner's target; plain
+  decoding in another dtype has its own cast) and its dtype name."""
   key: str
   label: str
   drafter: Any
   num_draft: Any
+  target: Any = None
+  dtype: Optional[str] = None
+
+  @property
+  def is_plain(self) -> bool:
+    return self.drafter is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +105,9 @@ def check_greedy(unit: Unit, configs, outputs: dict) -> None:
   row of the unit; outputs: config key -> tokens per row."""
   n = len(unit.requests)
   plain = outputs[PLAIN][:n]
+  base_dtype = next(c.dtype for c in configs if c.key == PLAIN)
   for c in configs:
-    if c.key == PLAIN:
+    if c.is_plain or c.dtype != base_dtype:   # another dtype's plain greedy may part at ties
       continue
     diff = first_difference(plain, outputs[c.key][:n])
     if diff is not None:
@@ -148,14 +157,15 @@ class UnitRunner:
       def run(c=c, cap=cap):
         if self.progress is not None:
           self.progress.describe(f"{unit.describe()} | {c.label}")
-        call = lambda n: generate_call(self.target, prompts, c, n, self.temperature, key, cap,
+        target = c.target if c.target is not None else self.target
+        call = lambda n: generate_call(target, prompts, c, n, self.temperature, key, cap,
                                        self.mesh)
         sig = (c.key, len(prompts), cap)
+        compile_s = 0.0
         if sig not in self._warm:           # compile (excluded anyway) and a first run
-          call(self.max_new)
-          call(1)
+          compile_s = call(self.max_new).compile_seconds + call(1).compile_seconds
           self._warm.add(sig)
-        return call(self.max_new), call(1).stats.seconds
+        return call(self.max_new), call(1).stats.seconds, compile_s
       runs[c.key] = run
     return runs
 
@@ -177,9 +187,10 @@ class UnitRunner:
       configs[c.key] = {
           "label": c.label, "num_draft": c.num_draft, "K": first.stats.num_draft,
           "capacity": self._capacity(prompts, c),
-          "seconds": [o.stats.seconds for o, _ in res], "ttft_s": [t for _, t in res],
-          "seconds_median": statistics.median(o.stats.seconds for o, _ in res),
-          "ttft_median_s": statistics.median(t for _, t in res),
+          "seconds": [o.stats.seconds for o, _, _ in res], "ttft_s": [t for _, t, _ in res],
+          "seconds_median": statistics.median(o.stats.seconds for o, _, _ in res),
+          "ttft_median_s": statistics.median(t for _, t, _ in res),
+          "compile_s": sum(cs for _, _, cs in res), "dtype": c.dtype,
           "iterations": first.stats.iterations,
           "k_histogram": {str(k): n for k, n in (first.stats.k_histogram or {}).items()},
           "new_tokens": [len(t) for t in outputs[c.key][:n]],
