@@ -14,6 +14,8 @@ then translation, summarization, qa, math_reasoning, rag) is represented.
 
 from __future__ import annotations
 
+import functools
+
 from spec_jax.bench.prompts import read_prompt_records
 from spec_jax.bench.specs import resolve_path
 
@@ -24,9 +26,10 @@ def is_chat_source(source: str) -> bool:
   return isinstance(source, str) and source.startswith(CHAT_PREFIX)
 
 
+@functools.lru_cache(maxsize=4)
 def hf_tokenizer(spec: str):
   """transformers' tokenizer of a model spec (a HF folder or a .gguf file) with a chat
-  template; ValueError when there is none."""
+  template; ValueError when there is none. Cached: reading a GGUF's vocabulary takes seconds."""
   import transformers
   if spec.startswith(("random:", "widened:")):
     raise ValueError(f"chat prompts need a real model's chat template; {spec!r} has none")

@@ -14,8 +14,13 @@ token picked by llama.cpp's greedy sampler. `generate` never stops at EOS by its
 callers `create_completion` / `__call__` do), so no logit bias is needed to decode exactly
 max_new tokens. tau = (max_new - 1) / (evals after the prompt eval): tokens per target forward.
 
-llama.cpp computes Q4_1 weights against activations quantised to Q8_1, so its greedy tokens can
-part from a dequantised float model's at near-ties.
+Greedy agreement, measured on SmolLM2-135M-Instruct's Q4_1 file (tests/test_peers.py): llama.cpp
+multiplies Q4_1 weights with activations quantised to Q8_1, so its greedy tokens part from those
+of the float32 model transformers dequantises from the same file at near-ties (with the chat
+template's default system prompt, "What is the capital of France?" starts at a top-2 gap of
+0.08: transformers answers "The capital of France is Paris.", llama.cpp "L'Étoile, ..."). Its
+prompt lookup can also part from its own plain decoding: a verify over 1 + K tokens runs other
+matmul kernels than a one-token step (same prompt, position 7). Away from near-ties all agree.
 """
 
 from __future__ import annotations
@@ -98,13 +103,14 @@ def run_llamacpp(job: dict, rounds) -> dict:
   max_new = int(job["max_new"])
   longest_k = max([int(c.get("k") or 0) for c in job["configs"]] + [0])
   n_ctx = max(len(p) for p in job["prompts"]) + max_new + longest_k + 16
-  calls = {}
+  calls, llms = {}, []
   for cfg in job["configs"]:
     if cfg["mode"] not in ("plain", "ngram"):
       raise ValueError(f"llama.cpp side: mode {cfg['mode']!r} is not run here (plain, ngram)")
     k = int(cfg["k"]) if cfg["mode"] == "ngram" else 0
     llm = load_llama(job["gguf"], threads=int(job["threads"]), n_ctx=n_ctx, lookup_tokens=k,
                      seed=int(job.get("seed", 0)))
+    llms.append(llm)
 
     def call(llm=llm):
       tokens, seconds, forwards = [], 0.0, 0
@@ -117,4 +123,8 @@ def run_llamacpp(job: dict, rounds) -> dict:
       emitted = len(job["prompts"]) * (max_new - 1)
       return tokens, seconds, (emitted / forwards if forwards else 1.0)
     calls[cfg["name"]] = call
-  return rounds(calls, job)
+  try:
+    return rounds(calls, job)
+  finally:
+    for llm in llms:              # freed now, not by __del__ at interpreter exit (which fails)
+      llm.close()

@@ -31,7 +31,7 @@ import sys
 import tempfile
 
 from spec_jax.bench.chat_prompts import chat_prompt_token_lists, is_chat_source
-from spec_jax.bench.metrics import first_difference
+from spec_jax.bench.metrics import common_prefix_fraction, first_difference
 from spec_jax.bench.peer_llamacpp import gguf_info, import_llama_cpp
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
@@ -54,6 +54,8 @@ PEER_DEFINITIONS = {
                     "tokens may part from a dequantised float model's at a near-tie)",
     "first_difference": "(prompt, position) of the first token that differs from spec_jax plain "
                         "decoding, or null",
+    "greedy_prefix": "mean over prompts of the share of tokens before the first one that "
+                     "differs from spec_jax plain decoding (1 = identical)",
     "reads_per_token_bytes": "bytes of weights a plain decode step streams: the parameters in the "
                              "row's dtype (spec_jax, transformers: dequantised from the same "
                              "weights; the tied embedding once) or every tensor of the GGUF file "
@@ -213,7 +215,8 @@ def run_peer_suite(opts) -> dict:
       cfg_of.update({(LLAMACPP, t, c["name"]): c for t in ll_threads for c in ll})
       batch_rows = []
       for (lib, t, d, name), m in measured.items():
-        diff = first_difference(m["tokens"], references.get(d, fallback))
+        reference = references.get(d, fallback)
+        diff = first_difference(m["tokens"], reference)
         if diff is not None:
           notes.append(f"{label} B={batch} {lib} {name} {d or ''}: greedy tokens differ from "
                        f"spec_jax plain (row {diff[0]}, position {diff[1]})")
@@ -225,7 +228,8 @@ def run_peer_suite(opts) -> dict:
                            "prompt_tokens_equal": equal, "max_new_tokens": max_new,
                            "tokens_per_s": summarize(m["tokens_per_s"]), "tau": m["tau"],
                            "reads_per_token_bytes": reads, "greedy_match": diff is None,
-                           "first_difference": list(diff) if diff else None})
+                           "first_difference": list(diff) if diff else None,
+                           "greedy_prefix": common_prefix_fraction(m["tokens"], reference)})
       s = summarize_batch(label, batch, batch_rows)
       fill = int(mean_plen + max_new // 2)
       # The roofline of the bytes our fastest plain decoding reads: its dtype's weights.

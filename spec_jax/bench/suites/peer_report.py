@@ -58,6 +58,13 @@ def summarize_batch(label: str, batch: int, rows: list) -> dict:
   return out
 
 
+def _agreement(r) -> str:
+  if r["greedy_match"]:
+    return "yes"
+  prefix = r.get("greedy_prefix")
+  return "NO" if prefix is None else f"NO ({100 * prefix:.0f} % before)"
+
+
 def _ratio(x) -> str:
   return "-" if x is None else f"{x:.2f}x"
 
@@ -74,7 +81,7 @@ def format_peer(result: dict) -> str:
             f"{r['tokens_per_s']['min']:.1f}-{r['tokens_per_s']['max']:.1f}",
             _ratio(r["vs_ours_plain"]), _ratio(r.get("vs_hf_plain")),
             _ratio(r.get("vs_llamacpp_plain")), fmt(r["tau"]),
-            "yes" if r["greedy_match"] else "NO"] for r in rows]
+            _agreement(r)] for r in rows]
   lines = [table(["target", "B", "library", "weights", "threads", "config", "MB read/token",
                   "tok/s", "min-max", "vs ours plain", "vs hf plain", "vs llama.cpp plain",
                   "tau", "greedy ="], cells), ""]
