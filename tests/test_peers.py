@@ -137,9 +137,9 @@ def test_peer_options_and_gguf_resolution(tmp_path):
     cli.parse_args(["--suite", "peer", "--peers", "vllm"])
   g = tmp_path / "m.gguf"
   g.write_bytes(b"GGUF")
-  assert peer.gguf_of(str(g), None) == str(g)
+  assert peer.gguf_of(str(g), None) == str(g.resolve())
   assert peer.gguf_of(str(tmp_path), None) is None
-  assert peer.gguf_of(str(tmp_path), str(g)) == str(g)
+  assert peer.gguf_of(str(tmp_path), str(g)) == str(g.resolve())
   with pytest.raises(ValueError, match="not a .gguf file"):
     peer.gguf_of(str(tmp_path), str(tmp_path / "missing.gguf"))
 

@@ -117,6 +117,8 @@ def _rounds(calls: dict, job: dict) -> dict:
 
 
 def main() -> int:
+  import faulthandler
+  faulthandler.enable()           # a native crash (e.g. in llama.cpp) leaves a trace on stderr
   job = json.loads(sys.stdin.read())
   if job["side"] == "llamacpp":
     from spec_jax.bench.peer_llamacpp import run_llamacpp

@@ -80,7 +80,13 @@ def _run_worker(job: dict, cache_dir: str) -> dict:
                         input=json.dumps(job), capture_output=True, text=True, env=env,
                         cwd=str(ROOT))
   if proc.returncode != 0:
-    raise RuntimeError(f"peer worker ({job['side']}) failed:\n{proc.stderr[-4000:]}")
+    hint = ""
+    if job["side"] == "llamacpp" and proc.returncode == -11:
+      hint = ("\nllama.cpp segfaulted. A build with AMX on (GGML_NATIVE=ON on an AMX CPU) "
+              "crashes in ggml_backend_amx_mul_mat on this repository's CPU: rebuild "
+              "llama-cpp-python with AMX off (docs/peers.md)")
+    raise RuntimeError(f"peer worker ({job['side']}) failed (exit {proc.returncode}):\n"
+                       f"{proc.stderr[-4000:]}{hint}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -103,9 +109,9 @@ def gguf_of(target_spec: str, peer_gguf) -> "str | None":
     path = resolve_path(peer_gguf)
     if not (path.is_file() and path.suffix == ".gguf"):
       raise ValueError(f"--peer-gguf {peer_gguf!r} is not a .gguf file (tried {path})")
-    return str(path)
+    return str(path.resolve())
   path = resolve_path(target_spec)
-  return str(path) if path.is_file() and path.suffix == ".gguf" else None
+  return str(path.resolve()) if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _prompt_ids(opts, model, target_spec: str, n: int) -> tuple:
