@@ -37,8 +37,7 @@ from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
 from spec_jax.bench.specs import (drafter_label, load_model, model_label, parse_pairs,
                                   resolve_path)
-from spec_jax.bench.suites.peer_report import (HF, LLAMACPP, OURS, format_peer,  # noqa: F401
-                                               summarize_batch)
+from spec_jax.bench.suites.peer_report import HF, LLAMACPP, OURS, summarize_batch
 from spec_jax.timing import decode_roofline, memory_bandwidth, summarize
 
 PEERS = ("hf", "llamacpp")
