@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prompts", default="tinystories",
                  help=f"{' | '.join(PROMPT_SETS)} | mixed (even rows tinystories, odd rows "
                  "random token ids the drafter cannot predict) | a .txt / .jsonl / .jsonl.gz "
-                 "path")
+                 "path | chat:SET (peer suite: each question's first turn in the model's chat "
+                 "template, e.g. chat:spec_bench)")
   p.add_argument("--prompt-words", type=int, default=8,
                  help="words of each paragraph used as a prompt (.txt sources)")
   p.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -105,8 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
                  help="peer suite: prompts per timed call (decoded B at a time)")
   p.add_argument("--peer-rounds", type=int, default=2,
                  help="peer suite: how many times the library processes alternate")
-  p.add_argument("--peer-lookup-tokens", type=int, default=10,
-                 help="peer suite: transformers' prompt_lookup_num_tokens")
+  p.add_argument("--peer-lookup-tokens", type=int, nargs="+", default=[10],
+                 help="peer suite: the peers' prompt-lookup draft lengths (transformers' "
+                 "prompt_lookup_num_tokens, llama.cpp's num_pred_tokens), one row each")
+  p.add_argument("--peers", nargs="+", choices=("hf", "llamacpp"), default=["hf"],
+                 help="peer suite: the libraries spec_jax is compared with: hf (transformers) "
+                 "and/or llamacpp (llama-cpp-python on a GGUF file, batch 1; the 'peers' "
+                 "extra)")
+  p.add_argument("--llamacpp-threads", type=int, nargs="+", default=[0, 1],
+                 help="peer suite: llama.cpp thread counts (n_threads = n_threads_batch; 0 = "
+                 "the CPU core count)")
+  p.add_argument("--peer-gguf", default=None,
+                 help="peer suite: the GGUF file llama.cpp reads (default: the target itself "
+                 "when it is a .gguf file)")
   p.add_argument("--fills", type=int, nargs="+", default=[256, 2048])
   p.add_argument("--max-verify-tokens", type=int, default=9, help="c(T) for T = 1..this")
   return p
@@ -169,9 +181,13 @@ def parse_args(argv) -> argparse.Namespace:
     for k, v in QUICK.items():
       setattr(args, k, v)
   for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
-               "peer_prompts", "peer_rounds", "peer_lookup_tokens", "batches_per_cell"):
+               "peer_prompts", "peer_rounds", "batches_per_cell"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+  if any(k < 1 for k in args.peer_lookup_tokens):
+    raise ValueError("--peer-lookup-tokens must be >= 1")
+  if any(t < 0 for t in args.hf_threads + args.llamacpp_threads):
+    raise ValueError("thread counts must be >= 0 (0 = the CPU core count)")
   if any(b < 1 for b in args.batch + args.plain_batch + args.peer_batch):
     raise ValueError("batch sizes must be >= 1")
   if any(t < 0 for t in args.temperatures):

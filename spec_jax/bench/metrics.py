@@ -49,3 +49,17 @@ def first_difference(a_rows, b_rows):
     if pos is not None and (best is None or pos < best[1]):
       best = (b, pos)
   return best
+
+
+def common_prefix_fraction(a_rows, b_rows) -> float:
+  """The mean over rows of (tokens before the rows' first difference) / (the longer row's
+  length): 1.0 for equal batches; how far greedy outputs agree before a near-tie parts them."""
+  if len(a_rows) != len(b_rows) or not a_rows:
+    raise ValueError(f"cannot compare {len(a_rows)} rows with {len(b_rows)}")
+  fractions = []
+  for x, y in zip(a_rows, b_rows):
+    x, y = list(x), list(y)
+    n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    longest = max(len(x), len(y))
+    fractions.append(n / longest if longest else 1.0)
+  return sum(fractions) / len(fractions)

@@ -1,16 +1,22 @@
-"""One side of the peer comparison, in a process of its own: spec_jax or transformers.
+"""One side of the peer comparison, in a process of its own: spec_jax, transformers or llama.cpp.
 
     python -m spec_jax.bench.peer_worker < job.json      # prints one JSON line on stdout
 
 The peer suite (suites/peer.py) starts one worker per library (and per torch thread count) and
 alternates them, so one library's thread pools never slow the other's timed calls. A job:
 
-  {"side": "ours" | "hf", "threads": int (hf only), "target": MODEL, "prompts": [[ids], ...],
+  {"side": "ours" | "hf" | "llamacpp", "threads": int (hf, llamacpp), "target": MODEL,
+   "gguf": PATH (llamacpp only), "prompts": [[ids], ...],
    "batch": B, "max_new": N, "repeats": R, "seed": 0, "dtype": "float32" | "bfloat16" | null
    (the weights of target and draft model: spec_jax's Model.astype, torch's .to(bfloat16);
-   null: as stored),
+   null: as stored; llama.cpp computes with the GGUF's own quantised weights),
    "configs": [{"name": str, "mode": "plain" | "draft" | "ngram", "draft": MODEL | null,
                 "k": int}, ...]}
+
+MODEL is what spec_jax.bench.specs.load_model reads (ours: the only path our side takes, so a
+GGUF target works wherever `sj.load` reads GGUF); transformers loads a HF folder directly and a
+`.gguf` file with `from_pretrained(folder, gguf_file=name)` (dequantised, then cast to dtype).
+The llama.cpp side (spec_jax.bench.peer_llamacpp) reads the GGUF file itself.
 
 Every configuration is warmed up (compiled) once, then the R timed rounds run the configurations
 round-robin. A timed call decodes all prompts, B rows at a time (transformers' assisted
@@ -19,7 +25,7 @@ tokens per row, greedy, no early stop on either side: ours with stop_tokens=[], 
 with eos_token_id=None (min_new_tokens would suppress the end-of-text logit and change the
 greedy tokens). Wall-clock time around each library's own generate call. The output holds, per
 configuration, the tokens/s of every round, the tokens of the warm-up call (for the greedy
-agreement check) and, for ours, tau.
+agreement check) and, for ours and llama.cpp, tau.
 """
 
 from __future__ import annotations
@@ -65,18 +71,16 @@ def run_ours(job: dict) -> dict:
 
 def run_hf(job: dict) -> dict:
   import torch
-  from spec_jax.bench.specs import load_model
-  from spec_jax.bench.suites.plain import hf_model_from
+  from spec_jax.bench.suites.plain import hf_load
   torch.set_num_threads(int(job["threads"]))
   dtype = torch.bfloat16 if job.get("dtype") == "bfloat16" else torch.float32
-  target = hf_model_from(load_model(job["target"], job.get("seed", 0)), job["target"]).to(dtype)
+  target = hf_load(job["target"], job.get("seed", 0)).to(dtype)
   groups = _groups(job["prompts"], job["batch"])
   calls = {}
   for cfg in job["configs"]:
     extra = {}
     if cfg["mode"] == "draft":
-      extra["assistant_model"] = hf_model_from(load_model(cfg["draft"], job.get("seed", 0)),
-                                               cfg["draft"]).to(dtype)
+      extra["assistant_model"] = hf_load(cfg["draft"], job.get("seed", 0)).to(dtype)
     elif cfg["mode"] == "ngram":
       extra["prompt_lookup_num_tokens"] = int(cfg["k"])
     if extra and job["batch"] != 1:
@@ -113,8 +117,16 @@ def _rounds(calls: dict, job: dict) -> dict:
 
 
 def main() -> int:
+  import faulthandler
+  faulthandler.enable()           # a native crash (e.g. in llama.cpp) leaves a trace on stderr
   job = json.loads(sys.stdin.read())
-  result = run_ours(job) if job["side"] == "ours" else run_hf(job)
+  if job["side"] == "llamacpp":
+    from spec_jax.bench.peer_llamacpp import run_llamacpp
+    result = run_llamacpp(job, _rounds)
+  elif job["side"] in ("ours", "hf"):
+    result = run_ours(job) if job["side"] == "ours" else run_hf(job)
+  else:
+    raise ValueError(f"unknown peer side {job['side']!r}: ours, hf or llamacpp")
   print(json.dumps(result))
   return 0
 

@@ -153,6 +153,9 @@ def prompt_token_lists(model, source: str, n: int, words: int, max_prompt_tokens
   8..15 tokens (the same for a given seed).
   """
   import numpy as np
+  if source.startswith("chat:"):
+    raise ValueError(f"--prompts {source}: chat-template prompts are read by the peer suite "
+                     f"(spec_jax.bench.chat_prompts); this suite takes a plain prompt set")
   if source == MIXED:
     return _mixed_prompts(model, n, words, max_prompt_tokens, seed)
   if model.tokenizer is None:

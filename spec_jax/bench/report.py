@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from spec_jax.bench.suites.peer import format_peer
+from spec_jax.bench.suites.peer_report import format_peer
 from spec_jax.bench.tables import fmt, table
 
 DTYPE_TAG = {"bfloat16": "bf16", "float32": "f32"}

@@ -1,17 +1,24 @@
-"""The peer suite: spec_jax against transformers' PyTorch `generate` on the same pair, side by
-side in one run — plain decoding, assisted generation (`assistant_model=` the same draft model)
-and prompt lookup (`prompt_lookup_num_tokens`) — the implementation people already use.
+"""The peer suite: spec_jax against the implementations people already use, on the same model
+and prompts, side by side in one run: transformers' PyTorch `generate` (plain decoding,
+assisted generation with `assistant_model=` the same draft model, prompt lookup with
+`prompt_lookup_num_tokens`) and, with `--peers hf llamacpp`, llama.cpp through
+llama-cpp-python (plain decoding and its prompt-lookup drafter) on the GGUF file.
 
     python -m spec_jax.bench --suite peer \\
         --pairs /work/widened/stories260K-78M@draft:/work/widened/salty279K \\
                 /work/widened/stories260K-78M@ngram --num-draft 2 4 6 --peer-batch 1 8
+    python -m spec_jax.bench --suite peer --peers hf llamacpp --prompts chat:spec_bench \\
+        --pairs ../shared/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf@ngram \\
+        --num-draft 2 4 6 8 --peer-lookup-tokens 2 4 10 --peer-batch 1      # docs/peers.md
 
-Each library runs in its own process (spec_jax.bench.peer_worker; one per torch thread count),
-so one library's thread pools never slow the other's timed calls; the processes alternate,
+Each library runs in its own process (spec_jax.bench.peer_worker; one per thread count), so one
+library's thread pools never slow the other's timed calls; the processes alternate,
 `peer_rounds` times, each timing `repeats` round-robin rounds of its configurations after a
-warm-up. Greedy, the same prompts (equal lengths, no padding on either side), exactly
-max_new_tokens new tokens per row, no early stop; greedy tokens of every configuration are
-checked equal to spec_jax's plain decoding. Ratios compare medians over all timed rounds; the
+warm-up. Greedy, the same prompt token ids, exactly max_new_tokens new tokens per row, no early
+stop; greedy tokens of every configuration are checked against spec_jax's plain decoding.
+Prompts of a plain set are cut to equal lengths (no padding on either side); `chat:SET` prompts
+(spec_jax.bench.chat_prompts) are whole chat-template encodings of differing lengths, run at
+batch 1. llama.cpp runs at batch 1 only. Ratios compare medians over all timed rounds; the
 spread of each side's plain decoding is the noise.
 """
 
@@ -23,27 +30,40 @@ import subprocess
 import sys
 import tempfile
 
-from spec_jax.bench.metrics import first_difference
+from spec_jax.bench.chat_prompts import chat_prompt_token_lists, is_chat_source
+from spec_jax.bench.metrics import common_prefix_fraction, first_difference
+from spec_jax.bench.peer_llamacpp import gguf_info, import_llama_cpp
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
 from spec_jax.bench.specs import (drafter_label, load_model, model_label, parse_pairs,
                                   resolve_path)
-from spec_jax.bench.tables import fmt, table
+from spec_jax.bench.suites.peer_report import HF, LLAMACPP, OURS, summarize_batch
 from spec_jax.timing import decode_roofline, memory_bandwidth, summarize
+
+PEERS = ("hf", "llamacpp")
 
 PEER_DEFINITIONS = {
     "tokens_per_s": "new tokens / wall seconds of the library's generate calls (median, min, max "
-                    "over every timed round of every process)",
+                    "over every timed round of every process); every call evaluates its prompt",
     "vs_ours_plain": "tokens/s / spec_jax plain decoding's tokens/s (same batch)",
     "vs_hf_plain": "tokens/s / transformers plain decoding's tokens/s at its best thread count",
-    "greedy_match": "the configuration's greedy tokens equal spec_jax plain decoding's",
-    "noise": "(max - min) / median of a side's plain decoding over the timed rounds",
+    "vs_llamacpp_plain": "tokens/s / llama.cpp plain decoding's tokens/s at its best thread count",
+    "greedy_match": "the configuration's greedy tokens equal spec_jax plain decoding's (llama.cpp "
+                    "multiplies Q4_1 weights with activations quantised to Q8_1, so its greedy "
+                    "tokens may part from a dequantised float model's at a near-tie)",
+    "first_difference": "(prompt, position) of the first token that differs from spec_jax plain "
+                        "decoding, or null",
+    "greedy_prefix": "mean over prompts of the share of tokens before the first one that "
+                     "differs from spec_jax plain decoding (1 = identical)",
+    "reads_per_token_bytes": "bytes of weights a plain decode step streams: the parameters in the "
+                             "row's dtype (spec_jax, transformers: dequantised from the same "
+                             "weights; the tied embedding once) or every tensor of the GGUF file "
+                             "as stored (llama.cpp: Q4_1 projections, Q8_0 embedding)",
     "roofline": "tokens/s if a plain step only read its bytes (weights once + each row's KV up "
                 "to the mean fill) at the measured read bandwidth (a jitted sum over 512 MB); "
-                "vs_roofline = ours plain / roofline",
+                "vs_roofline = ours plain / roofline; llama.cpp's counts its GGUF bytes and an "
+                "f16 KV cache",
 }
-
-
 def _drafter_config(drafter_spec: str, k: int) -> dict:
   if drafter_spec == "ngram":
     return {"mode": "ngram", "draft": None, "k": k}
@@ -59,19 +79,79 @@ def _run_worker(job: dict, cache_dir: str) -> dict:
                         input=json.dumps(job), capture_output=True, text=True, env=env,
                         cwd=str(ROOT))
   if proc.returncode != 0:
-    raise RuntimeError(f"peer worker ({job['side']}) failed:\n{proc.stderr[-4000:]}")
+    hint = ""
+    if job["side"] == "llamacpp" and proc.returncode == -11:
+      hint = ("\nllama.cpp segfaulted. A build with AMX on (GGML_NATIVE=ON on an AMX CPU) "
+              "crashes in ggml_backend_amx_mul_mat on this repository's CPU: rebuild "
+              "llama-cpp-python with AMX off (docs/peers.md)")
+    raise RuntimeError(f"peer worker ({job['side']}) failed (exit {proc.returncode}):\n"
+                       f"{proc.stderr[-4000:]}{hint}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _thread_counts(values) -> list:
+  return sorted({(os.cpu_count() or 1) if int(n) == 0 else int(n) for n in values})
+
+
+def _peers(opts) -> list:
+  peers = list(dict.fromkeys(getattr(opts, "peers", None) or ["hf"]))
+  bad = [p for p in peers if p not in PEERS]
+  if bad:
+    raise ValueError(f"--peers: unknown {', '.join(bad)}; choose from {', '.join(PEERS)}")
+  return peers
+
+
+def gguf_of(target_spec: str, peer_gguf) -> "str | None":
+  """The GGUF file llama.cpp reads for a target: --peer-gguf, else the target itself when it is
+  a .gguf file, else None. ValueError for a --peer-gguf that is not an existing .gguf file."""
+  if peer_gguf:
+    path = resolve_path(peer_gguf)
+    if not (path.is_file() and path.suffix == ".gguf"):
+      raise ValueError(f"--peer-gguf {peer_gguf!r} is not a .gguf file (tried {path})")
+    return str(path.resolve())
+  path = resolve_path(target_spec)
+  return str(path.resolve()) if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _prompt_ids(opts, model, target_spec: str, n: int) -> tuple:
+  """(ids, equal_lengths): chat prompts whole (batch 1), a plain set's cut to equal lengths."""
+  if is_chat_source(opts.prompts):
+    if max(opts.peer_batch) > 1:
+      raise ValueError(f"--prompts {opts.prompts}: chat prompts differ in length and are never "
+                       f"cut or padded; run them at --peer-batch 1")
+    ids, _, _ = chat_prompt_token_lists(target_spec, opts.prompts, n, opts.max_prompt_tokens)
+    return ids, False
+  ids, _ = prompt_token_lists(model, opts.prompts, n, opts.prompt_words,
+                              opts.max_prompt_tokens, opts.seed)
+  plen = min(len(r) for r in ids)
+  return [r[:plen] for r in ids], True         # equal lengths: no padding on either side
+
+
+def _weight_bytes(config, dtype) -> int:
+  import numpy as np
+  return config.num_params * np.dtype(dtype or config.dtype).itemsize
 
 
 def run_peer_suite(opts) -> dict:
   """The peer suite (see the module docstring) -> {"rows", "summary", "notes", ...}."""
+  peers = _peers(opts)
   pairs = parse_pairs(opts.pairs)
   by_target: dict = {}
   for target_spec, drafter_spec in pairs:
     by_target.setdefault(target_spec, []).append(drafter_spec)
-  threads = sorted({(os.cpu_count() or 1) if n == 0 else int(n) for n in opts.hf_threads})
+  threads = _thread_counts(opts.hf_threads)
+  ll_threads = _thread_counts(getattr(opts, "llamacpp_threads", None) or [0])
+  lookups = [int(k) for k in (opts.peer_lookup_tokens if isinstance(opts.peer_lookup_tokens, list)
+                              else [opts.peer_lookup_tokens])]
   ours_dtypes = list(dict.fromkeys(getattr(opts, "dtype", None) or [None]))
   hf_dtypes = list(dict.fromkeys(getattr(opts, "hf_dtypes", None) or ["float32"]))
+  ggufs = {t: gguf_of(t, getattr(opts, "peer_gguf", None)) for t in by_target}
+  if "llamacpp" in peers:
+    missing = [t for t, g in ggufs.items() if g is None]
+    if missing:
+      raise ValueError(f"--peers llamacpp needs a GGUF file: give a .gguf target or "
+                       f"--peer-gguf PATH (targets without one: {', '.join(missing)})")
+    import_llama_cpp()                           # ValueError with the install hint
   rows, summary, notes = [], [], []
   cache_dir = tempfile.mkdtemp(prefix="spec_jax_peer_jit_")
   bandwidth = memory_bandwidth()
@@ -82,32 +162,45 @@ def run_peer_suite(opts) -> dict:
     config = model.config
     label = model_label(target_spec)
     n_max = max(max(opts.peer_batch), opts.peer_prompts)
-    ids, _ = prompt_token_lists(model, opts.prompts, n_max, opts.prompt_words,
-                                opts.max_prompt_tokens, opts.seed)
-    plen = min(len(r) for r in ids)
-    ids = [r[:plen] for r in ids]          # equal lengths: no padding on either side
-    max_new = min(int(opts.max_new_tokens), model.config.max_position_embeddings - plen - 16)
+    ids, equal = _prompt_ids(opts, model, target_spec, n_max)
     del model
+    longest = max(len(r) for r in ids)
+    max_new = min(int(opts.max_new_tokens), config.max_position_embeddings - longest - 16)
+    gguf = gguf_info(ggufs[target_spec]) if ggufs[target_spec] else None
     for batch in sorted(set(opts.peer_batch)):
       n = -(-max(opts.peer_prompts, batch) // batch) * batch
       prompts = (ids * (n // len(ids) + 1))[:n]
-      ours = [{"name": "plain", "mode": "plain", "draft": None, "k": 0}]
-      hf = [{"name": "plain", "mode": "plain", "draft": None, "k": 0}]
+      mean_plen = sum(len(r) for r in prompts) / n
+      plain = {"name": "plain", "mode": "plain", "draft": None, "k": 0}
+      ours, hf, ll = [dict(plain)], [dict(plain)], [dict(plain)]
       for d in drafter_specs:
         for k in opts.num_draft:
           c = _drafter_config(d, int(k))
           ours.append(dict(c, name=f"{drafter_label(d)} K={k}"))
-        if batch == 1:
-          c = _drafter_config(d, int(opts.peer_lookup_tokens))
-          hf.append(dict(c, name="assisted" if c["mode"] == "draft" else
-                         f"prompt lookup {opts.peer_lookup_tokens}"))
+        if batch != 1:
+          continue
+        c = _drafter_config(d, lookups[0])
+        if c["mode"] == "draft":
+          hf.append(dict(c, name="assisted"))
+          continue
+        for k in lookups:
+          hf.append(dict(c, k=k, name=f"prompt lookup {k}"))
+          ll.append(dict(c, k=k, name=f"prompt lookup {k}"))
       base = {"target": target_spec if target_spec.startswith(("random:", "widened:"))
-              else str(resolve_path(target_spec)), "prompts": prompts, "batch": batch, "max_new": max_new,
-              "repeats": opts.repeats, "seed": opts.seed}
-      workers = [("spec_jax", None, d, dict(base, side="ours", configs=ours, dtype=d))
+              else str(resolve_path(target_spec)), "prompts": prompts, "batch": batch,
+              "max_new": max_new, "repeats": opts.repeats, "seed": opts.seed}
+      workers = [(OURS, None, d, dict(base, side="ours", configs=ours, dtype=d))
                  for d in ours_dtypes]
-      workers += [("transformers", t, d, dict(base, side="hf", threads=t, configs=hf, dtype=d))
-                  for d in hf_dtypes for t in threads]
+      if "hf" in peers:
+        workers += [(HF, t, d, dict(base, side="hf", threads=t, configs=hf, dtype=d))
+                    for d in hf_dtypes for t in threads]
+      if "llamacpp" in peers and batch == 1:
+        workers += [(LLAMACPP, t, gguf["type"], dict(base, side="llamacpp", threads=t,
+                                                     configs=ll, gguf=ggufs[target_spec]))
+                    for t in ll_threads]
+      elif "llamacpp" in peers:
+        notes.append(f"{label} B={batch}: llama.cpp not run (llama-cpp-python decodes one "
+                     f"sequence at a time)")
       measured: dict = {}
       for rnd in range(opts.peer_rounds):
         for lib, t, d, job in workers:
@@ -119,100 +212,42 @@ def run_peer_suite(opts) -> dict:
                                                         "tokens": r["tokens"], "tau": r["tau"]})
             m["tokens_per_s"] += r["tokens_per_s"]
       # Greedy tokens are compared with ours plain in the same dtype (bf16 and f32 greedy may
-      # part at a near-tie; docs/speed.md measures how often), else in our first dtype.
-      references = {d: measured[("spec_jax", None, d, "plain")]["tokens"] for d in ours_dtypes}
-      cfg_of = {("spec_jax", None, c["name"]): c for c in ours}
-      cfg_of.update({("transformers", t, c["name"]): c for t in threads for c in hf})
+      # part at a near-tie; docs/speed.md measures how often), else float32, else our first.
+      references = {d: measured[(OURS, None, d, "plain")]["tokens"] for d in ours_dtypes}
+      fallback = references.get("float32", references.get(None, references[ours_dtypes[0]]))
+      cfg_of = {(OURS, None, c["name"]): c for c in ours}
+      cfg_of.update({(HF, t, c["name"]): c for t in threads for c in hf})
+      cfg_of.update({(LLAMACPP, t, c["name"]): c for t in ll_threads for c in ll})
       batch_rows = []
       for (lib, t, d, name), m in measured.items():
-        reference = references.get(d, references[ours_dtypes[0]])
+        reference = references.get(d, fallback)
         diff = first_difference(m["tokens"], reference)
         if diff is not None:
           notes.append(f"{label} B={batch} {lib} {name} {d or ''}: greedy tokens differ from "
                        f"spec_jax plain (row {diff[0]}, position {diff[1]})")
         c = cfg_of[(lib, t, name)]
+        reads = gguf["bytes"] if lib == LLAMACPP else _weight_bytes(config, d)
         batch_rows.append({"target": label, "batch": batch, "library": lib, "threads": t,
-                           "dtype": d or "float32",
-                           "config": name, "mode": c["mode"], "K": c["k"],
-                           "prompts": n, "prompt_tokens": plen, "max_new_tokens": max_new,
+                           "dtype": d or config.dtype, "config": name, "mode": c["mode"],
+                           "K": c["k"], "prompts": n, "prompt_tokens": round(mean_plen),
+                           "prompt_tokens_equal": equal, "max_new_tokens": max_new,
                            "tokens_per_s": summarize(m["tokens_per_s"]), "tau": m["tau"],
-                           "greedy_match": diff is None})
-      s = _summarize_batch(label, batch, batch_rows)
+                           "reads_per_token_bytes": reads, "greedy_match": diff is None,
+                           "first_difference": list(diff) if diff else None,
+                           "greedy_prefix": common_prefix_fraction(m["tokens"], reference)})
+      s = summarize_batch(label, batch, batch_rows)
+      fill = int(mean_plen + max_new // 2)
       # The roofline of the bytes our fastest plain decoding reads: its dtype's weights.
       s["roofline_tokens_per_s"] = decode_roofline(config.replace(dtype=s["ours_plain_dtype"]),
-                                                   batch, plen + max_new // 2,
-                                                   bandwidth["read_bytes_per_s"])
+                                                   batch, fill, bandwidth["read_bytes_per_s"])
       s["ours_plain_vs_roofline"] = s["ours_plain"] / s["roofline_tokens_per_s"]
+      if "llamacpp_plain_best" in s:
+        kv = 2 * config.num_layers * fill * config.num_kv_heads * config.head_dim * 2   # f16
+        s["llamacpp_roofline_tokens_per_s"] = bandwidth["read_bytes_per_s"] / (gguf["bytes"] + kv)
+        s["llamacpp_plain_vs_roofline"] = (s["llamacpp_plain_best"]
+                                           / s["llamacpp_roofline_tokens_per_s"])
       summary.append(s)
       rows += batch_rows
   return {"suite": "peer", "rows": rows, "summary": summary, "notes": notes,
-          "bandwidth": bandwidth, "definitions": PEER_DEFINITIONS}
-
-
-def _summarize_batch(label: str, batch: int, rows: list) -> dict:
-  """Headline ratios of one (target, batch): ours vs transformers, plain and speculative."""
-  med = lambda r: r["tokens_per_s"]["median"]
-  spread = lambda r: (r["tokens_per_s"]["max"] - r["tokens_per_s"]["min"]) / med(r)
-  ours = [r for r in rows if r["library"] == "spec_jax"]
-  theirs = [r for r in rows if r["library"] == "transformers"]
-  ours_plain = max((r for r in ours if r["mode"] == "plain"), key=med)       # fastest dtype
-  hf_plain = max((r for r in theirs if r["mode"] == "plain"), key=med)     # dtype, threads
-  for r in rows:
-    r["vs_ours_plain"] = med(r) / med(ours_plain)
-    r["vs_hf_plain"] = med(r) / med(hf_plain)
-  out = {"target": label, "batch": batch, "ours_plain": med(ours_plain),
-         "ours_plain_dtype": ours_plain["dtype"], "hf_plain_best_dtype": hf_plain["dtype"],
-         "hf_plain_best": med(hf_plain), "hf_plain_best_threads": hf_plain["threads"],
-         "ours_over_hf_plain": med(ours_plain) / med(hf_plain),
-         "noise_ours_plain": spread(ours_plain),
-         "noise_hf_plain": spread(hf_plain)}
-  for mode in ("draft", "ngram"):
-    o = [r for r in ours if r["mode"] == mode]
-    h = [r for r in theirs if r["mode"] == mode]
-    if o:
-      best = max(o, key=med)
-      out[f"ours_{mode}_best"] = {"config": best["config"], "tokens_per_s": med(best),
-                                  "speedup": med(best) / med(ours_plain), "tau": best["tau"],
-                                  "dtype": best["dtype"]}
-    if o and h:
-      hb = max(h, key=med)
-      out[f"hf_{mode}_best"] = {"config": hb["config"], "threads": hb["threads"],
-                                "tokens_per_s": med(hb), "dtype": hb["dtype"]}
-      out[f"ours_over_hf_{mode}"] = med(max(o, key=med)) / med(hb)
-  return out
-
-
-def format_peer(result: dict) -> str:
-  """The peer suite's table and headline lines."""
-  rows = sorted(result["rows"], key=lambda r: (r["target"], r["batch"], r["library"],
-                                               r.get("dtype", ""), r["threads"] or 0,
-                                               r["mode"] != "plain", r["K"]))
-  cells = [[r["target"], r["batch"], r["library"], r.get("dtype", "float32"), r["threads"] or "-",
-            r["config"],
-            f"{r['tokens_per_s']['median']:.1f}",
-            f"{r['tokens_per_s']['min']:.1f}-{r['tokens_per_s']['max']:.1f}",
-            f"{r['vs_ours_plain']:.2f}x", f"{r['vs_hf_plain']:.2f}x", fmt(r["tau"]),
-            "yes" if r["greedy_match"] else "NO"] for r in rows]
-  lines = [table(["target", "B", "library", "dtype", "threads", "config", "tok/s", "min-max",
-                  "vs ours plain", "vs hf plain", "tau", "greedy ="], cells), ""]
-  for s in result["summary"]:
-    line = (f"{s['target']} B={s['batch']}: ours plain {s['ours_plain']:.1f} tok/s "
-            f"({s.get('ours_plain_dtype', 'float32')}, our fastest) vs transformers plain "
-            f"{s['hf_plain_best']:.1f} ({s['hf_plain_best_threads']} threads, "
-            f"{s.get('hf_plain_best_dtype', 'float32')}): "
-            f"{s['ours_over_hf_plain']:.2f}x; noise ours {100 * s['noise_ours_plain']:.0f} %, "
-            f"transformers {100 * s['noise_hf_plain']:.0f} %")
-    lines.append(line)
-    lines.append(f"  plain vs memory roofline: {s['ours_plain']:.1f} / "
-                 f"{s['roofline_tokens_per_s']:.1f} tok/s = "
-                 f"{100 * s['ours_plain_vs_roofline']:.0f} %")
-    for mode, name in (("draft", "assisted generation"), ("ngram", "prompt lookup")):
-      if f"ours_over_hf_{mode}" in s:
-        o, h = s[f"ours_{mode}_best"], s[f"hf_{mode}_best"]
-        lines.append(f"  {name}: ours {o['config']} {o.get('dtype', '')} "
-                     f"{o['tokens_per_s']:.1f} tok/s ({o['speedup']:.2f}x our fastest plain, "
-                     f"tau {fmt(o['tau'])}) vs transformers {h['tokens_per_s']:.1f} "
-                     f"({h['threads']} threads, {h.get('dtype', 'float32')}; its best): "
-                     f"{s[f'ours_over_hf_{mode}']:.2f}x")
-  lines += [f"note: {n}" for n in result["notes"]]
-  return "\n".join(lines)
+          "bandwidth": bandwidth, "gguf": {t: g for t, g in ggufs.items() if g},
+          "definitions": PEER_DEFINITIONS}

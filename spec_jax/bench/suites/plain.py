@@ -19,15 +19,43 @@ from spec_jax.bench.timers import time_forward
 from spec_jax.timing import ratio_of, summarize, time_interleaved, time_single_calls
 
 
+def hf_direct_path(spec: str):
+  """The path transformers loads `spec` from by itself (a HF folder or a .gguf file), or None
+  (random:, widened:, llama2.c: built from spec_jax's weights by hf_model_from)."""
+  if spec.startswith(("random:", "widened:")):
+    return None
+  path = resolve_path(spec)
+  if path.is_dir() and (path / "config.json").is_file():
+    return path
+  if path.is_file() and path.suffix == ".gguf":
+    return path
+  return None
+
+
+def hf_load(spec: str, seed: int = 0):
+  """A transformers causal LM (float32, eval mode) for a model spec: HF folders and GGUF files
+  (dequantised by transformers' own GGUF loader) directly, anything else from spec_jax's
+  weights."""
+  if hf_direct_path(spec) is not None:
+    return hf_model_from(None, spec)
+  return hf_model_from(load_model(spec, seed), spec)
+
+
 def hf_model_from(model, spec: str):
-  """A transformers LlamaForCausalLM with exactly `model`'s weights (HF folders load directly)."""
+  """A transformers LlamaForCausalLM with exactly `model`'s weights (HF folders and GGUF files
+  load directly; `model` may then be None)."""
   import numpy as np
   import torch
   import transformers
-  path = None if spec.startswith(("random:", "widened:")) else resolve_path(spec)
-  if path is not None and path.is_dir() and (path / "config.json").is_file():
+  path = hf_direct_path(spec)
+  if path is not None and path.suffix == ".gguf":
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+  if path is not None:
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32).eval()
+  if model is None:
+    raise ValueError(f"{spec}: transformers cannot load it directly; pass spec_jax's model")
   c = model.config
   if c.qkv_bias or c.qk_norm or c.sliding_window or c.rope_scaling:
     raise ValueError(f"{spec}: only plain llama shapes are converted to transformers here")
