@@ -31,7 +31,9 @@ there (rejected drafts of earlier rounds). It returns logits [B, T, V] (float32)
 state that drafters following the target read ([B, T, D] after the final norm; anything of
 that shape, or zeros, for targets whose drafters do not need it), the residual stream after
 each layer in `return_layers` (EAGLE-3 features; () when none are asked), and the new cache.
-Trees also need `move_kv`; the mesh needs `constrain_cache`.
+Trees also need `move_kv`; the mesh needs `constrain_cache`. The prefill calls `forward_last`
+chunk by chunk (spec_jax.models.prefill): by default `forward` with the logits of one token per
+row gathered; override it to skip the LM head over the other positions.
 """
 
 from __future__ import annotations
