@@ -1,6 +1,8 @@
 """verify_attention: validates inputs and picks the kernel for the backend.
 
-impl="auto"      GPU kernel on a gpu backend, TPU kernel on tpu, the jnp reference elsewhere.
+impl="auto"      GPU kernel on a gpu platform, TPU kernel on tpu, the jnp reference elsewhere. The
+                 platform is the one being lowered for (kernels_pallas.platform.current(): the
+                 process's backend, or the one an ahead-of-time export sets).
 impl="pallas"    a Pallas kernel always: native on gpu / tpu, under the Pallas interpreter on
                  any other backend (CPU tests). `kernel` picks "gpu" or "tpu" flavour; None =
                  the backend's own, "gpu" on CPU.
@@ -9,6 +11,12 @@ impl="reference" the jnp reference.
 A kernel that does not support the shapes (see pallas_gpu / pallas_tpu.unsupported_reason) falls
 back to the reference with a one-time warning: never a wrong answer. Everything here reads
 static shapes and dtypes only, so it works under jit with traced kv_lengths and tree_mask.
+
+Under a mesh (kernels_pallas.platform.kernel_mesh, set by spec_jax.decode) a kernel call is
+wrapped in a `shard_map`: XLA cannot partition an opaque Mosaic / Triton call, so each device
+runs the kernel on its own rows ("data") and KV heads ("model"), with their query heads: no
+collective at all. An axis whose size does not divide the rows (or the KV heads) leaves that
+dimension whole on every device of the axis (computed redundantly, still exact).
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import pallas_gpu, pallas_tpu
+from kernels_pallas import pallas_gpu, pallas_tpu, platform as platform_lib
 from kernels_pallas.reference import verify_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
@@ -82,12 +91,13 @@ def _warn_once(key, message):
 
 
 def resolve(impl: str, kernel: str | None = None, platform: str | None = None):
-  """(kernel or None for the reference, interpret) for impl on platform (default: backend)."""
+  """(kernel or None for the reference, interpret) for impl on platform (default: the platform
+  being lowered for, kernels_pallas.platform.current())."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if kernel is not None and kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-  platform = platform or jax.default_backend()
+  platform = platform_lib.normalize(platform) if platform else platform_lib.current()
   if impl == "reference":
     return None, False
   if impl == "auto":
@@ -122,5 +132,37 @@ def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto
                f"kernels_pallas.verify_attention: the {chosen} Pallas kernel does not support "
                f"this call ({reason}); using the jnp reference instead.")
     return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
-  return _KERNEL_FNS[chosen](q, k_cache, v_cache, kv_lengths.astype(jnp.int32), tree_mask,
-                             interpret=interpret, **kernel_kwargs)
+  call = lambda q, k, v, lengths, mask: _KERNEL_FNS[chosen](
+      q, k, v, lengths, mask, interpret=interpret, **kernel_kwargs)
+  return sharded(call, platform_lib.mesh(), q, k_cache, v_cache, kv_lengths.astype(jnp.int32),
+                 tree_mask)
+
+
+def kernel_specs(mesh, batch: int, num_kv_heads: int):
+  """(PartitionSpec of q / k / v / out [B, ., H, D], of kv_lengths [B], of tree_mask [B, T, T])
+  for a kernel call under `mesh`: rows on "data" and heads on "model" where they divide (and
+  the mesh has that axis), else whole."""
+  names, sizes = mesh.axis_names, dict(zip(mesh.axis_names, mesh.devices.shape))
+  data = "data" if "data" in names and batch % sizes["data"] == 0 else None
+  model = "model" if "model" in names and num_kv_heads % sizes["model"] == 0 else None
+  return P(data, None, model, None), P(data), P(data, None, None)
+
+
+def sharded(call, mesh, q, k_cache, v_cache, kv_lengths, tree_mask):
+  """call(q, k, v, kv_lengths, tree_mask) -> [B, T, Hq, D], run per device under a shard_map
+  over mesh (none: called as it is; inside a shard_map already: called on the local blocks).
+
+  Query head h belongs to KV head h // (Hq / Hkv), so splitting both head axes into the same
+  number of contiguous blocks keeps every group on the device of its KV head."""
+  if mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return call(q, k_cache, v_cache, kv_lengths, tree_mask)
+  heads, rows, mask_spec = kernel_specs(mesh, q.shape[0], k_cache.shape[2])
+  if tree_mask is None:
+    body = lambda q, k, v, lengths: call(q, k, v, lengths, None)
+    in_specs, args = (heads, heads, heads, rows), (q, k_cache, v_cache, kv_lengths)
+  else:
+    body = call
+    in_specs = (heads, heads, heads, rows, mask_spec)
+    args = (q, k_cache, v_cache, kv_lengths, tree_mask)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=heads,
+                       check_vma=False)(*args)

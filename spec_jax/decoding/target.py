@@ -40,10 +40,12 @@ import dataclasses
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from spec_jax import sharding
 from spec_jax.models import cache as cache_lib, gemma
 from spec_jax.models.cache import GemmaKVCache, KVCache
+from spec_jax.models.blocks import lm_head
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.layout import prepare_params
 from spec_jax.models.transformer import forward
@@ -93,6 +95,14 @@ class Target:
     """-> ForwardOutput(logits [B,T,V] f32, hidden [B,T,D], layer_hidden, cache)."""
     raise NotImplementedError
 
+  def logits_at(self, params, out, index):
+    """float32 [B, V]: the logits of forward output `out` at position index[b] (int32 [B]) of
+    each row (the prefill's last prompt token). Default: picked from out.logits; a target
+    that can compute them from out.hidden alone overrides this, so that the [B, T, V] logits
+    of a long prefill are never made (XLA drops the unused ones)."""
+    del params
+    return jnp.take_along_axis(out.logits, index[:, None, None], axis=1)[:, 0]
+
   def move_kv(self, cache, lengths, path, n_accepted):
     """After a tree round: the accepted path's entries to contiguous slots. The verify wrote
     node i of row b at slot lengths[b]-1+i; node path[b, j] (j < n_accepted[b]) moves to slot
@@ -141,6 +151,10 @@ class ModelTarget(Target):
 
   def prepare(self, params, mesh=None):
     return prepare_params(params, self.config, mesh)
+
+  def logits_at(self, params, out, index):
+    hidden = jnp.take_along_axis(out.hidden, index[:, None, None], axis=1)      # [B, 1, D]
+    return lm_head(params, self.config, hidden)[:, 0]
 
   def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
               return_layers=()):

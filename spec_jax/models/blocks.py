@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
+from kernels_pallas.blocked import BLOCK as BLOCKED_MIN_CAPACITY, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
@@ -97,10 +98,13 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
   wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
   if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
-    # trees: up to its 32 new tokens) with a square tree mask.
-    return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                      sliding_window=window if needs_window else None,
-                                      head_major=head_major)
+    # trees: up to its 32 new tokens) with a square tree mask. Many new tokens over a long
+    # cache (a prefill) go in key blocks: float32 scores [B, Hq, T, S] over the whole
+    # capacity would be the largest buffer of the program (kernels_pallas.blocked).
+    attend = (verify_attention_blocked if t > 16 and s > BLOCKED_MIN_CAPACITY
+              else verify_attention_reference)
+    return attend(q, k_layer, v_layer, kv_lengths, tree_mask,
+                  sliding_window=window if needs_window else None, head_major=head_major)
   if head_major:
     if default_head_major(config):      # the jnp path: the layout it reads in place
       return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,

@@ -1,18 +1,34 @@
-"""The execution layout of the weights: how a forward wants them stored on this backend.
+"""The execution layout of the weights: how a forward wants them stored on this platform.
 
-`prepare_params` turns the canonical params (spec_jax.models.transformer's docstring: stacked
-[L] axes, [in, out] projections) into the layout the forward runs fastest on, inside the
-caller's jit, once per call and outside any decode loop; forward, decoder_layer and lm_head
-accept both layouts.
+`execution_layout` turns the canonical params (spec_jax.models.transformer's docstring: stacked
+[L] axes, [in, out] projections) into the layout the forward runs fastest on; forward,
+decoder_layer and lm_head accept both layouts. Two entry points:
+
+  prepare_params  the hook decode calls inside its jit, once per call, before the loop. On CPU
+                  it builds the CPU layout there (transposed, unstacked: the host has the
+                  memory); on an accelerator it leaves canonical params as they are, since a
+                  fused copy built inside the jit lives beside the originals in HBM (issue 35:
+                  w_gate|w_up alone is 7 GiB of temporaries for an 8B model).
+  prepare_model   outside any jit, once: a Model whose params ARE the execution layout (fused
+                  q|k|v and gate|up on accelerators), the canonical buffers donated so that the
+                  fused ones replace them rather than sit beside them. The CLI and
+                  `python -m spec_jax.aot` decode with these; prepare_params then returns them
+                  unchanged.
+
+Which platform: kernels_pallas.platform.current() (the backend, or the one an ahead-of-time
+lowering sets), never jax.default_backend().
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform
 from spec_jax.models.config import ModelConfig
 
 
@@ -100,24 +116,27 @@ def cpu_orientation(config: ModelConfig) -> str:
   return "out_in"
 
 
-def prepare_params(params, config: ModelConfig, mesh=None):
-  """The execution layout of `params` for this backend: computed inside the caller's jit once
-  per call, outside any decode loop (forward, decoder_layer and lm_head accept both layouts).
+def is_prepared(params) -> bool:
+  """Whether params are already in an execution layout (unstacked or fused)."""
+  layers = params["layers"] if isinstance(params, dict) else None
+  return isinstance(layers, (list, tuple)) or (
+      isinstance(layers, dict) and ("wqkv" in layers or "wqkv_t" in layers))
+
+
+def execution_layout(params, config: ModelConfig, mesh=None):
+  """The execution layout of `params` for the platform being lowered for (jittable; the
+  weights' math is unchanged). Already-prepared params are returned as they are.
 
   Without a mesh: q/k/v and gate/up fused into one matmul each (fuse_layers); on CPU also the
   projections stored as cpu_orientation says ([out, in], [in, out] or both) and the layers
   unstacked (see unstack_layers). With a mesh the canonical weights are kept (their partition
-  table splits whole heads), unstacked on CPU. Already-prepared params are returned unchanged.
-  Gemma configs: gemma.prepare_params.
+  table splits whole heads), unstacked on CPU. Gemma configs: their canonical per-layer dicts.
   """
-  if config.is_gemma:
-    from spec_jax.models import gemma
-    return gemma.prepare_params(params, config, mesh)
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)) or "wqkv" in layers or "wqkv_t" in layers:
+  if config.is_gemma or is_prepared(params):
     return params
-  cpu = jax.default_backend() == "cpu"
+  cpu = platform.is_cpu()
   if mesh is None:
+    layers = params["layers"]
     out = dict(params)
     orientation = cpu_orientation(config) if cpu else "in_out"
     transpose = {"out_in": True, "in_out": False, "both": "both"}[orientation]
@@ -129,3 +148,48 @@ def prepare_params(params, config: ModelConfig, mesh=None):
         del out["lm_head"]
     params = out
   return unstack_layers(params) if cpu else params
+
+
+def prepare_params(params, config: ModelConfig, mesh=None):
+  """decode's in-jit hook (module docstring): execution_layout on CPU; on accelerators the
+  params as they are (canonical params are read directly, prepared ones stay prepared)."""
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.prepare_params(params, config, mesh)
+  if not platform.is_cpu():
+    return params
+  return execution_layout(params, config, mesh)
+
+
+def prepare_model(model, mesh=None, donate: bool = True):
+  """`model` with its params in the execution layout for this platform, built once outside
+  any jit. donate: the canonical buffers are donated to the programs that fuse them (one
+  program per fused group, q|k|v then gate|up, so the peak is the weights plus the largest
+  group): the model passed in must not be used afterwards. Returns the model itself when
+  there is nothing to do (Gemma, already prepared)."""
+  params, config = model.params, model.config
+  if config.is_gemma or is_prepared(params):
+    return model
+  if not platform.is_cpu() and mesh is None:
+    params = _fuse_in_groups(params, donate)
+  else:
+    params = jax.jit(execution_layout, static_argnums=(1, 2))(params, config, mesh)
+  return dataclasses.replace(model, params=params)
+
+
+_GROUPS = (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
+           ("w_gu", ("w_gate", "w_up")))
+
+
+def _fuse_in_groups(params, donate: bool):
+  """The accelerator layout (fused, [in, out], stacked) one group at a time, each group's
+  canonical weights donated to the program that concatenates them."""
+  layers = dict(params["layers"])
+  concat = jax.jit(lambda ws: jnp.concatenate(ws, axis=-1), donate_argnums=(0,) if donate else ())
+  for fused, parts in _GROUPS:
+    if parts[0] not in layers:
+      continue
+    with warnings.catch_warnings():       # donated buffers of another shape are freed, not reused
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      layers[fused] = concat(tuple(layers.pop(p) for p in parts))
+  return dict(params, layers=layers)
