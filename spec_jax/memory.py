@@ -150,7 +150,7 @@ class Estimate:
     return None if not self.compiled else self.peak - self.resident
 
   def describe(self, device_bytes: Optional[int] = None) -> str:
-    g = lambda n: f"{n / GiB:.2f} GiB"
+    g = human
     parts = [f"weights {g(self.weights)}", f"KV cache {g(self.kv_cache)}"]
     if self.drafter_weights or self.state:
       parts.append(f"drafter {g(self.drafter_weights)} + decode state {g(self.state)}")
@@ -163,6 +163,11 @@ class Estimate:
       verdict = "fits" if fits(self, device_bytes) else "DOES NOT FIT"
       text += f"; device {g(device_bytes)}: {verdict}"
     return text
+
+
+def human(n: int) -> str:
+  """Bytes as GiB (>= 0.1 GiB) or MiB."""
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 10 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def usable(device_bytes: int) -> int:

@@ -92,15 +92,19 @@ def _sds(x, sharding):
 
 
 def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int, mesh,
-                  device, num_draft, tree, greedy: bool, stop_count: int = 1):
-  """(program, abstract args, static) of one decode as generate() makes it."""
+                  device, num_draft, tree, greedy: bool, stop_count: int = 1,
+                  prepared: bool = True):
+  """(program, abstract args, static) of one decode as generate() makes it. prepared: the
+  weights in their execution layout (prepare_model's, built outside the jit), else canonical."""
   config = model.config
   with_sharding = (lambda tree_, spec: jax.tree.map(
       lambda x: _sds(x, NamedSharding(mesh, spec)), tree_)) if mesh is not None else (
       lambda tree_, spec: jax.tree.map(
           lambda x: _sds(x, jax.sharding.SingleDeviceSharding(device)), tree_))
-  params = jax.eval_shape(functools.partial(execution_layout, config=config, mesh=mesh),
-                          model.params)
+  params = model.params
+  if prepared:
+    params = jax.eval_shape(functools.partial(execution_layout, config=config, mesh=mesh),
+                            params)
   if mesh is not None:
     params = jax.tree.map(_sds, params, sharding_lib.param_shardings(mesh, params))
     dparams = (None if drafter is None else jax.tree.map(
@@ -173,7 +177,9 @@ def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: 
     est = decode_estimate(model, drafter, args, static, mesh)
     kv_dtype = cache_dtype(model, static)
     if platform == "cuda":
-      exported = jax.export.export(jax.jit(program), platforms=["cuda"])(*args)
+      triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+      exported = jax.export.export(jax.jit(program), platforms=["cuda"],
+                                   disabled_checks=[triton])(*args)
       text, device_bytes = exported.mlir_module(), None
       calls = text.count(TRITON_MARKER)
     else:

@@ -111,8 +111,12 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
                                         head_major=True)
     # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
     k_layer, v_layer = jnp.swapaxes(k_layer, 1, 2), jnp.swapaxes(v_layer, 1, 2)
-  return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                         impl=config.attention_impl)
+  # A float32 query (a drafter head's) on a bf16 cache: the kernel runs in the cache's dtype
+  # (float32 tiles would double the kernel's registers and VMEM; issue 35).
+  low = matmul.is_low_precision(k_layer.dtype) and q.dtype != k_layer.dtype
+  out = kernels_pallas.verify_attention(q.astype(k_layer.dtype) if low else q, k_layer, v_layer,
+                                        kv_lengths, tree_mask, impl=config.attention_impl)
+  return out.astype(q.dtype)
 
 
 def _dense(x, w, transposed: bool = False):
