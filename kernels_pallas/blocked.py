@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from kernels_pallas.layout import NEG_INF, cdiv
 from kernels_pallas.reference import visibility
 
-BLOCK = 512          # cache slots per step
+BLOCK = 256          # cache slots per step (8B prefill, P = 512: 128 MiB of f32 scores)
 
 
 def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,

@@ -34,7 +34,14 @@ TARGET_PROGRAMS = 264   # aim for ~2 programs per SM (H100/H200: 132 SMs) when p
 MIN_BLOCKS_PER_SPLIT = 4  # below this the partial-output traffic outweighs the extra programs
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 512
+# Heads wider than 256 (Gemma 4's 512-wide global layers): a program's q, accumulator and K / V
+# tiles grow with D, so they take smaller tiles and more warps: at D = 512, block_k 16 and 16
+# rows, the f32 accumulator is 16 x 512 over 8 warps (32 registers a thread) and each K / V
+# tile 16 x 512 bf16. Lowered to Triton and checked in interpret mode here; register use and
+# speed on a GPU were never measured (docs/accelerators.md).
+WIDE_HEAD_DIM = 256
+WIDE_BLOCK_K, WIDE_BLOCK_ROWS, WIDE_NUM_WARPS = 16, 16, 8
 
 
 def _is_pow2(n: int) -> bool:
@@ -151,6 +158,9 @@ def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   if not (_is_pow2(block_rows) and block_rows >= 16):
     raise ValueError(f"block_rows must be a power of 2 >= 16, got {block_rows}")
   group = hq // hkv
+  if d > WIDE_HEAD_DIM:
+    block_k, block_rows = min(block_k, WIDE_BLOCK_K), min(block_rows, WIDE_BLOCK_ROWS)
+    num_warps = max(num_warps, WIDE_NUM_WARPS)
   block_k = min(block_k, _pow2_floor(s))
   num_blocks = layout.cdiv(s, block_k)
   row_tile = min(block_rows, max(16, 1 << (t * group - 1).bit_length()))

@@ -100,8 +100,11 @@ def _check_memory(model, drafter, prompts, args, mesh):
   device_bytes = memory.device_memory(jax.devices()[0])
   print(est.describe(device_bytes), file=sys.stderr)
   memory.check_fits(est, device_bytes)
-  if not platform.is_cpu() and mesh is None:
-    model = prepare_model(model)
+  if not platform.is_cpu():
+    model = prepare_model(model, mesh)
+    if isinstance(drafter, sj.drafters.DraftModel):
+      drafter.model = prepare_model(drafter.model, mesh)
+      drafter.params = drafter.model.params
   return model
 
 

@@ -146,7 +146,7 @@ def test_cuda_export_holds_the_triton_calls():
   assert report.kernel_calls >= 1 and report.cache_dtype == "bfloat16"
 
 
-def test_prepare_model_fuses_outside_the_jit_and_donates():
+def test_prepare_model_fuses_and_unstacks_outside_the_jit():
   model = sj.init_model(TINY.replace(dtype="float32"), jax.random.key(0))
   tokens = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
   run = lambda p: sj.forward(p, model.config, tokens, KVCache.zeros(model.config, 2, 16),
@@ -155,8 +155,9 @@ def test_prepare_model_fuses_outside_the_jit_and_donates():
   with platform.lowering_for("tpu"):
     prepared = layout.prepare_model(model)
     assert layout.prepare_params(model.params, model.config) is model.params   # no in-jit copy
-  layers = prepared.params["layers"]
-  assert {"wqkv", "w_gu"} <= set(layers) and not {"wq", "w_gate"} & set(layers)
+  layers = prepared.params["layers"]                     # one dict per layer, fused
+  assert len(layers) == TINY.num_layers
+  assert {"wqkv", "w_gu"} <= set(layers[0]) and not {"wq", "w_gate"} & set(layers[0])
   np.testing.assert_allclose(run(prepared.params), want, atol=2e-5, rtol=2e-5)
   assert layout.prepare_model(prepared) is prepared
 

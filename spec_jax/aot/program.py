@@ -105,13 +105,14 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
   if prepared:
     params = jax.eval_shape(functools.partial(execution_layout, config=config, mesh=mesh),
                             params)
+  dparams = None if drafter is None else drafter_layout(drafter, mesh, prepared)
   if mesh is not None:
     params = jax.tree.map(_sds, params, sharding_lib.param_shardings(mesh, params))
     dparams = (None if drafter is None else jax.tree.map(
-        _sds, drafter.params, sharding_lib.param_shardings(mesh, drafter.params)))
+        _sds, dparams, sharding_lib.param_shardings(mesh, dparams)))
   else:
     params = with_sharding(params, P())
-    dparams = None if drafter is None else with_sharding(drafter.params, P())
+    dparams = None if drafter is None else with_sharding(dparams, P())
   i32, f32 = jnp.int32, jnp.float32
   rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   prompts = with_sharding(rows((batch, prompt_len), i32), P("data"))
@@ -133,6 +134,18 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
 
   assert set(static) <= set(_DECODE_STATIC)
   return program, (params, prompts, lens, key, dparams, max_new, sampling, stop), static
+
+
+def drafter_layout(drafter, mesh, prepared: bool = True):
+  """The drafter's params as decode receives them: a draft model's in its execution layout
+  (prepare_model, outside the jit), other drafters' through their own prepare."""
+  from spec_jax.drafters.draft_model import DraftModel
+  if not prepared:
+    return drafter.params
+  if isinstance(drafter, DraftModel):
+    return jax.eval_shape(functools.partial(execution_layout, config=drafter.config, mesh=mesh),
+                          drafter.params)
+  return jax.eval_shape(drafter.prepare, drafter.params)
 
 
 def decode_estimate(model, drafter, args, static, mesh) -> memory.Estimate:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from kernels_pallas.blocked import BLOCK as BLOCKED_MIN_CAPACITY, verify_attention_blocked
+from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
@@ -101,7 +101,7 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
     # trees: up to its 32 new tokens) with a square tree mask. Many new tokens over a long
     # cache (a prefill) go in key blocks: float32 scores [B, Hq, T, S] over the whole
     # capacity would be the largest buffer of the program (kernels_pallas.blocked).
-    attend = (verify_attention_blocked if t > 16 and s > BLOCKED_MIN_CAPACITY
+    attend = (verify_attention_blocked if t > 16 and s > 2 * BLOCK
               else verify_attention_reference)
     return attend(q, k_layer, v_layer, kv_lengths, tree_mask,
                   sliding_window=window if needs_window else None, head_major=head_major)
