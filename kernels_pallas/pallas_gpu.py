@@ -138,20 +138,27 @@ def combine_splits(o, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "block_rows", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "layer"))
 def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None, *,
                                 block_k: int = BLOCK_K, block_rows: int = BLOCK_ROWS,
                                 num_splits: int | None = None, num_warps: int = NUM_WARPS,
-                                num_stages: int = NUM_STAGES, interpret: bool = False):
+                                num_stages: int = NUM_STAGES, interpret: bool = False,
+                                layer: int | None = None):
   """Verify attention (DESIGN.md semantics) with the Triton-lowered Pallas kernel.
 
   Shapes as in kernels_pallas.verify_attention; inputs are assumed valid (the dispatcher checks
   them). block_k: keys per step (power of 2 >= 16, capped at S); block_rows: most folded query
   rows per program (power of 2 >= 16); num_splits: cache splits, None = pick_num_splits;
-  interpret: run the kernel with the Pallas interpreter (any backend, e.g. CPU tests).
+  interpret: run the kernel with the Pallas interpreter (any backend, e.g. CPU tests);
+  layer: k_cache, v_cache are a stacked [L, B, S, Hkv, D] cache read at slab `layer` in place.
   """
+  if layer is not None:
+    num_layers = k_cache.shape[0]
+    k_cache, v_cache = (c.reshape((num_layers * c.shape[1],) + c.shape[2:])
+                        for c in (k_cache, v_cache))      # free: merges the two major dims
   b, t, hq, d = q.shape
   s, hkv = k_cache.shape[1], k_cache.shape[2]
+  row0 = 0 if layer is None else layer * b
   reason = unsupported_reason(q.shape, k_cache.shape, q.dtype, k_cache.dtype, block_k)
   if reason is not None:
     raise ValueError(f"verify_attention_pallas_gpu: {reason}")
@@ -180,7 +187,7 @@ def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       _kernel, block_k=block_k, blocks_per_split=blocks_per_split, seq_len=s, num_new=t,
       sm_scale=1.0 / math.sqrt(d), compute_dtype=compute_dtype,
       precision=layout.dot_precision(compute_dtype))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, r, p: (bi, 0, h, 0))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, r, p: (row0 + bi, 0, h, 0))
   o, m, l = pl.pallas_call(
       kernel,
       grid=(b, hkv, row_blocks, num_splits),

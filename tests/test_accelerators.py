@@ -53,7 +53,8 @@ def test_backend_choices_follow_the_lowering_platform():
     with platform.lowering_for(name):
       assert platform.current() == ("gpu" if name == "cuda" else name)
       acc = jax.eval_shape(lambda: KVCache.zeros(TINY, 2, 64))
-      assert not acc.head_major and acc.k.dtype == jnp.bfloat16
+      # head-major where the TPU kernel reads it in place; [S, Hkv, Dh] for the GPU kernel
+      assert acc.head_major == (name == "tpu") and acc.k.dtype == jnp.bfloat16
       assert activation_dtype(TINY) == "bfloat16"
   assert platform.current() == "cpu"
   with pytest.raises(ValueError, match="platform must be one of"):
@@ -143,7 +144,7 @@ def test_shard_mapped_kernels_give_one_devices_tokens():
 def test_cuda_export_holds_the_triton_calls():
   report = program.compile_decode(shapes.abstract_model(TINY), None, platform="cuda",
                                   use_mesh=False, batch=2, prompt_len=32, capacity=128)
-  assert report.kernel_calls >= 1 and report.cache_dtype == "bfloat16"
+  assert report.kernel_calls >= 1 and report.cache_dtype == "bfloat16"   # [B, S, Hkv, D]
 
 
 def test_prepare_model_fuses_and_unstacks_outside_the_jit():
@@ -186,3 +187,27 @@ def test_aot_cli_refuses_bad_arguments(capsys):
   assert "configs/aot" in capsys.readouterr().err or True
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--mesh", "rows=2"]) == 2
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--drafter", "medusa"]) == 2
+
+
+@pytest.mark.parametrize("kernel,head_major", [("gpu", False), ("tpu", False), ("tpu", True),
+                                               ("gpu", True)])
+def test_kernels_read_a_stacked_caches_layer_in_place(kernel, head_major):
+  """layer=: the kernel reads slab `layer` of [L, B, S, Hkv, D] (no per-call copy of the layer's
+  cache, issue 35) and equals the reference on that slab."""
+  import kernels_pallas
+  from kernels_pallas.reference import verify_attention_reference
+  ks = jax.random.split(jax.random.key(7), 4)
+  b, t, hq, hkv, d, s, layers = 2, 3, 4, 2, 128, 64, 3
+  q = jax.random.normal(ks[0], (b, t, hq, d))
+  k = jax.random.normal(ks[1], (layers, b, s, hkv, d))
+  v = jax.random.normal(ks[2], (layers, b, s, hkv, d))
+  lengths = jnp.asarray([10, 64], jnp.int32)
+  mask = jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0).at[1, 2, 1].set(False)
+  want = verify_attention_reference(q, k[1], v[1], lengths, mask)
+  if head_major:                       # [L, B, Hkv, S, D]: the TPU kernel's own layout
+    k, v = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
+  got = kernels_pallas.verify_attention(q, k, v, lengths, mask, impl="pallas", kernel=kernel,
+                                        layer=1, block_k=16, head_major=head_major)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  with pytest.raises(ValueError, match="layer must be a static int"):
+    kernels_pallas.verify_attention(q, k, v, lengths, impl="pallas", layer=3)

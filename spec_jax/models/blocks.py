@@ -6,7 +6,7 @@ assemble them into layers."""
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,6 @@ from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
-from spec_jax.models.cache import default_head_major
 from spec_jax.models.config import ModelConfig
 
 
@@ -88,15 +87,23 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 
 
 
-def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
+def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False,
+               layer: Optional[int] = None):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh]."""
+  [B,Hkv,S,Dh]. layer: k_layer, v_layer are the stacked caches [L, ...] and this is the layer
+  to read (a Pallas kernel reads it in place; the jnp paths slice it)."""
+  if layer is not None:
+    # The layer's slab, sliced here: handing the kernel the whole stack with layer= (which it
+    # supports) made XLA:TPU copy the entire stacked cache into the custom call's layout before
+    # every call (8B-wide, 8 layers: a 512 MiB copy per layer; docs/accelerators.md), while
+    # a slice costs one layer's copy.
+    return _attention(config, q, k_layer[layer], v_layer[layer], kv_lengths, tree_mask,
+                      head_major)
   t = q.shape[1]
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
   needs_window = window is not None and window < s
-  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
-  if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
+  if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 32 new tokens) with a square tree mask. Many new tokens over a long
     # cache (a prefill) go in key blocks: float32 scores [B, Hq, T, S] over the whole
@@ -105,17 +112,29 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
               else verify_attention_reference)
     return attend(q, k_layer, v_layer, kv_lengths, tree_mask,
                   sliding_window=window if needs_window else None, head_major=head_major)
-  if head_major:
-    if default_head_major(config):      # the jnp path: the layout it reads in place
-      return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                        head_major=True)
-    # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
-    k_layer, v_layer = jnp.swapaxes(k_layer, 1, 2), jnp.swapaxes(v_layer, 1, 2)
+  return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, None, head_major)
+
+
+def _kernel_path(config, q, s: int, tree_mask) -> bool:
+  """Whether this call goes to kernels_pallas.verify_attention (small T, no window in reach,
+  a square tree mask) rather than a jnp path."""
+  t = q.shape[1]
+  window = config.sliding_window
+  needs_window = window is not None and window < s
+  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
+  return not (needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask)
+
+
+def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask, layer,
+                      head_major: bool = False):
+  """kernels_pallas.verify_attention over [B,S,Hkv,Dh] caches ([B,Hkv,S,Dh] head-major; or
+  stacked ones at `layer`): the jnp reference, the TPU or the GPU kernel, as it resolves."""
   # A float32 query (a drafter head's) on a bf16 cache: the kernel runs in the cache's dtype
   # (float32 tiles would double the kernel's registers and VMEM; issue 35).
-  low = matmul.is_low_precision(k_layer.dtype) and q.dtype != k_layer.dtype
-  out = kernels_pallas.verify_attention(q.astype(k_layer.dtype) if low else q, k_layer, v_layer,
-                                        kv_lengths, tree_mask, impl=config.attention_impl)
+  low = matmul.is_low_precision(k_cache.dtype) and q.dtype != k_cache.dtype
+  out = kernels_pallas.verify_attention(q.astype(k_cache.dtype) if low else q, k_cache, v_cache,
+                                        kv_lengths, tree_mask, impl=config.attention_impl,
+                                        layer=layer, head_major=head_major)
   return out.astype(q.dtype)
 
 

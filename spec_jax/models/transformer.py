@@ -70,8 +70,8 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offse
   k = apply_rope(k, positions, tables=rope)
   k_cache = _write_rows(k_cache, layer, k, offsets, head_major)
   v_cache = _write_rows(v_cache, layer, v, offsets, head_major)
-  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask,
-                    head_major)
+  attn = _attention(config, q, k_cache, v_cache, offsets + t, tree_mask, head_major,
+                    layer=layer)
   x = x + _out_projection(lp, attn.reshape(b, t, hq * dh))
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + _mlp(lp, h)
