@@ -126,8 +126,8 @@ def assistant_step(params, decoder_config, head: AssistantHead, target_config, t
   for plan in gemma_layout.layout(c).layers:
     lp = params["layers"][plan.index]
     store = target_layout.store_layer(plan.layer_type)
-    k_all = target_cache.k[store.cache_group]       # stacked: the kernel reads the slot in place
-    v_all = target_cache.v[store.cache_group]
+    k_all = target_cache.k[store.cache_group][store.cache_slot]
+    v_all = target_cache.v[store.cache_group][store.cache_slot]
     hn = gemma.norm(x, lp["attn_norm"], eps).astype(dtype)
     q = _fold_queries(gemma.project_q(c, plan, lp, hn, rope[plan.layer_type]),
                       store.num_kv_heads)
@@ -135,8 +135,7 @@ def assistant_step(params, decoder_config, head: AssistantHead, target_config, t
     # there is the reference's last W+1 entries.
     window = None if plan.window is None else plan.window + 1
     attn = _attention(gemma._attention_config(c.attention_impl, window), q.astype(k_all.dtype),
-                      k_all, v_all, kv_lengths, None, target_cache.head_major,
-                      layer=store.cache_slot)
+                      k_all, v_all, kv_lengths, None, target_cache.head_major)
     attn = _unfold_output(attn, f, c.num_heads, store.num_kv_heads).astype(dtype)
     o = gemma.dot(attn.reshape(b, f, c.num_heads * plan.head_dim), lp["wo"]).astype(dtype)
     x = x + gemma.norm(o, lp["post_attn_norm"], eps).astype(dtype)

@@ -6,13 +6,14 @@ assemble them into layers."""
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
+from kernels_pallas import platform
 from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
@@ -87,18 +88,12 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 
 
 
-def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False,
-               layer: Optional[int] = None):
+def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh]. layer: k_layer, v_layer are the stacked caches [L, ...] and this is the layer
-  to read (a Pallas kernel reads it in place; the jnp paths slice it)."""
-  if layer is not None:
-    # The layer's slab, sliced here: handing the kernel the whole stack with layer= (which it
-    # supports) made XLA:TPU copy the entire stacked cache into the custom call's layout before
-    # every call (8B-wide, 8 layers: a 512 MiB copy per layer; docs/accelerators.md), while
-    # a slice costs one layer's copy.
-    return _attention(config, q, k_layer[layer], v_layer[layer], kv_lengths, tree_mask,
-                      head_major)
+  [B,Hkv,S,Dh]. (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
+  the whole stack with kernels_pallas' layer= made XLA:TPU copy the entire stack into the
+  custom call's layout before every call, 512 MiB a layer for an 8-layer 8B-wide decode,
+  measured; a slice costs one layer's copy.)"""
   t = q.shape[1]
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
@@ -112,7 +107,7 @@ def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: b
               else verify_attention_reference)
     return attend(q, k_layer, v_layer, kv_lengths, tree_mask,
                   sliding_window=window if needs_window else None, head_major=head_major)
-  return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, None, head_major)
+  return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major)
 
 
 def _kernel_path(config, q, s: int, tree_mask) -> bool:
@@ -125,17 +120,27 @@ def _kernel_path(config, q, s: int, tree_mask) -> bool:
   return not (needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask)
 
 
-def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask, layer,
+def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask,
                       head_major: bool = False):
-  """kernels_pallas.verify_attention over [B,S,Hkv,Dh] caches ([B,Hkv,S,Dh] head-major; or
-  stacked ones at `layer`): the jnp reference, the TPU or the GPU kernel, as it resolves."""
+  """kernels_pallas.verify_attention over [B,S,Hkv,Dh] caches ([B,Hkv,S,Dh] head-major): the
+  jnp reference, the TPU or the GPU kernel, as it resolves for the platform."""
   # A float32 query (a drafter head's) on a bf16 cache: the kernel runs in the cache's dtype
   # (float32 tiles would double the kernel's registers and VMEM; issue 35).
   low = matmul.is_low_precision(k_cache.dtype) and q.dtype != k_cache.dtype
   out = kernels_pallas.verify_attention(q.astype(k_cache.dtype) if low else q, k_cache, v_cache,
                                         kv_lengths, tree_mask, impl=config.attention_impl,
-                                        layer=layer, head_major=head_major)
+                                        head_major=head_major)
   return out.astype(q.dtype)
+
+
+def residual_boundary(x):
+  """x itself, materialised between layers when the forward is wide (T > 16: a prefill) and
+  not on CPU. XLA:TPU otherwise fuses the residual adds of every layer into one final sum and
+  keeps each layer's attention and MLP outputs [B*T, D] alive until then: 2 L of them, 2 GiB
+  for an 8B prefill of 8 x 512 tokens (buffer report, docs/accelerators.md)."""
+  if x.shape[1] > 16 and not platform.is_cpu():
+    return jax.lax.optimization_barrier(x)
+  return x
 
 
 def _dense(x, w, transposed: bool = False):

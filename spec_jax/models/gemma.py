@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.reference import visibility
 from spec_jax.models import gemma_layout
-from spec_jax.models.blocks import ForwardOutput, _attention, apply_rope, lm_head, rope_tables
+from spec_jax.models.blocks import (ForwardOutput, _attention, apply_rope, lm_head,
+                                    residual_boundary, rope_tables)
 from spec_jax.models.cache import GemmaKVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.gemma_layout import SLIDING
@@ -126,15 +127,14 @@ def windowed_tree_mask(kv_lengths, t: int, s: int, tree_mask, positions, window:
 
 
 def attend(config, plan, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool,
-           wide_mask=None, layer=None):
+           wide_mask=None):
   """One layer's verify attention. q [B, T, Hq, Dh] already scaled for the reference's
-  Dh ** -0.5; wide_mask: windowed_tree_mask for sliding layers with explicit positions;
-  layer: k_layer, v_layer are the group's stacked buffers and this the slot to read."""
+  Dh ** -0.5; wide_mask: windowed_tree_mask for sliding layers with explicit positions."""
   if wide_mask is not None:
-    return _attention(_attention_config(config.attention_impl, None), q, k_layer, v_layer,
-                      kv_lengths, wide_mask, head_major, layer=layer)
-  return _attention(_attention_config(config.attention_impl, plan.window), q, k_layer, v_layer,
-                    kv_lengths, tree_mask, head_major, layer=layer)
+    return _attention(_attention_config(config.attention_impl, None), q, k_layer, v_layer, kv_lengths,
+                      wide_mask, head_major)
+  return _attention(_attention_config(config.attention_impl, plan.window), q, k_layer, v_layer, kv_lengths,
+                    tree_mask, head_major)
 
 
 def q_scale(config, head_dim: int) -> float:
@@ -187,8 +187,8 @@ def decoder_layer(config, plan, lp, x, rope, k_bufs, v_bufs, offsets, tree_mask,
     k, v = project_kv(config, plan, lp, h, rope)
     k_bufs = k_bufs[:g] + (_write_rows(k_bufs[g], slot, k, offsets, head_major),) + k_bufs[g + 1:]
     v_bufs = v_bufs[:g] + (_write_rows(v_bufs[g], slot, v, offsets, head_major),) + v_bufs[g + 1:]
-  attn = attend(config, plan, q, k_bufs[g], v_bufs[g], offsets + t, tree_mask, head_major,
-                wide_mask, layer=slot)
+  attn = attend(config, plan, q, k_bufs[g][slot], v_bufs[g][slot], offsets + t, tree_mask,
+                head_major, wide_mask)
   o = dot(attn.reshape(b, t, config.num_heads * plan.head_dim), lp["wo"]).astype(dtype)
   x = x + norm(o, lp["post_attn_norm"], eps, plus_one).astype(dtype)
   h = norm(x, lp["mlp_norm"], eps, plus_one).astype(dtype)
@@ -239,6 +239,7 @@ def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=N
         config, plan, lp, x, rope[plan.layer_type], k_bufs, v_bufs, offsets, tree_mask,
         cache.head_major, None if ple is None else ple[:, :, plan.index],
         wide if plan.layer_type == SLIDING else None)
+    x = residual_boundary(x)
     if plan.index in wanted:
       layer_hidden[plan.index] = x
   hidden = norm(x, params["final_norm"], config.rms_norm_eps, config.norm_plus_one)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projection,
-                                    _qkv_projections, apply_rope, embed, lm_head,
+                                    _qkv_projections, apply_rope, embed, lm_head, residual_boundary,
                                     rms_norm, rope_inv_freq, rope_tables)
 from spec_jax.models.cache import KVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
@@ -70,8 +70,8 @@ def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offse
   k = apply_rope(k, positions, tables=rope)
   k_cache = _write_rows(k_cache, layer, k, offsets, head_major)
   v_cache = _write_rows(v_cache, layer, v, offsets, head_major)
-  attn = _attention(config, q, k_cache, v_cache, offsets + t, tree_mask, head_major,
-                    layer=layer)
+  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask,
+                    head_major)
   x = x + _out_projection(lp, attn.reshape(b, t, hq * dh))
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + _mlp(lp, h)
@@ -126,6 +126,7 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
       lp = jax.tree.map(lambda w: w[layer], layers)
     x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
                                     inv_freq, layer=layer, rope=rope, head_major=cache.head_major)
+    x = residual_boundary(x)
     if layer in wanted:
       layer_hidden[layer] = x
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
