@@ -62,7 +62,7 @@ def put_back(defect: str) -> None:
   import jax
   from kernels_pallas import dispatch, platform
   if defect == "mesh":
-    dispatch.sharded = lambda call, mesh, *args: call(*args)
+    dispatch.sharded = lambda call, mesh, *args, **kw: call(*args)
   elif defect == "fuse":
     from spec_jax.aot import program
     from spec_jax.decoding import target
