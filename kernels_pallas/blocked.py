@@ -1,18 +1,14 @@
-"""Blocked jnp verify attention: reads the KV cache only up to the longest row's length.
+"""Verify attention over many new tokens (prefill) in key blocks: bounded memory, pure jnp.
 
-The reference (kernels_pallas.reference) scores every one of the S cache slots and masks the
-unused ones, so a step costs the same at 50 tokens as at S; on the jnp path (CPU) that makes a
-generous capacity bucket cost real time and favours speculation (a verify reads the cache once
-for K+1 tokens, a plain step once per token). This version walks the cache in blocks of
-`block` slots inside a `lax.while_loop` whose trip count is ceil(max(kv_lengths) / block),
-merging blocks with the online softmax (Milakov & Gimelshein 2018; FlashAttention's
-recurrence):
-
-    m' = max(m, max_j s_j),   l' = l e^(m - m') + sum_j e^(s_j - m'),
-    acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j,   out = acc / l.
-
-Same masking rules and dtypes as the reference (bf16 operands, f32 accumulation, the weights
-rounded to the value dtype for the second product); results equal it to float32 rounding.
+verify_attention_reference materialises float32 scores [B, Hq, T, S] over the whole cache
+capacity S: for a prefill of T = 512 tokens into a 4096-slot cache at batch 8 with 32 heads that
+is 2 GiB per layer (issue 35), most of it for slots no query can see. This computes the same
+attention one block of `block` cache slots at a time with an online softmax (flash attention's
+recurrence, in float32), in a `lax.while_loop` that visits only the blocks below the longest
+row's kv_lengths (and, with a sliding window, none before the earliest visible key): the live
+scores are [B, Hkv, G*T, block] float32. Same masking rules and arguments as the reference
+(tree masks of width W >= T, sliding windows, both cache layouts); equal to it up to float
+rounding (tests/test_kernels_blocked.py).
 """
 
 from __future__ import annotations
@@ -20,61 +16,76 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import _products, visibility
+from kernels_pallas.layout import NEG_INF, cdiv
+from kernels_pallas.reference import visibility
 
-BLOCK = 256
-
-
-def use_blocked(s: int, block: int = BLOCK) -> bool:
-  """Whether a cache of S slots is walked in blocks (more than one block, and whole blocks)."""
-  return s > block and s % block == 0
+BLOCK = 256          # cache slots per step (8B prefill, P = 512: 128 MiB of f32 scores)
 
 
-def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None, *,
-                             head_major: bool = True, block: int = BLOCK):
-  """verify_attention_reference's contract (no sliding window; tree_mask square [B, T, T] or
-  None) over k_cache, v_cache [B, Hkv, S, D] (head_major) or [B, S, Hkv, D], S a multiple of
-  `block`. Returns [B, T, Hq, D] in q's dtype."""
+def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
+                             sliding_window=None, *, head_major: bool = False,
+                             block: int = BLOCK):
+  """verify_attention_reference's contract (see it for the arguments) in key blocks.
+
+  q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (head_major: [B, Hkv, S, D]); kv_lengths
+  int32 [B]; tree_mask bool [B, T, W] or None; sliding_window int or None; block: cache slots
+  per step (capped at S). Returns [B, T, Hq, D] in q's dtype.
+  """
   b, t, hq, d = q.shape
-  seq_axis = 2 if head_major else 1
-  s = k_cache.shape[seq_axis]
-  hkv = k_cache.shape[1] if head_major else k_cache.shape[2]
-  if s % block:
-    raise ValueError(f"blocked attention needs S ({s}) to be a multiple of block ({block})")
+  if head_major:
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+  else:
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
-  qc, kc, vc, acc_type = _products(q, k_cache, v_cache)
-  qm = (qc.reshape(b, t, hkv, group, d)
-        .transpose(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d))           # [B,Hkv,G*T,D]
-  kv_lengths = kv_lengths.astype(jnp.int32)
-  n_blocks = (jnp.max(kv_lengths) + block - 1) // block
+  block = max(1, min(int(block), s))
+  num_blocks = cdiv(s, block)
+  dtype = jnp.promote_types(q.dtype, k_cache.dtype)
+  acc_type = jnp.float32 if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else None
+  qc = q.astype(dtype)
+  seq_axis = 2 if head_major else 1
+  m_rows = group * t
+  qm = (qc.reshape(b, t, hkv, group, d).transpose(0, 2, 3, 1, 4)
+        .reshape(b, hkv, m_rows, d))                                       # row = g * T + t
+  lengths = kv_lengths.astype(jnp.int32)
+  hi = jnp.minimum(cdiv_traced(jnp.max(lengths), block), num_blocks)
+  lo = jnp.zeros((), jnp.int32)
+  if sliding_window is not None:      # no key at or before (first query position - window)
+    first_query = jnp.min(lengths) - t
+    lo = jnp.clip((first_query - sliding_window + 1) // block, 0, num_blocks - 1)
   scale = d ** -0.5
 
-  def body(i, carry):
-    m, l, acc = carry
-    start = i * block
-    kb = jax.lax.dynamic_slice_in_dim(kc, start, block, axis=seq_axis)
-    vb = jax.lax.dynamic_slice_in_dim(vc, start, block, axis=seq_axis)
-    if not head_major:
-      kb, vb = jnp.swapaxes(kb, 1, 2), jnp.swapaxes(vb, 1, 2)            # [B,Hkv,blk,D]
-    scores = jnp.einsum("bhmd,bhsd->bhms", qm, kb, preferred_element_type=acc_type)
-    scores = scores.astype(jnp.float32) * scale
-    visible = visibility(kv_lengths, t, block, tree_mask, key_start=start)  # [B,T,blk]
-    mask = jnp.broadcast_to(visible[:, None, None], (b, 1, group, t, block)).reshape(
-        b, 1, group * t, block)
-    scores = jnp.where(mask, scores, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)     # a row that saw nothing yet
-    p = jnp.exp(scores - m_safe[..., None])
-    correction = jnp.exp(m - m_safe)
-    l = l * correction + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bhms,bhsd->bhmd", p.astype(vc.dtype), vb, preferred_element_type=acc_type)
-    acc = acc * correction[..., None] + pv.astype(jnp.float32)
-    return m_new, l, acc
+  def body(carry):
+    i, m, l, acc = carry
+    # The last block of a ragged cache is shifted to end at S; keys it shares with the block
+    # before are masked as already counted ("fresh").
+    start = jnp.minimum(i * block, s - block)
+    keys, vals = (jax.lax.dynamic_slice_in_dim(c, start, block, axis=seq_axis).astype(dtype)
+                  for c in (k_cache, v_cache))
+    if not head_major:                                 # one block [B,blk,Hkv,D] -> [B,Hkv,blk,D]
+      keys, vals = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(vals, 1, 2)
+    pos = start + jnp.arange(block, dtype=jnp.int32)
+    vis = visibility(lengths, t, block, tree_mask, sliding_window, key_positions=pos)
+    vis = vis & (pos >= i * block)[None, None, :]                           # [B,T,blk]
+    vis = jnp.broadcast_to(vis[:, None, None], (b, 1, group, t, block)).reshape(
+        b, 1, m_rows, block)
+    scores = jnp.einsum("bhmd,bhkd->bhmk", qm, keys, preferred_element_type=acc_type)
+    scores = jnp.where(vis, scores.astype(jnp.float32) * scale, NEG_INF)
+    m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
+    alpha = jnp.exp(m - m_next)
+    p = jnp.where(vis, jnp.exp(scores - m_next[..., None]), 0.0)
+    l = alpha * l + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhmk,bhkd->bhmd", p.astype(vals.dtype), vals,
+                    preferred_element_type=acc_type)
+    return i + 1, m_next, l, acc * alpha[..., None] + pv.astype(jnp.float32)
 
-  init = (jnp.full((b, hkv, group * t), -jnp.inf, jnp.float32),
-          jnp.zeros((b, hkv, group * t), jnp.float32),
-          jnp.zeros((b, hkv, group * t, d), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-  out = acc / l[..., None]
+  m0 = jnp.full((b, hkv, m_rows), NEG_INF, jnp.float32)
+  init = (lo, m0, jnp.zeros_like(m0), jnp.zeros((b, hkv, m_rows, d), jnp.float32))
+  _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, init)
+  out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
   out = out.reshape(b, hkv, group, t, d).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def cdiv_traced(a, b: int):
+  """ceil(a / b) for a traced int32 a >= 0."""
+  return (a + b - 1) // b

@@ -1,6 +1,8 @@
 """verify_attention: validates inputs and picks the kernel for the backend.
 
-impl="auto"      GPU kernel on a gpu backend, TPU kernel on tpu, the jnp reference elsewhere.
+impl="auto"      GPU kernel on a gpu platform, TPU kernel on tpu, the jnp reference elsewhere. The
+                 platform is the one being lowered for (kernels_pallas.platform.current(): the
+                 process's backend, or the one an ahead-of-time export sets).
 impl="pallas"    a Pallas kernel always: native on gpu / tpu, under the Pallas interpreter on
                  any other backend (CPU tests). `kernel` picks "gpu" or "tpu" flavour; None =
                  the backend's own, "gpu" on CPU.
@@ -9,6 +11,12 @@ impl="reference" the jnp reference.
 A kernel that does not support the shapes (see pallas_gpu / pallas_tpu.unsupported_reason) falls
 back to the reference with a one-time warning: never a wrong answer. Everything here reads
 static shapes and dtypes only, so it works under jit with traced kv_lengths and tree_mask.
+
+Under a mesh (kernels_pallas.platform.kernel_mesh, set by spec_jax.decode) a kernel call is
+wrapped in a `shard_map`: XLA cannot partition an opaque Mosaic / Triton call, so each device
+runs the kernel on its own rows ("data") and KV heads ("model"), with their query heads: no
+collective at all. An axis whose size does not divide the rows (or the KV heads) leaves that
+dimension whole on every device of the axis (computed redundantly, still exact).
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import pallas_gpu, pallas_tpu
+from kernels_pallas import pallas_gpu, pallas_tpu, platform as platform_lib
 from kernels_pallas.reference import verify_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
@@ -82,12 +91,13 @@ def _warn_once(key, message):
 
 
 def resolve(impl: str, kernel: str | None = None, platform: str | None = None):
-  """(kernel or None for the reference, interpret) for impl on platform (default: backend)."""
+  """(kernel or None for the reference, interpret) for impl on platform (default: the platform
+  being lowered for, kernels_pallas.platform.current())."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if kernel is not None and kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-  platform = platform or jax.default_backend()
+  platform = platform_lib.normalize(platform) if platform else platform_lib.current()
   if impl == "reference":
     return None, False
   if impl == "auto":
@@ -99,28 +109,88 @@ def resolve(impl: str, kernel: str | None = None, platform: str | None = None):
 
 
 def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto", *,
-                     kernel: str | None = None, **kernel_kwargs):
+                     kernel: str | None = None, layer: int | None = None,
+                     head_major: bool = False, **kernel_kwargs):
   """See ../shared/DESIGN.md. q [B,T,Hq,D]; k_cache, v_cache [B,S,Hkv,D]; kv_lengths int32[B].
 
   kv_lengths counts the valid cache entries including the T new ones at kv_lengths-T ..
   kv_lengths-1 (T <= kv_lengths <= S is the caller's contract). tree_mask bool [B,T,T] or None
   (causal). impl: "auto" | "pallas" | "reference". kernel: "gpu" | "tpu" | None picks the Pallas
-  flavour (see the module docstring). kernel_kwargs (block_k, num_splits, ...) go to the kernel.
-  Returns [B,T,Hq,D] in q's dtype.
+  flavour (see the module docstring). layer: k_cache and v_cache are a model's stacked cache
+  [L,B,S,Hkv,D] and layer (a static int) the slab to attend to: a kernel reads it in place
+  (k_cache[layer] handed to a custom call is a copy of the layer's cache, every call).
+  head_major: the caches are [B,Hkv,S,D] ([L,B,Hkv,S,D] with layer): the TPU kernel and the
+  reference read that layout in place, the GPU kernel gets a transposed copy.
+  kernel_kwargs (block_k, num_splits, ...) go to the kernel. Returns [B,T,Hq,D] in q's dtype.
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  validate_inputs(q, k_cache, v_cache, kv_lengths, tree_mask)
+  if layer is not None and not (isinstance(layer, int) and getattr(k_cache, "ndim", 0) == 5
+                                and 0 <= layer < k_cache.shape[0]):
+    raise ValueError(f"layer must be a static int indexing a stacked [L, B, S, Hkv, D] cache, "
+                     f"got layer={layer!r} for k_cache of shape {getattr(k_cache, 'shape', None)}")
+  def view(c):           # the [B, S, Hkv, D] shape of one layer, for the checks
+    shape = c.shape[1:] if layer is not None else c.shape
+    if head_major:
+      shape = (shape[0], shape[2], shape[1], shape[3])
+    return jax.ShapeDtypeStruct(shape, c.dtype)
+
+  validate_inputs(q, view(k_cache), view(v_cache), kv_lengths, tree_mask)
   chosen, interpret = resolve(impl, kernel)
+  whole = (lambda c: c) if layer is None else (lambda c: c[layer])
+  reference = lambda: verify_attention_reference(q, whole(k_cache), whole(v_cache), kv_lengths,
+                                                 tree_mask, head_major=head_major)
   if chosen is None:
-    return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
-  reason = _UNSUPPORTED[chosen](q.shape, k_cache.shape, q.dtype, k_cache.dtype,
+    return reference()
+  extra = {"head_major": True} if head_major and chosen == "tpu" else {}
+  reason = _UNSUPPORTED[chosen](q.shape, view(k_cache).shape, q.dtype, k_cache.dtype,
                                 **({"block_k": kernel_kwargs["block_k"]}
-                                   if "block_k" in kernel_kwargs else {}))
+                                   if "block_k" in kernel_kwargs else {}), **extra)
   if reason is not None:
     _warn_once((chosen, reason),
                f"kernels_pallas.verify_attention: the {chosen} Pallas kernel does not support "
                f"this call ({reason}); using the jnp reference instead.")
-    return verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask)
-  return _KERNEL_FNS[chosen](q, k_cache, v_cache, kv_lengths.astype(jnp.int32), tree_mask,
-                             interpret=interpret, **kernel_kwargs)
+    return reference()
+  if head_major and chosen != "tpu":        # the GPU kernel reads [B, S, Hkv, D]: a copy
+    k_cache, v_cache = (jnp.swapaxes(whole(c), 1, 2) for c in (k_cache, v_cache))
+    layer, head_major = None, False
+  call = lambda q, k, v, lengths, mask: _KERNEL_FNS[chosen](
+      q, k, v, lengths, mask, interpret=interpret, layer=layer, **extra, **kernel_kwargs)
+  return sharded(call, platform_lib.mesh(), q, k_cache, v_cache, kv_lengths.astype(jnp.int32),
+                 tree_mask, head_major=head_major)
+
+
+def kernel_specs(mesh, batch: int, num_kv_heads: int):
+  """(PartitionSpec of q / k / v / out [B, ., H, D], of kv_lengths [B], of tree_mask [B, T, T])
+  for a kernel call under `mesh`: rows on "data" and heads on "model" where they divide (and
+  the mesh has that axis), else whole."""
+  names, sizes = mesh.axis_names, dict(zip(mesh.axis_names, mesh.devices.shape))
+  data = "data" if "data" in names and batch % sizes["data"] == 0 else None
+  model = "model" if "model" in names and num_kv_heads % sizes["model"] == 0 else None
+  return P(data, None, model, None), P(data), P(data, None, None)
+
+
+def sharded(call, mesh, q, k_cache, v_cache, kv_lengths, tree_mask, head_major: bool = False):
+  """call(q, k, v, kv_lengths, tree_mask) -> [B, T, Hq, D], run per device under a shard_map
+  over mesh (none: called as it is; inside a shard_map already: called on the local blocks).
+  k_cache, v_cache: [B, S, Hkv, D] ([B, Hkv, S, D] with head_major), or a stacked [L, B, ...]
+  (split alike, L whole).
+
+  Query head h belongs to KV head h // (Hq / Hkv), so splitting both head axes into the same
+  number of contiguous blocks keeps every group on the device of its KV head."""
+  if mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return call(q, k_cache, v_cache, kv_lengths, tree_mask)
+  stacked = k_cache.ndim == 5                    # [L, B, ...]: a layer of it is read
+  hkv = k_cache.shape[-3] if head_major else k_cache.shape[-2]
+  heads, rows, mask_spec = kernel_specs(mesh, q.shape[0], hkv)
+  cache = P(heads[0], heads[2], None, None) if head_major else heads   # [B, Hkv, S, D]
+  cache = P(None, *cache) if stacked else cache
+  if tree_mask is None:
+    body = lambda q, k, v, lengths: call(q, k, v, lengths, None)
+    in_specs, args = (heads, cache, cache, rows), (q, k_cache, v_cache, kv_lengths)
+  else:
+    body = call
+    in_specs = (heads, cache, cache, rows, mask_spec)
+    args = (q, k_cache, v_cache, kv_lengths, tree_mask)
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=heads,
+                       check_vma=False)(*args)

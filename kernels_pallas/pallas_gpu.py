@@ -34,7 +34,14 @@ TARGET_PROGRAMS = 264   # aim for ~2 programs per SM (H100/H200: 132 SMs) when p
 MIN_BLOCKS_PER_SPLIT = 4  # below this the partial-output traffic outweighs the extra programs
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 512
+# Heads wider than 256 (Gemma 4's 512-wide global layers): a program's q, accumulator and K / V
+# tiles grow with D, so they take smaller tiles and more warps: at D = 512, block_k 16 and 16
+# rows, the f32 accumulator is 16 x 512 over 8 warps (32 registers a thread) and each K / V
+# tile 16 x 512 bf16. Lowered to Triton and checked in interpret mode here; register use and
+# speed on a GPU were never measured (docs/accelerators.md).
+WIDE_HEAD_DIM = 256
+WIDE_BLOCK_K, WIDE_BLOCK_ROWS, WIDE_NUM_WARPS = 16, 16, 8
 
 
 def _is_pow2(n: int) -> bool:
@@ -131,26 +138,36 @@ def combine_splits(o, m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "block_rows", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "interpret", "layer"))
 def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None, *,
                                 block_k: int = BLOCK_K, block_rows: int = BLOCK_ROWS,
                                 num_splits: int | None = None, num_warps: int = NUM_WARPS,
-                                num_stages: int = NUM_STAGES, interpret: bool = False):
+                                num_stages: int = NUM_STAGES, interpret: bool = False,
+                                layer: int | None = None):
   """Verify attention (DESIGN.md semantics) with the Triton-lowered Pallas kernel.
 
   Shapes as in kernels_pallas.verify_attention; inputs are assumed valid (the dispatcher checks
   them). block_k: keys per step (power of 2 >= 16, capped at S); block_rows: most folded query
   rows per program (power of 2 >= 16); num_splits: cache splits, None = pick_num_splits;
-  interpret: run the kernel with the Pallas interpreter (any backend, e.g. CPU tests).
+  interpret: run the kernel with the Pallas interpreter (any backend, e.g. CPU tests);
+  layer: k_cache, v_cache are a stacked [L, B, S, Hkv, D] cache read at slab `layer` in place.
   """
+  if layer is not None:
+    num_layers = k_cache.shape[0]
+    k_cache, v_cache = (c.reshape((num_layers * c.shape[1],) + c.shape[2:])
+                        for c in (k_cache, v_cache))      # free: merges the two major dims
   b, t, hq, d = q.shape
   s, hkv = k_cache.shape[1], k_cache.shape[2]
+  row0 = 0 if layer is None else layer * b
   reason = unsupported_reason(q.shape, k_cache.shape, q.dtype, k_cache.dtype, block_k)
   if reason is not None:
     raise ValueError(f"verify_attention_pallas_gpu: {reason}")
   if not (_is_pow2(block_rows) and block_rows >= 16):
     raise ValueError(f"block_rows must be a power of 2 >= 16, got {block_rows}")
   group = hq // hkv
+  if d > WIDE_HEAD_DIM:
+    block_k, block_rows = min(block_k, WIDE_BLOCK_K), min(block_rows, WIDE_BLOCK_ROWS)
+    num_warps = max(num_warps, WIDE_NUM_WARPS)
   block_k = min(block_k, _pow2_floor(s))
   num_blocks = layout.cdiv(s, block_k)
   row_tile = min(block_rows, max(16, 1 << (t * group - 1).bit_length()))
@@ -170,7 +187,7 @@ def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       _kernel, block_k=block_k, blocks_per_split=blocks_per_split, seq_len=s, num_new=t,
       sm_scale=1.0 / math.sqrt(d), compute_dtype=compute_dtype,
       precision=layout.dot_precision(compute_dtype))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, r, p: (bi, 0, h, 0))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, h, r, p: (row0 + bi, 0, h, 0))
   o, m, l = pl.pallas_call(
       kernel,
       grid=(b, hkv, row_blocks, num_splits),

@@ -43,11 +43,13 @@ def heads_per_block(num_kv_heads: int, head_dim: int) -> int | None:
   return None
 
 
-def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOCK_K):
-  """None when the TPU kernel handles these shapes, else why not (the dispatcher falls back)."""
+def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOCK_K,
+                       head_major: bool = False):
+  """None when the TPU kernel handles these shapes, else why not (the dispatcher falls back).
+  kv_shape: [B, S, Hkv, D] (a head-major cache's shape given in this order too)."""
   _, t, hq, d = q_shape
   hkv = kv_shape[2]
-  if heads_per_block(hkv, d) is None:
+  if not head_major and heads_per_block(hkv, d) is None:
     return (f"head_dim {d} with {hkv} kv heads: need head_dim % {LANES} == 0, or "
             f"{LANES} % head_dim == 0 with kv heads a multiple of {LANES} // head_dim")
   if t > layout.MAX_NEW_TOKENS:
@@ -111,22 +113,35 @@ def _kernel(len_ref, q_ref, bits_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr
       o_ref[j] = (acc_scr[j] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "interpret", "layer", "head_major"))
 def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None, *,
-                                block_k: int = BLOCK_K, interpret=False):
+                                block_k: int = BLOCK_K, interpret=False,
+                                layer: int | None = None, head_major: bool = False):
   """Verify attention (DESIGN.md semantics) with the Mosaic-lowered Pallas kernel.
 
   Shapes as in kernels_pallas.verify_attention; inputs are assumed valid (the dispatcher checks
   them). block_k: cache entries per grid step (a multiple of 8, capped at S); interpret: run
-  the kernel with the Pallas interpreter (any backend, e.g. CPU tests).
+  the kernel with the Pallas interpreter (any backend, e.g. CPU tests). layer: k_cache and
+  v_cache are a stacked cache [L, B, ...] and the kernel reads slab `layer` in place (a slice
+  k_cache[layer] handed to a custom call is a copy of that layer's cache, every call).
+  head_major: the caches are [B, Hkv, S, D] ([L, B, Hkv, S, D] with layer), spec_jax's TPU
+  layout: one head's [block_k, D] window is a legal Mosaic block for any D, read in place. (The
+  [B, S, Hkv, D] layout is viewed as [B, S, Hkv * D], which on TPU is not free: the tiled
+  layout of the two minor dims changes, so XLA copies the cache before every call.)
   """
+  lead = 1 if layer is None else k_cache.shape[0] * k_cache.shape[1]
+  if layer is not None:                                   # free: merges the two major dims
+    k_cache, v_cache = (c.reshape((lead,) + c.shape[2:]) for c in (k_cache, v_cache))
   b, t, hq, d = q.shape
-  s, hkv = k_cache.shape[1], k_cache.shape[2]
-  reason = unsupported_reason(q.shape, k_cache.shape, q.dtype, k_cache.dtype, block_k)
+  s, hkv = (k_cache.shape[2], k_cache.shape[1]) if head_major else k_cache.shape[1:3]
+  row0 = 0 if layer is None else layer * b                # the layer's first row of [L*B, ...]
+  view = (k_cache.shape[0], s, hkv, d)
+  reason = unsupported_reason(q.shape, view, q.dtype, k_cache.dtype, block_k,
+                              head_major=head_major)
   if reason is not None:
     raise ValueError(f"verify_attention_pallas_tpu: {reason}")
   group = hq // hkv
-  hpb = heads_per_block(hkv, d)
+  hpb = 1 if head_major else heads_per_block(hkv, d)
   block_k = min(block_k, s)          # a block as long as the cache is always legal
   num_blocks = layout.cdiv(s, block_k)
   rows = layout.round_up(t * group, ROW_ALIGN)
@@ -135,12 +150,18 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   q_rows = layout.fold_queries(q, hkv, rows)                      # [B, Hkv, rows, D]
   bits = layout.row_bits(tree_mask, b, t, group, rows)[..., None]  # [B, rows, 1]
   lengths = kv_lengths.astype(jnp.int32)
-  k_flat = k_cache.reshape(b, s, hkv * d)                         # free: merges minor dims
-  v_flat = v_cache.reshape(b, s, hkv * d)
+  if head_major:
+    k_flat, v_flat = k_cache, v_cache                             # [., Hkv, S, D]
+    kv_block = (None, None, block_k, d)
+  else:
+    k_flat = k_cache.reshape(-1, s, hkv * d)                      # merges minor dims
+    v_flat = v_cache.reshape(-1, s, hkv * d)
+    kv_block = (None, block_k, hpb * d)
 
   def kv_index(bi, h, i, lens):
     last = jnp.maximum(jax.lax.div(lens[bi] + block_k - 1, block_k) - 1, 0)
-    return bi, jnp.minimum(jnp.minimum(i, last), num_blocks - 1), h
+    block = jnp.minimum(jnp.minimum(i, last), num_blocks - 1)
+    return (row0 + bi, h, block, 0) if head_major else (row0 + bi, block, h)
 
   kernel = functools.partial(
       _kernel, block_k=block_k, num_blocks=num_blocks, num_new=t, head_dim=d,
@@ -152,8 +173,8 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       in_specs=[
           pl.BlockSpec((None, hpb, rows, d), lambda bi, h, i, lens: (bi, h, 0, 0)),
           pl.BlockSpec((None, rows, 1), lambda bi, h, i, lens: (bi, 0, 0)),
-          pl.BlockSpec((None, block_k, hpb * d), kv_index),
-          pl.BlockSpec((None, block_k, hpb * d), kv_index),
+          pl.BlockSpec(kv_block, kv_index),
+          pl.BlockSpec(kv_block, kv_index),
       ],
       out_specs=pl.BlockSpec((None, hpb, rows, d), lambda bi, h, i, lens: (bi, h, 0, 0)),
       scratch_shapes=[

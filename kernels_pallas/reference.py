@@ -16,14 +16,17 @@ def _products(q, k_cache, v_cache):
           jnp.float32 if low else None)
 
 
-def visibility(kv_lengths, t: int, s: int, tree_mask=None, sliding_window=None, key_start=0):
+def visibility(kv_lengths, t: int, s: int, tree_mask=None, sliding_window=None,
+               key_positions=None):
   """bool [B, T, S]: which cache entries each of the T new queries may attend to (the masking
-  rules of verify_attention_reference, shared by both cache layouts). key_start (an int or a
-  traced int32 scalar): the S keys are cache positions key_start .. key_start+S-1 (a block of
-  the cache; spec_jax.models' blocked attention)."""
+  rules of verify_attention_reference, shared by both cache layouts). key_positions: optional
+  int32 [S] cache slots of the S keys asked about (default 0 .. S-1; the blocked attention
+  asks one block at a time)."""
   b = kv_lengths.shape[0]
   kv_lengths = kv_lengths.astype(jnp.int32)
-  key_pos = key_start + jnp.arange(s, dtype=jnp.int32)[None, None, :]      # [1,1,S]
+  if key_positions is None:
+    key_positions = jnp.arange(s, dtype=jnp.int32)
+  key_pos = key_positions.astype(jnp.int32)[None, None, :]                  # [1,1,S]
   query_pos = (kv_lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32))[:, :, None]  # [B,T,1]
   w = t if tree_mask is None else tree_mask.shape[-1]
   prefix = key_pos < (kv_lengths[:, None, None] - w)                         # [B,1,S]

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import sys
@@ -33,6 +34,7 @@ def _generate(args) -> int:
     return 2
   from spec_jax import compile_cache
   from spec_jax.bench.specs import make_drafter
+  from spec_jax.models.chat import chat_ids
   compile_cache.enable()
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
                             else ["Once upon a time"])
@@ -42,15 +44,23 @@ def _generate(args) -> int:
                        f"data=N,model=M over their {jax.device_count()} devices")
     mesh = sharding.parse_mesh(args.mesh)
     model = sj.load(args.model, dtype=args.dtype)
+    if args.attention_impl is not None:
+      model = dataclasses.replace(model, config=model.config.replace(
+          attention_impl=args.attention_impl))
     drafter = make_drafter(args.drafter, model)
+    if args.attention_impl is not None and isinstance(drafter, sj.drafters.DraftModel):
+      drafter.config = drafter.config.replace(attention_impl=args.attention_impl)
     sampling = sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
     if args.chat:
       system = [{"role": "system", "content": args.system}] if args.system else []
       inputs = dict(messages=[system + [{"role": "user", "content": p}] for p in mine])
+      ids = [chat_ids(model, m) for m in inputs["messages"]]
     else:
       inputs = dict(prompts=mine)
+      ids = mine
+    model = _check_memory(model, drafter, ids, args, mesh)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
                       key=jax.random.key(args.seed), mesh=mesh)
@@ -73,6 +83,43 @@ def _generate(args) -> int:
   if drafter is not None:
     print(s.summary())
   return 0
+
+
+def _check_memory(model, drafter, prompts, args, mesh):
+  """Before anything is compiled: prints the memory per device (weights, KV cache, drafter
+  and decode state; spec_jax.memory) to stderr and raises ValueError when it cannot fit the
+  device. On an accelerator the weights then take their execution layout once, here, outside
+  the decode jit, the canonical buffers donated (models.layout.prepare_model)."""
+  import jax
+  import numpy as np
+  import spec_jax as sj
+  from kernels_pallas import platform
+  from spec_jax import memory
+  from spec_jax.decoding.plan import drafting_plan
+  from spec_jax.decoding.target import as_target
+  from spec_jax.models.layout import prepare_model
+  strategy = drafting_plan(drafter, args.num_draft if drafter is not None else 4)
+  tokens, lens, capacity = sj.prepare_batch(model, prompts, args.max_new_tokens,
+                                            strategy.extent, None, prompt_bucket=None)
+  b = tokens.shape[0]
+  sampling = sj.Sampling(temperature=np.ones(b, np.float32), top_k=np.zeros(b, np.int32),
+                         top_p=np.ones(b, np.float32))
+  est = memory.estimate(as_target(model.config), model.params, drafter,
+                        None if drafter is None else drafter.params,
+                        prompt_tokens=jax.ShapeDtypeStruct(tokens.shape, np.int32),
+                        prompt_lens=jax.ShapeDtypeStruct(lens.shape, np.int32),
+                        capacity=capacity, max_new_tokens=args.max_new_tokens,
+                        sampling=sampling, mesh=mesh, width=strategy.width,
+                        lazy_drafter=strategy.lazy_drafter)
+  device_bytes = memory.device_memory(jax.devices()[0])
+  print(est.describe(device_bytes), file=sys.stderr)
+  memory.check_fits(est, device_bytes)
+  if not platform.is_cpu():
+    model = prepare_model(model, mesh)
+    if isinstance(drafter, sj.drafters.DraftModel):
+      drafter.model = prepare_model(drafter.model, mesh)
+      drafter.params = drafter.model.params
+  return model
 
 
 def main(argv=None) -> int:
@@ -109,6 +156,9 @@ def main(argv=None) -> int:
   g.add_argument("--drafter", default=None,
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
   g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
+  g.add_argument("--attention-impl", default=None, choices=("auto", "pallas", "reference"),
+                 help="verify attention: auto (the Pallas kernel on GPU / TPU, jnp on CPU), "
+                 "pallas (interpreted on CPU), reference (jnp); default: the model's (auto)")
   g.add_argument("--mesh", default=None, metavar="data=N,model=M",
                  help="shard over every device of every process: rows on data, weights on "
                  "model (N x M = the device count); needed when run by spec_jax.launch")

@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 PACKAGE = ROOT / "spec_jax"
 # Tools above the library: they may import anything, nothing in the core may import them.
 UPPER = ("spec_jax.bench", "spec_jax.eval", "spec_jax.tools", "spec_jax.launch",
-         "spec_jax.__main__")
+         "spec_jax.__main__", "spec_jax.aot")
 
 
 def module_name(path: pathlib.Path) -> str:

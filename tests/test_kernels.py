@@ -99,6 +99,7 @@ CASES = [
     (3, 9, 8, 4, 128, 64, 32, "float32", True, {}),
     (1, 9, 8, 8, 64, 200, 64, "float32", True, {"num_splits": 3}),
     (3, 9, 8, 1, 64, 160, 32, "bfloat16", False, {"block_rows": 16, "num_splits": 2}),
+    (2, 5, 8, 2, 512, 80, 32, "bfloat16", True, {}),        # Gemma 4 global layers' head_dim
 ]
 CASE_IDS = [f"B{c[0]}-T{c[1]}-{c[2]}/{c[3]}-D{c[4]}-S{c[5]}-bk{c[6]}-{c[7]}"
             f"-{'tree' if c[8] else 'causal'}" for c in CASES]

@@ -1,77 +1,54 @@
-"""The blocked jnp attention (kernels_pallas.blocked) against the reference: every row length
-from a lone new token to a full cache, causal and tree masks, grouped-query heads, both cache
-layouts, bf16; and the model's jnp path uses it for large caches without changing a token."""
+"""kernels_pallas.blocked: the prefill's verify attention in key blocks equals the reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import spec_jax as sj
-from kernels_pallas import blocked
+from kernels_pallas.blocked import verify_attention_blocked
 from kernels_pallas.reference import verify_attention_reference
-from tests.numerics import assert_f32_close
+
+# (B, T, Hq, Hkv, D, S, block, window, tree width extra or None, head_major, dtype)
+CASES = [
+    (2, 40, 4, 2, 16, 100, 32, None, None, False, jnp.float32),    # ragged S, GQA
+    (3, 20, 4, 1, 8, 70, 16, 9, None, True, jnp.float32),          # window, MQA, head-major
+    (2, 5, 2, 2, 8, 50, 16, None, 3, False, jnp.float32),          # wide tree mask (W = T + 3)
+    (2, 33, 4, 2, 16, 128, 64, None, None, False, jnp.bfloat16),   # bf16, S a multiple
+    (1, 17, 2, 2, 8, 40, 64, None, None, True, jnp.float32),       # block > S: one block
+]
 
 
-def _inputs(t, head_major, dtype=jnp.float32, s=512, b=4, hq=6, hkv=2, d=16, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 4)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[1]}-S{c[5]}-blk{c[6]}")
+def test_blocked_equals_reference(case):
+  b, t, hq, hkv, d, s, block, window, extra, head_major, dtype = case
+  ks = jax.random.split(jax.random.key(sum(case[:7])), 4)
   q = jax.random.normal(ks[0], (b, t, hq, d)).astype(dtype)
   shape = (b, hkv, s, d) if head_major else (b, s, hkv, d)
   k = jax.random.normal(ks[1], shape).astype(dtype)
   v = jax.random.normal(ks[2], shape).astype(dtype)
-  # a row that is all new tokens, one that ends inside the first block, one on a block
-  # boundary and one that fills the cache
-  lens = jnp.array([t, 100, 256, s], jnp.int32)
-  mask = jax.random.bernoulli(ks[3], 0.5, (b, t, t)) | jnp.eye(t, dtype=bool)[None]
-  return q, k, v, lens, mask
+  lengths = jnp.asarray(np.random.RandomState(b * t).randint(t, s + 1, size=b), jnp.int32)
+  mask = None
+  if extra is not None:
+    w = t + extra
+    own = jnp.arange(w)[None, None, :] == (jnp.arange(t) + extra)[None, :, None]
+    mask = jax.random.bernoulli(ks[3], 0.5, (b, t, w)) | own      # every query sees itself
+  want = verify_attention_reference(q, k, v, lengths, mask, window, head_major=head_major)
+  got = verify_attention_blocked(q, k, v, lengths, mask, window, head_major=head_major,
+                                 block=block)
+  tol = 1e-2 if dtype == jnp.bfloat16 else 2e-6
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("t,head_major,tree", [(1, True, False), (5, True, False),
-                                               (5, True, True), (5, False, True)])
-def test_blocked_equals_reference(t, head_major, tree):
-  q, k, v, lens, mask = _inputs(t, head_major)
-  mask = mask if tree else None
-  want = verify_attention_reference(q, k, v, lens, mask, head_major=head_major)
-  for block in (128, 256):
-    got = jax.jit(lambda *a: blocked.verify_attention_blocked(
-        *a, head_major=head_major, block=block))(q, k, v, lens, mask)
-    assert_f32_close(got, want, err_msg=f"block {block}")
-
-
-def test_blocked_bf16_matches_reference_to_bf16_rounding():
-  q, k, v, lens, mask = _inputs(5, True, jnp.bfloat16)
-  want = np.asarray(verify_attention_reference(q, k, v, lens, mask, head_major=True),
-                    np.float32)
-  got = np.asarray(blocked.verify_attention_blocked(q, k, v, lens, mask, block=128), np.float32)
-  # Both round the softmax weights to bf16 for the second product (blocked: unnormalised,
-  # relative to the running max): a few bf16 ulps of the output's scale.
-  assert np.max(np.abs(got - want)) <= 2 ** -6 * np.max(np.abs(want))
-
-
-def test_blocked_ignores_what_lies_past_the_longest_row():
-  """Only blocks below max(kv_lengths) are read: garbage (NaN) past it changes nothing."""
-  q, k, v, _, _ = _inputs(3, True)
-  lens = jnp.array([3, 40, 200, 250], jnp.int32)
-  want = blocked.verify_attention_blocked(q, k, v, lens, block=128)
-  poisoned = k.at[:, :, 256:].set(jnp.nan), v.at[:, :, 256:].set(jnp.nan)
-  got = blocked.verify_attention_blocked(q, *poisoned, lens, block=128)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_blocked_rejects_a_partial_block():
-  q, k, v, lens, _ = _inputs(1, True, s=384)
-  with pytest.raises(ValueError, match="multiple of block"):
-    blocked.verify_attention_blocked(q, k, v, lens, block=256)
-  assert not blocked.use_blocked(384) and blocked.use_blocked(512) and not blocked.use_blocked(256)
-
-
-def test_model_decode_with_a_large_cache_equals_a_small_one():
-  """Greedy decoding through the blocked path (capacity 1024) gives the tokens of the
-  reference path (capacity 256, one block)."""
-  cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, max_position_embeddings=2048)
-  model = sj.init_model(cfg, jax.random.key(3))
-  prompts = [[5, 9, 11, 3] * 20, [7, 8] * 5]
-  outs = [sj.generate(model, prompts, max_new_tokens=24, sampling=sj.Sampling(temperature=0.0),
-                      stop_tokens=[], capacity=cap).tokens for cap in (256, 1024)]
-  assert outs[0] == outs[1]
+def test_blocked_never_builds_full_width_scores():
+  """The point of it: no [.., T, S] float32 array in the program, only [.., block] ones."""
+  b, t, hq, hkv, d, s, block = 2, 64, 4, 2, 16, 2048, 256
+  args = (jax.ShapeDtypeStruct((b, t, hq, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16),
+          jax.ShapeDtypeStruct((b,), jnp.int32))
+  text = jax.jit(lambda *a: verify_attention_blocked(*a, block=block)).lower(*args).as_text()
+  assert f"x{s}xf32>" not in text
+  assert f"x{block}xf32>" in text
+  full = jax.jit(verify_attention_reference).lower(*args).as_text()
+  assert f"x{s}xf32>" in full           # the witness: the reference does build them

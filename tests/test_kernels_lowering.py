@@ -38,6 +38,15 @@ def test_gpu_kernel_lowers_to_triton(shape):
   assert "xla.gpu.triton" in text
 
 
+def test_gpu_kernel_lowers_for_head_dim_512():
+  """Gemma 4's global layers (head_dim 512, 4 kv heads): small tiles, still Triton."""
+  args = _args(2, 7, 32, 4, 512, 2048, jnp.bfloat16, jnp.bfloat16, True)
+  assert pallas_gpu.unsupported_reason(args[0].shape, args[1].shape, jnp.bfloat16,
+                                       jnp.bfloat16) is None
+  text = _lower(lambda *a: pallas_gpu.verify_attention_pallas_gpu(*a), args, "cuda")
+  assert "xla.gpu.triton" in text and "num_warps = 8" in text
+
+
 def test_gpu_kernel_lowers_with_row_blocks_and_splits():
   args = _args(1, 9, 32, 2, 128, 3000, jnp.bfloat16, jnp.bfloat16, True)   # 144 rows
   text = _lower(lambda *a: pallas_gpu.verify_attention_pallas_gpu(

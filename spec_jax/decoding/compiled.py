@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import platform
 from spec_jax import sharding as sharding_lib
 from spec_jax.decoding.loop import decode
 from spec_jax.decoding.state import DecodeResult
@@ -120,8 +121,9 @@ def execution_params(target, mesh=None):
   unstacked copy of every weight. decode() prepares canonical params itself, inside its jit,
   once per call: for the 78M widened model that copy is ~0.3 s, a quarter of a 64-token
   generate() (measured; README Speed section). Costs a second copy of the weights in host
-  memory. Elsewhere (accelerators, meshes) the canonical params are returned and decode
-  prepares them in its jit (a fuse at HBM bandwidth, no second copy held).
+  memory. Elsewhere (accelerators, meshes) the params are returned as they are: decode reads
+  canonical params directly (no second copy in HBM); models.layout.prepare_model builds the
+  fused layout once, outside the jit, donating the canonical buffers.
 
   The cache is keyed by the identity of every leaf (arrays are immutable, so a params dict
   changed in place is a miss) and dropped when the model's first layer weight is freed."""
@@ -133,7 +135,7 @@ def _signed_execution_params(target, mesh=None) -> tuple:
   cache hit that checks every leaf also saves generate() a second walk of the weights."""
   params = target.params
   config = model_config(as_target(target.config))
-  if config is None or mesh is not None or jax.default_backend() != "cpu":
+  if config is None or mesh is not None or not platform.is_cpu():
     return params, None
   layers = params.get("layers") if isinstance(params, dict) else None
   if not isinstance(layers, dict) or "wq" not in layers:     # already prepared, or not ours

@@ -4,12 +4,14 @@ code calls it inside its own `jax.jit`; generate (decoding.generate) is a host w
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import platform as kernel_platform
 from spec_jax import sampling as sampling_lib
 from spec_jax.decoding.plan import check_capacity, drafting_plan, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
@@ -107,14 +109,16 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   costs = strategy.round_costs(drafter, round_costs)          # ValueError on a bad table
-  env, state = init_loop(target_params, prompt_tokens, prompt_lens, key, config=target,
-                         drafter=drafter, drafter_params=drafter_params,
-                         max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
-                         stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
-                         width=strategy.width, extent=extent,
-                         lazy_drafter=strategy.lazy_drafter, prefill_chunk=prefill_chunk)
-  env = env._replace(round_costs=costs)
-  final = strategy.run(env, strategy.init(env, state))
+  # Under a mesh the verify-attention kernels run per device (kernels_pallas.platform).
+  with contextlib.nullcontext() if mesh is None else kernel_platform.kernel_mesh(mesh):
+    env, state = init_loop(target_params, prompt_tokens, prompt_lens, key, config=target,
+                           drafter=drafter, drafter_params=drafter_params,
+                           max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
+                           stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
+                           width=strategy.width, extent=extent,
+                           lazy_drafter=strategy.lazy_drafter, prefill_chunk=prefill_chunk)
+    env = env._replace(round_costs=costs)
+    final = strategy.run(env, strategy.init(env, state))
   return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
                       rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
                       accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,

@@ -328,6 +328,12 @@ def load_eagle3(path, target, greedy_drafts: bool = False):
       params["embed"] = own
   params = jax.tree.map(jnp.asarray, params)
   drafter = EAGLE3(params, tc, layer_cfg, layers, greedy_drafts, draft_tokens)
+  if tc.dtype != "float32":
+    # Weights in the target's dtype (bf16 beside a bf16 target: half the bytes a draft step
+    # reads, the kernel in bf16), as trained heads load (heads_io.in_target_dtype).
+    drafter = drafter.with_params(jax.tree.map(
+        lambda x: x.astype(tc.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        drafter.params))
   drafter.trained_num_draft = 0
   drafter.source = str(path)
   return drafter

@@ -211,11 +211,15 @@ class FeatureHead(Drafter):
     return default_head_major(self.layer_config)
 
   def _empty_cache(self, batch, capacity):
-    """(k, v) of the head's one-layer cache, zeros in its layout (head_major_cache)."""
+    """(k, v) of the head's one-layer cache, zeros in its layout (head_major_cache) and the
+    target's activation dtype (models.matmul.activation_dtype)."""
     c = self.layer_config
     shape = ((batch, c.num_kv_heads, capacity, c.head_dim) if self.head_major_cache else
              (batch, capacity, c.num_kv_heads, c.head_dim))
-    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+    # The target's activation dtype: bf16 beside a bf16 target on an accelerator (the kernel
+    # then runs in bf16, as the target's does), float32 on CPU and for float32 targets.
+    dtype = jnp.dtype(matmul.activation_dtype(self.target_config))
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
   def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
             tree_mask=None):

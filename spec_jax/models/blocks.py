@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from kernels_pallas import blocked
+from kernels_pallas import platform
+from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
-from spec_jax.models.cache import default_head_major
 from spec_jax.models.config import ModelConfig
 
 
@@ -90,29 +90,66 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 
 def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh]."""
+  [B,Hkv,S,Dh]. (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
+  the whole stack with kernels_pallas' layer= made XLA:TPU copy the entire stack into the
+  custom call's layout before every call, 512 MiB a layer for an 8-layer 8B-wide decode,
+  measured; a slice costs one layer's copy.)"""
   t = q.shape[1]
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
   needs_window = window is not None and window < s
-  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
-  if needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask:
+  if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 32 new tokens) with a square tree mask.
-    return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                      sliding_window=window if needs_window else None,
-                                      head_major=head_major)
-  if head_major:
-    if default_head_major(config):      # the jnp path: the layout it reads in place
-      if blocked.use_blocked(s):        # read the cache only up to the longest row
-        return blocked.verify_attention_blocked(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                                head_major=True)
-      return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                        head_major=True)
-    # A kernel over a head-major cache (made by hand for another impl): its layout, by a copy.
-    k_layer, v_layer = jnp.swapaxes(k_layer, 1, 2), jnp.swapaxes(v_layer, 1, 2)
-  return kernels_pallas.verify_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
-                                         impl=config.attention_impl)
+    return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
+                          window if needs_window else None, head_major)
+  if kernels_pallas.dispatch.resolve(config.attention_impl)[0] is None:   # no kernel here (CPU)
+    return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, None, head_major)
+  return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major)
+
+
+def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_major: bool):
+  """The jnp attention: over a cache longer than one block, in key blocks up to the longest
+  row (kernels_pallas.blocked): a prefill never makes float32 scores [B, Hq, T, S] over the
+  whole capacity (the largest buffer of the program otherwise), and a decode step reads only
+  the filled part of a generous capacity bucket."""
+  attend = verify_attention_blocked if k_layer.shape[2 if head_major else 1] > BLOCK \
+      else verify_attention_reference
+  return attend(q, k_layer, v_layer, kv_lengths, tree_mask, sliding_window=window,
+                head_major=head_major)
+
+
+def _kernel_path(config, q, s: int, tree_mask) -> bool:
+  """Whether this call goes to kernels_pallas.verify_attention (small T, no window in reach,
+  a square tree mask) rather than a jnp path."""
+  t = q.shape[1]
+  window = config.sliding_window
+  needs_window = window is not None and window < s
+  wide_mask = tree_mask is not None and tree_mask.shape[-1] != t
+  return not (needs_window or (t > 16 and tree_mask is None) or t > MAX_NEW_TOKENS or wide_mask)
+
+
+def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask,
+                      head_major: bool = False):
+  """kernels_pallas.verify_attention over [B,S,Hkv,Dh] caches ([B,Hkv,S,Dh] head-major): the
+  jnp reference, the TPU or the GPU kernel, as it resolves for the platform."""
+  # A float32 query (a drafter head's) on a bf16 cache: the kernel runs in the cache's dtype
+  # (float32 tiles would double the kernel's registers and VMEM; issue 35).
+  low = matmul.is_low_precision(k_cache.dtype) and q.dtype != k_cache.dtype
+  out = kernels_pallas.verify_attention(q.astype(k_cache.dtype) if low else q, k_cache, v_cache,
+                                        kv_lengths, tree_mask, impl=config.attention_impl,
+                                        head_major=head_major)
+  return out.astype(q.dtype)
+
+
+def residual_boundary(x):
+  """x itself, materialised between layers when the forward is wide (T > 16: a prefill) and
+  not on CPU. XLA:TPU otherwise fuses the residual adds of every layer into one final sum and
+  keeps each layer's attention and MLP outputs [B*T, D] alive until then: 2 L of them, 2 GiB
+  for an 8B prefill of 8 x 512 tokens (buffer report, docs/accelerators.md)."""
+  if x.shape[1] > 16 and not platform.is_cpu():
+    return jax.lax.optimization_barrier(x)
+  return x
 
 
 def _dense(x, w, transposed: bool = False):

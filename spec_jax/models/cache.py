@@ -69,10 +69,12 @@ class KVCache:
 
 
 def default_head_major(config: ModelConfig) -> bool:
-  """Whether config's verify attention runs the jnp path on this backend (then the cache is
-  head-major), rather than a Pallas kernel (which reads [B, S, Hkv, Dh])."""
+  """Whether config's cache is head-major [.., Hkv, S, Dh] on the platform being lowered for:
+  where the jnp path or the TPU kernel reads it (both read it in place; on TPU the
+  [S, Hkv, Dh] layout costs a relayout copy of the cache before every kernel call), not where
+  the GPU kernel runs (which reads [B, S, Hkv, Dh] with strided loads)."""
   kernel, _ = kernels_pallas.dispatch.resolve(config.attention_impl)
-  return kernel is None
+  return kernel in (None, "tpu")
 
 
 def write_rows(cache, layer: int, new, offsets, head_major: bool = False):

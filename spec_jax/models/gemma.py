@@ -45,8 +45,8 @@ import jax.numpy as jnp
 
 from kernels_pallas.reference import visibility
 from spec_jax.models import gemma_layout
-from spec_jax.models.blocks import (ForwardOutput, _attention, apply_rope, lm_head, rope_tables,
-                                    select_rows)
+from spec_jax.models.blocks import (ForwardOutput, _attention, apply_rope, lm_head,
+                                    residual_boundary, rope_tables, select_rows)
 from spec_jax.models.cache import GemmaKVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.gemma_layout import SLIDING
@@ -239,6 +239,7 @@ def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=N
         config, plan, lp, x, rope[plan.layer_type], k_bufs, v_bufs, offsets, tree_mask,
         cache.head_major, None if ple is None else ple[:, :, plan.index],
         wide if plan.layer_type == SLIDING else None)
+    x = residual_boundary(x)
     if plan.index in wanted:
       layer_hidden[plan.index] = x
   hidden = norm(x, params["final_norm"], config.rms_norm_eps, config.norm_plus_one)

@@ -1,18 +1,34 @@
-"""The execution layout of the weights: how a forward wants them stored on this backend.
+"""The execution layout of the weights: how a forward wants them stored on this platform.
 
-`prepare_params` turns the canonical params (spec_jax.models.transformer's docstring: stacked
-[L] axes, [in, out] projections) into the layout the forward runs fastest on, inside the
-caller's jit, once per call and outside any decode loop; forward, decoder_layer and lm_head
-accept both layouts.
+`execution_layout` turns the canonical params (spec_jax.models.transformer's docstring: stacked
+[L] axes, [in, out] projections) into the layout the forward runs fastest on; forward,
+decoder_layer and lm_head accept both layouts. Two entry points:
+
+  prepare_params  the hook decode calls inside its jit, once per call, before the loop. On CPU
+                  it builds the CPU layout there (transposed, unstacked: the host has the
+                  memory); on an accelerator it leaves canonical params as they are, since a
+                  fused copy built inside the jit lives beside the originals in HBM (issue 35:
+                  w_gate|w_up alone is 7 GiB of temporaries for an 8B model).
+  prepare_model   outside any jit, once: a Model whose params ARE the execution layout (fused
+                  q|k|v and gate|up on accelerators), the canonical buffers donated so that the
+                  fused ones replace them rather than sit beside them. The CLI and
+                  `python -m spec_jax.aot` decode with these; prepare_params then returns them
+                  unchanged.
+
+Which platform: kernels_pallas.platform.current() (the backend, or the one an ahead-of-time
+lowering sets), never jax.default_backend().
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform
 from spec_jax.models.config import ModelConfig
 
 
@@ -100,24 +116,29 @@ def cpu_orientation(config: ModelConfig) -> str:
   return "out_in"
 
 
-def prepare_params(params, config: ModelConfig, mesh=None):
-  """The execution layout of `params` for this backend: computed inside the caller's jit once
-  per call, outside any decode loop (forward, decoder_layer and lm_head accept both layouts).
+def is_prepared(params) -> bool:
+  """Whether params are already in an execution layout (unstacked or fused)."""
+  layers = params["layers"] if isinstance(params, dict) else None
+  return isinstance(layers, (list, tuple)) or (
+      isinstance(layers, dict) and ("wqkv" in layers or "wqkv_t" in layers))
+
+
+def execution_layout(params, config: ModelConfig, mesh=None):
+  """The execution layout of `params` for the platform being lowered for (jittable; the
+  weights' math is unchanged). Already-prepared params are returned as they are.
 
   Without a mesh: q/k/v and gate/up fused into one matmul each (fuse_layers); on CPU also the
-  projections stored as cpu_orientation says ([out, in], [in, out] or both) and the layers
-  unstacked (see unstack_layers). With a mesh the canonical weights are kept (their partition
-  table splits whole heads), unstacked on CPU. Already-prepared params are returned unchanged.
-  Gemma configs: gemma.prepare_params.
+  projections stored as cpu_orientation says ([out, in], [in, out] or both). With a mesh the
+  canonical weights are kept (their partition table splits whole heads). On every platform the
+  layers unstacked (unstack_layers): a static slice of a stacked weight inside the decode loop
+  is materialised by XLA (CPU: per step; TPU: the slices of all layers live at once, measured
+  at 6.5 GiB of temporaries for an 8B decode on v6e). Gemma: its canonical per-layer dicts.
   """
-  if config.is_gemma:
-    from spec_jax.models import gemma
-    return gemma.prepare_params(params, config, mesh)
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)) or "wqkv" in layers or "wqkv_t" in layers:
+  if config.is_gemma or is_prepared(params):
     return params
-  cpu = jax.default_backend() == "cpu"
+  cpu = platform.is_cpu()
   if mesh is None:
+    layers = params["layers"]
     out = dict(params)
     orientation = cpu_orientation(config) if cpu else "in_out"
     transpose = {"out_in": True, "in_out": False, "both": "both"}[orientation]
@@ -128,4 +149,59 @@ def prepare_params(params, config: ModelConfig, mesh=None):
       if transpose is True:
         del out["lm_head"]
     params = out
-  return unstack_layers(params) if cpu else params
+  return unstack_layers(params)
+
+
+def prepare_params(params, config: ModelConfig, mesh=None):
+  """decode's in-jit hook (module docstring): execution_layout on CPU; on accelerators the
+  params as they are (canonical params are read directly, prepared ones stay prepared)."""
+  if config.is_gemma:
+    from spec_jax.models import gemma
+    return gemma.prepare_params(params, config, mesh)
+  if not platform.is_cpu():
+    return params
+  return execution_layout(params, config, mesh)
+
+
+def prepare_model(model, mesh=None, donate: bool = True):
+  """`model` with its params in the execution layout for this platform, built once outside
+  any jit. On an accelerator the stacked canonical buffers are donated to the programs that
+  fuse and unstack them, one weight group at a time (q|k|v, gate|up, then each other stacked
+  leaf), so the peak is the weights plus the largest group, and the result replaces the
+  originals rather than sitting beside them: the model passed in must not be used afterwards.
+  On CPU (host memory) one jitted execution_layout. Returns the model itself when there is
+  nothing to do (Gemma, already prepared)."""
+  params, config = model.params, model.config
+  if config.is_gemma or is_prepared(params):
+    return model
+  if platform.is_cpu():
+    params = jax.jit(execution_layout, static_argnums=(1, 2))(params, config, mesh)
+  else:
+    params = _unstack_in_groups(params, fuse=mesh is None, donate=donate)
+  return dataclasses.replace(model, params=params)
+
+
+_GROUPS = (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
+           ("w_gu", ("w_gate", "w_up")))
+
+
+def _unstack_in_groups(params, fuse: bool, donate: bool):
+  """The accelerator layout (fused when `fuse`, [in, out], one dict per layer), one group of
+  stacked weights at a time, each group donated to the program that rebuilds it."""
+  layers = dict(params["layers"])
+  num_layers = jax.tree.leaves(layers)[0].shape[0]
+  groups = [g for g in _GROUPS if g[1][0] in layers] if fuse else []
+  groups += [(name, (name,)) for name in sorted(layers) if not any(name in g[1] for g in groups)]
+
+  def split(ws):
+    return [jnp.concatenate([w[i] for w in ws], axis=-1) if len(ws) > 1 else ws[0][i]
+            for i in range(num_layers)]
+
+  run = jax.jit(split, donate_argnums=(0,) if donate else ())
+  per_layer = [dict() for _ in range(num_layers)]
+  for fused, parts in groups:
+    with warnings.catch_warnings():       # donated buffers of another shape are freed, not reused
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      for i, w in enumerate(run(tuple(layers.pop(p) for p in parts))):
+        per_layer[i][fused] = w
+  return dict(params, layers=per_layer)

@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform
+
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
@@ -80,7 +82,7 @@ def two_rows_for_one(w) -> bool:
   weights cost ~72 ms for one row, ~12 ms for two (scripts/bf16_dots.py; docs/speed.md). The
   second row is thrown away."""
   first = w[0] if isinstance(w, (tuple, list)) else w
-  return is_low_precision(first.dtype) and jax.default_backend() == "cpu"
+  return is_low_precision(first.dtype) and platform.is_cpu()
 
 
 def einsum(subscripts: str, a, b, out_dtype=None):
@@ -111,12 +113,12 @@ def pick_weight(lp, name: str, rows: int):
 
 def activation_dtype(config) -> str:
   """The dtype of the residual stream, the activations and the KV cache: config.dtype, except
-  bf16 models on CPU, which keep them in float32 ($SPEC_JAX_CPU_ACTIVATIONS=model keeps bf16).
+  bf16 models on CPU (the platform being lowered for: kernels_pallas.platform), which keep them in float32 ($SPEC_JAX_CPU_ACTIVATIONS=model keeps bf16).
   Their weights stay bf16 and every dot takes bf16 operands with f32 accumulation, as on GPU
   and TPU; XLA:CPU's bf16 elementwise work (norms, RoPE, residual adds and the casts between)
   cost a bf16 forward of the 78M widened model 1.5-5 ms of 15-24 (scripts/step_layouts.py
   --dtypes bfloat16 bf16-weights; docs/speed.md)."""
-  if (config.dtype == "bfloat16" and jax.default_backend() == "cpu"
+  if (config.dtype == "bfloat16" and platform.is_cpu()
       and os.environ.get("SPEC_JAX_CPU_ACTIVATIONS", "float32") != "model"):
     return "float32"
   return config.dtype

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projection,
-                                    _qkv_projections, apply_rope, embed, lm_head,
+                                    _qkv_projections, apply_rope, embed, lm_head, residual_boundary,
                                     rms_norm, rope_inv_freq, rope_tables, select_rows)
 from spec_jax.models.cache import KVCache, write_rows as _write_rows
 from spec_jax.models.config import ModelConfig
@@ -132,6 +132,7 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
       lp = jax.tree.map(lambda w: w[layer], layers)
     x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
                                     inv_freq, layer=layer, rope=rope, head_major=cache.head_major)
+    x = residual_boundary(x)
     if layer in wanted:
       layer_hidden[layer] = x
   hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)

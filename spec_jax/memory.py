@@ -1,0 +1,229 @@
+"""How much device memory a decode needs, before anything is compiled, and whether it fits.
+
+  est = memory.estimate(target_config, params, drafter, drafter_params, batch=8,
+                          capacity=4096, prompt_len=512, mesh=mesh)
+  print(est.describe(device_bytes))          # weights, KV cache, drafter state per device
+  memory.check_fits(est, device_bytes)       # ValueError naming what does not fit
+
+Everything is computed from shapes (jax.eval_shape): the weights as given (per device under
+their mesh partition, spec_jax.sharding), and the decode state that `init_loop` builds (the
+target's KV cache, the drafter's caches, the token buffer) with the cache's partition. The
+compiler's own figure (`compiled.memory_analysis()`: arguments, temporaries) is added by
+`from_compiled` when an executable exists. Per-chip memory: the device's own `memory_stats()`
+where a runtime reports it, else the table below (compile-only TPU topologies report none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import numpy as np
+
+from spec_jax.sharding import DATA, MODEL, param_shardings
+
+GiB = 1024 ** 3
+
+# HBM per chip by jax's device_kind (public spec sheets); compile-only topologies report none.
+DEVICE_MEMORY = {
+  "TPU v4": 32 * GiB,
+  "TPU v5 lite": 16 * GiB,          # v5e
+  "TPU v5": 95 * 10 ** 9,           # v5p
+  "TPU v5p": 95 * 10 ** 9,
+  "TPU v6 lite": 32 * GiB,          # v6e (Trillium)
+  "NVIDIA H100 80GB HBM3": 80 * 10 ** 9,
+  "NVIDIA H200": 141 * 10 ** 9,
+  "NVIDIA A100-SXM4-80GB": 80 * 10 ** 9,
+}
+# What the runtime keeps for itself on a chip (XLA:TPU reserves some HBM; a margin on GPU).
+RESERVED_FRACTION = 0.04
+
+
+def device_memory(device) -> Optional[int]:
+  """Bytes of memory one device has: its runtime's bytes_limit, else DEVICE_MEMORY by
+  device_kind, else None (a CPU: host memory, not checked)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:          # compile-only devices and CPUs raise or return None
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  return DEVICE_MEMORY.get(getattr(device, "device_kind", None))
+
+
+def _shards(spec, mesh) -> int:
+  """How many pieces a PartitionSpec cuts an array into on mesh."""
+  if mesh is None or spec is None:
+    return 1
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  n = 1
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      if name is not None:
+        n *= sizes[name]
+  return n
+
+
+def leaf_bytes(x) -> int:
+  return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def params_bytes(params, mesh=None) -> int:
+  """Bytes of a param pytree per device (the model partition of spec_jax.sharding)."""
+  if params is None:
+    return 0
+  leaves = jax.tree.leaves(params)
+  if mesh is None:
+    return sum(leaf_bytes(x) for x in leaves)
+  specs = jax.tree.leaves(param_shardings(mesh, params))
+  return sum(leaf_bytes(x) // _shards(s.spec, mesh) for x, s in zip(leaves, specs))
+
+
+def _axis_sizes(mesh) -> tuple:
+  if mesh is None:
+    return 1, 1
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  return sizes.get(DATA, 1), sizes.get(MODEL, 1)
+
+
+def cache_bytes(cache, mesh=None) -> int:
+  """Bytes per device of a spec_jax KV cache (KVCache / GemmaKVCache: buffers [L, B, S, Hkv,
+  Dh], head-major [L, B, Hkv, S, Dh]) under sharding.constrain_cache's partition: rows on
+  "data", kv heads on "model" where they divide."""
+  data, model = _axis_sizes(mesh)
+  head_axis = 2 if getattr(cache, "head_major", False) else 3
+  total = 0
+  for x in jax.tree.leaves(cache):
+    n = leaf_bytes(x)
+    if x.ndim == 5:
+      n //= data if x.shape[1] % data == 0 else 1
+      n //= model if x.shape[head_axis] % model == 0 else 1
+    total += n
+  return total
+
+
+def rows_bytes(tree, batch: int, mesh=None) -> int:
+  """Bytes per device of other decode-state arrays: split on "data" along a leading (or, rank
+  5, second) axis of size `batch` when it divides; whole otherwise (an upper bound where the
+  compiler splits more)."""
+  data, _ = _axis_sizes(mesh)
+  total = 0
+  for x in jax.tree.leaves(tree):
+    n = leaf_bytes(x)
+    axis = 1 if x.ndim == 5 else 0
+    if x.ndim >= 1 and x.shape[axis] == batch and batch % data == 0:
+      n //= data
+    total += n
+  return total
+
+
+@dataclasses.dataclass
+class Estimate:
+  """Bytes per device: weights (target), drafter_weights, kv_cache (the target's), state (the
+  rest of the decode state: drafter caches, token buffers); compiled: the compiler's figures
+  when known ({"arguments", "outputs", "temporaries", "code"}), else None."""
+  weights: int
+  drafter_weights: int
+  kv_cache: int
+  state: int
+  compiled: Optional[dict] = None
+
+  @property
+  def resident(self) -> int:
+    """What must be live whatever the compiler does: weights, caches, state."""
+    return self.weights + self.drafter_weights + self.kv_cache + self.state
+
+  @property
+  def peak(self) -> int:
+    """The compiler's live bytes (arguments + temporaries + outputs - aliased) when known,
+    else the resident estimate."""
+    if not self.compiled:
+      return self.resident
+    c = self.compiled
+    return c["arguments"] + c["temporaries"] + c["outputs"] - c.get("aliased", 0)
+
+  @property
+  def overhead(self) -> Optional[int]:
+    """Compiler live bytes beyond weights + caches + state (None before compiling)."""
+    return None if not self.compiled else self.peak - self.resident
+
+  def describe(self, device_bytes: Optional[int] = None) -> str:
+    g = human
+    parts = [f"weights {g(self.weights)}", f"KV cache {g(self.kv_cache)}"]
+    if self.drafter_weights or self.state:
+      parts.append(f"drafter {g(self.drafter_weights)} + decode state {g(self.state)}")
+    text = "memory per device: " + ", ".join(parts) + f" = {g(self.resident)}"
+    if self.compiled:
+      c = self.compiled
+      text += (f"; compiled: arguments {g(c['arguments'])}, temporaries "
+                     f"{g(c['temporaries'])}, peak {g(self.peak)}")
+    if device_bytes:
+      verdict = "fits" if fits(self, device_bytes) else "DOES NOT FIT"
+      text += f"; device {g(device_bytes)}: {verdict}"
+    return text
+
+
+def human(n: int) -> str:
+  """Bytes as GiB (>= 0.1 GiB) or MiB."""
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def usable(device_bytes: int) -> int:
+  return int(device_bytes * (1 - RESERVED_FRACTION))
+
+
+def fits(est: Estimate, device_bytes: Optional[int]) -> bool:
+  return device_bytes is None or est.peak <= usable(device_bytes)
+
+
+def check_fits(est: Estimate, device_bytes: Optional[int], what: str = "this decode") -> None:
+  """ValueError when `est` does not fit a device of device_bytes (None: not checked)."""
+  if fits(est, device_bytes):
+    return
+  raise ValueError(
+    f"{what} needs {est.peak / GiB:.2f} GiB per device but a device has "
+    f"{usable(device_bytes) / GiB:.2f} GiB usable ({est.describe()}): use a mesh with "
+    f"more devices (--mesh data=N,model=M), a smaller batch or capacity, or bfloat16 "
+    f"weights")
+
+
+def compiled_figures(compiled) -> Optional[dict]:
+  """The compiler's memory figures of an executable per device, or None when unavailable."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:
+    return None
+  if m is None:
+    return None
+  return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+      "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
+      "code": int(m.generated_code_size_in_bytes)}
+
+
+def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_lens, capacity,
+             max_new_tokens, sampling, mesh=None, width: int = 0,
+             lazy_drafter: bool = False) -> Estimate:
+  """The Estimate of one decode from shapes alone (nothing compiled or run): params (the
+  target's, any layout) and drafter_params per device, and the decode state init_loop builds
+  (jax.eval_shape of it). Arguments as decoding.loop.init_loop takes them (arrays or
+  ShapeDtypeStructs)."""
+  from spec_jax.decoding.loop import init_loop
+  from spec_jax.decoding.rounds import NoDrafter
+  drafter = NoDrafter() if drafter is None else drafter
+
+  def state_of(p, dp, tokens, lens, samp):
+    _, st = init_loop(p, tokens, lens, jax.random.key(0), config=target, drafter=drafter,
+                          drafter_params=dp, max_new_tokens=max_new_tokens, capacity=capacity,
+                          sampling=samp, greedy=False, mesh=None, width=width,
+                          lazy_drafter=lazy_drafter)
+    return st
+
+  st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
+  batch = prompt_tokens.shape[0]
+  kv = cache_bytes(st.cache, mesh)
+  rest = rows_bytes((st.tokens, st.drafter_state), batch, mesh)
+  return Estimate(weights=params_bytes(params, mesh),
+          drafter_weights=params_bytes(drafter_params, mesh),
+          kv_cache=kv, state=rest)
