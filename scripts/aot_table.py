@@ -24,14 +24,14 @@ def row(r: dict) -> str:
            "—" if temps is None else f"{r['peak'] / G:.2f}",
            "—" if not dev else f"{dev / G:.1f}",
            "—" if temps is None else ("yes" if r["fits"] else "NO"),
-           str(r["kernel_calls"]), f"{r['seconds']:.0f}"]
+           str(r["kernel_calls"])]
   return "| " + " | ".join(cells) + " |"
 
 
 def main(path: str) -> None:
   print("| decode | platform, mesh | weights | KV | drafter + state | temporaries (% of W+KV) "
-        "| beyond W, KV, state (%) | peak | HBM | fits | kernel calls | compile s |")
-  print("|" + "---|" * 12)
+        "| beyond W, KV, state (%) | peak | HBM | fits | kernel calls |")
+  print("|" + "---|" * 11)
   for line in open(path):
     print(row(json.loads(line)))
 

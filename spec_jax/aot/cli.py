@@ -124,6 +124,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Exception as e:  # noqa: BLE001 - XLA's own verdict, e.g. out of HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    print(f"error: does not fit: XLA:TPU says {str(e).splitlines()[0]}", file=sys.stderr)
+    return 1
   print(describe(report), flush=True)
   if args.json:
     with open(args.json, "a") as f:
