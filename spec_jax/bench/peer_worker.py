@@ -46,6 +46,12 @@ def run_ours(job: dict) -> dict:
   target = load_model(job["target"], job.get("seed", 0), dtype=job.get("dtype"))
   groups = _groups(job["prompts"], job["batch"])
   key = jax.random.key(job.get("seed", 0))
+  # One KV capacity per prompt group for every configuration (plain and speculative decoding
+  # read equally long caches): generate()'s bucket for the widest K of the job.
+  from spec_jax.decoding.prompts import capacity_bucket
+  kmax = max([0] + [cfg["k"] for cfg in job["configs"] if cfg["mode"] != "plain"])
+  capacity = [capacity_bucket(max(len(p) for p in g) + job["max_new"] + kmax + 1,
+                              target.config.max_position_embeddings) for g in groups]
   calls = {}
   for cfg in job["configs"]:
     if cfg["mode"] == "plain":
@@ -56,10 +62,11 @@ def run_ours(job: dict) -> dict:
 
     def call(drafter=drafter, k=k):
       tokens, seconds, rounds, emitted = [], 0.0, 0, 0
-      for g in groups:
+      for g, cap in zip(groups, capacity):
         t0 = time.perf_counter()
         out = sj.generate(target, g, drafter=drafter, num_draft=k, max_new_tokens=job["max_new"],
-                          sampling=sj.Sampling(temperature=0.0), key=key, stop_tokens=[])
+                          sampling=sj.Sampling(temperature=0.0), key=key, stop_tokens=[],
+                          capacity=cap)
         seconds += time.perf_counter() - t0
         tokens += out.tokens
         rounds += out.stats.rounds

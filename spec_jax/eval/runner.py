@@ -9,7 +9,7 @@ import dataclasses
 import statistics
 from typing import Any, Optional
 
-from spec_jax.bench.metrics import engine_capacity, first_difference
+from spec_jax.bench.metrics import first_difference
 from spec_jax.timing import interleaved_rounds
 from spec_jax.eval.latency import row_counts
 from spec_jax.eval.store import prompt_hash
@@ -137,14 +137,15 @@ class UnitRunner:
     import jax
     return jax.random.fold_in(jax.random.key(self.seed), unit.turn * 1_000_003 + unit.index)
 
-  def _capacity(self, prompts, config: Config) -> int:
-    """The unit's KV capacity: the power-of-two bucket of its longest prompt + max_new_tokens +
-    the configuration's widest round, the same for the timed call and the 1-token TTFT call (one
-    compiled decode per bucket and configuration)."""
+  def _capacity(self, prompts) -> int:
+    """The unit's KV capacity, the same for every configuration (plain decoding and each
+    drafter read equally long caches) and for the timed and the 1-token TTFT call: the
+    power-of-two bucket of the longest prompt + max_new_tokens + the widest round of any
+    configuration (one compiled decode per bucket and configuration)."""
     from spec_jax.decoding.plan import drafting_plan
     from spec_jax.decoding.prompts import capacity_bucket
-    extent = 0 if config.drafter is None else drafting_plan(config.drafter,
-                                                            config.num_draft).extent
+    extent = max([0] + [drafting_plan(c.drafter, c.num_draft).extent for c in self.configs
+                        if c.drafter is not None])
     return capacity_bucket(max(len(p) for p in prompts) + self.max_new + extent + 1,
                            self.target.config.max_position_embeddings)
 
@@ -152,7 +153,7 @@ class UnitRunner:
     key = self._key(unit)
     runs = {}
     for c in self.configs:
-      cap = self._capacity(prompts, c)
+      cap = self._capacity(prompts)
 
       def run(c=c, cap=cap):
         if self.progress is not None:
@@ -186,7 +187,7 @@ class UnitRunner:
       counts = row_counts(first.stats)
       configs[c.key] = {
           "label": c.label, "num_draft": c.num_draft, "K": first.stats.num_draft,
-          "capacity": self._capacity(prompts, c),
+          "capacity": self._capacity(prompts),
           "seconds": [o.stats.seconds for o, _, _ in res], "ttft_s": [t for _, t, _ in res],
           "seconds_median": statistics.median(o.stats.seconds for o, _, _ in res),
           "ttft_median_s": statistics.median(t for _, t, _ in res),
