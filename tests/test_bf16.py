@@ -146,7 +146,7 @@ def test_every_dot_of_the_pallas_attention_path_accumulates_in_float32():
 
 # ----------------------------------------------------------------------------- greedy in bf16
 
-BF16_ARGMAX_TOL = 2.0 ** -6    # of the logits' scale; measured worst case 0.0038 (stories260K)
+from spec_jax.eval.greedy import BF16_ARGMAX_TOL  # noqa: E402 (2^-6 of the logits' scale)
 
 
 def _reference_logits(model16, prompt, new):

@@ -6,6 +6,8 @@ No assertion looks at a measured time; latency arithmetic is checked on hand-pic
 
 import json
 
+import numpy as np
+
 import pytest
 
 from spec_jax.bench.plots import have_matplotlib
@@ -245,3 +247,34 @@ def test_eval_plain_in_other_dtypes(tmp_path, prompt_file):
   with pytest.raises(ValueError, match="its plain decoding always runs"):
     cli.options_from(cli.build_parser().parse_args(_argv(
         model, prompt_file, out, "--dtype", "bfloat16", "--plain-dtypes", "bfloat16"))).validate()
+
+
+def test_bf16_greedy_check_accepts_only_near_ties(monkeypatch):
+  """In a low-precision target a drafter's greedy output may part from plain decoding's only
+  where both tokens are argmaxes up to BF16_ARGMAX_TOL of the logits' scale (the divergence is
+  returned and reported); anywhere else, and always in float32, it is a LossyOutputError."""
+  from spec_jax.eval import greedy
+  reqs = (prompting.Request(id="q1", category="c", turn=1, ids=(1, 2, 3)),)
+  unit = runner.Unit(turn=1, batch=1, index=0, requests=reqs, filler=0)
+  configs = [runner.Config(key="none", label="plain", drafter=None, num_draft=0,
+                           dtype="bfloat16"),
+             runner.Config(key="ngram", label="ngram", drafter=object(), num_draft=4,
+                           dtype="bfloat16")]
+  logits = np.zeros(16)
+  logits[[5, 6, 9]] = [10.0, 10.0 - 0.5 * 2 ** -6 * 10, 8.0]     # 6: a near-tie of 5; 9: not
+  seen = []
+
+  def fake_logits(model32, ids):
+    seen.append(list(ids))
+    return logits
+  monkeypatch.setattr(greedy, "reference_logits", fake_logits)
+  tie = {"none": [[4, 5, 7]], "ngram": [[4, 6, 7]]}
+  found = greedy.check_greedy(unit, configs, tie, reference=lambda: None)
+  assert [(d["id"], d["position"], d["near_tie"]) for d in found] == [("q1", 1, True)]
+  assert seen == [[1, 2, 3, 4]]                  # the prompt and plain's tokens before the split
+  with pytest.raises(LossyOutputError, match="beyond a near-tie"):
+    greedy.check_greedy(unit, configs, {"none": [[4, 5, 7]], "ngram": [[4, 9, 7]]},
+                        reference=lambda: None)
+  with pytest.raises(LossyOutputError, match="must reproduce plain decoding exactly"):
+    greedy.check_greedy(unit, configs, tie, reference=None)        # float32: no tolerance
+  assert greedy.check_greedy(unit, configs, {"none": [[4, 5]], "ngram": [[4, 5]]}) == []

@@ -182,7 +182,9 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
       "skipped": skipped,
       "greedy_check": {"checked": greedy, "mismatches": 0,
                        "requests_compared": sum(1 for r in rows if r["config"] == PLAIN)
-                       if greedy else 0},
+                       if greedy else 0,
+                       "near_tie_divergences": [d for u in units
+                                                for d in u.get("divergences", [])]},
       "summary": aggregate.summary_table(rows, configs, batches, categories),
       "throughput": aggregate.throughput_table(units, configs, batches),
       "compile": aggregate.compile_summary(units),

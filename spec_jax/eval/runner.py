@@ -9,16 +9,11 @@ import dataclasses
 import statistics
 from typing import Any, Optional
 
-from spec_jax.bench.metrics import first_difference
+from spec_jax.eval.greedy import PLAIN, LossyOutputError, check_greedy  # noqa: F401 (re-exported)
 from spec_jax.timing import interleaved_rounds
 from spec_jax.eval.latency import row_counts
 from spec_jax.eval.store import prompt_hash
 
-PLAIN = "none"
-
-
-class LossyOutputError(RuntimeError):
-  """Greedy speculative decoding produced other tokens than greedy plain decoding."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,28 +95,6 @@ def every_row(out, tokenizer=None):
   return tokens, (None if tokenizer is None else [tokenizer.decode(t) for t in tokens])
 
 
-def check_greedy(unit: Unit, configs, outputs: dict) -> None:
-  """Raises LossyOutputError when a drafter's tokens differ from plain decoding's on a real
-  row of the unit; outputs: config key -> tokens per row."""
-  n = len(unit.requests)
-  plain = outputs[PLAIN][:n]
-  base_dtype = next(c.dtype for c in configs if c.key == PLAIN)
-  for c in configs:
-    if c.is_plain or c.dtype != base_dtype:   # another dtype's plain greedy may part at ties
-      continue
-    diff = first_difference(plain, outputs[c.key][:n])
-    if diff is not None:
-      row, pos = diff
-      req = unit.requests[row]
-      ours, theirs = outputs[c.key][row], plain[row]
-      raise LossyOutputError(
-          f"greedy outputs differ: drafter {c.label} (K={c.num_draft}) vs plain decoding on "
-          f"prompt {req.id} ({req.category}, turn {req.turn}, batch {unit.batch}) at new token "
-          f"{pos}: {ours[pos:pos + 5]} instead of {theirs[pos:pos + 5]}. Greedy speculative "
-          f"decoding must reproduce plain decoding exactly: this is a bug in the drafter or "
-          f"the engine, not noise")
-
-
 class UnitRunner:
   """Measures units with fixed options; remembers which compiled shapes already ran once (a
   new shape gets one untimed run first, so first-run effects stay out of the timings)."""
@@ -132,6 +105,14 @@ class UnitRunner:
     self.max_new, self.temperature, self.seed = max_new_tokens, temperature, seed
     self.repeats, self.progress = repeats, progress
     self._warm: set = set()
+    self._model32 = None
+    # A low-precision target's greedy divergences are checked against its float32 cast.
+    self._reference = None if target.config.dtype == "float32" else self._float32_target
+
+  def _float32_target(self):
+    if self._model32 is None:
+      self._model32 = self.target.astype("float32")
+    return self._model32
 
   def _key(self, unit: Unit):
     import jax
@@ -178,8 +159,9 @@ class UnitRunner:
     n = len(unit.requests)
     rows = {k: every_row(res[0][0], self.target.tokenizer) for k, res in results.items()}
     outputs = {k: tokens for k, (tokens, _) in rows.items()}
+    divergences = []
     if self.temperature == 0:
-      check_greedy(unit, self.configs, outputs)
+      divergences = check_greedy(unit, self.configs, outputs, self._reference)
     configs = {}
     for c in self.configs:
       res = results[c.key]
@@ -201,6 +183,6 @@ class UnitRunner:
             "filler": unit.filler, "prompt_hash": prompt_hash(prompts),
             "requests": [{"id": r.id, "category": r.category, "turn": r.turn,
                           "prompt_tokens": len(r.ids)} for r in unit.requests],
-            "configs": configs,
+            "configs": configs, "divergences": divergences,
             "answers": {"tokens": plain_tokens[:n],
                         "text": plain_text[:n] if plain_text is not None else None}}
