@@ -533,7 +533,7 @@ def test_dflash_stays_in_sync_across_plain_rounds(tmp_path, monkeypatch):
   """tests/test_governor.py's check: greedy tokens through the governed loop with K forced to
   0, 3, 1, 0, 0, 2, ... equal plain greedy, and the drafter then proposes what a drafter freshly
   initialised on the committed tokens proposes (plain rounds commit [B, 1] verifies)."""
-  from spec_jax import calibration
+  from spec_jax.decoding import calibration
   from tests import test_governor as tg
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   calibration.clear_memory()

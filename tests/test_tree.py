@@ -21,7 +21,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import tree as tree_lib
-from spec_jax.tree import round as tree_round_lib
+from spec_jax.decoding.strategies import tree as tree_round_lib
 from spec_jax.decoding.compiled import clear_compiled
 from spec_jax.models.cache import move_kv
 from spec_jax.models.layout import prepare_params

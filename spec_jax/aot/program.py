@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kernels_pallas import platform as platform_lib
 from spec_jax import memory, sharding as sharding_lib
 from spec_jax.decoding.compiled import _DECODE_STATIC, _packed_decode
-from spec_jax.decoding.plan import drafting_plan
+from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.models.layout import execution_layout
 from spec_jax.sampling import Sampling
@@ -151,11 +151,12 @@ def drafter_layout(drafter, mesh, prepared: bool = True):
 def decode_estimate(model, drafter, args, static, mesh) -> memory.Estimate:
   """The shape-only memory estimate of the call (spec_jax.memory.estimate)."""
   params, prompts, lens, _, dparams, _, sampling, _ = args
-  strategy = drafting_plan(static["drafter"], static["num_draft"], static.get("tree"))
+  strategy = strategy_for(static.get("strategy"), static["drafter"], static["num_draft"],
+                          static.get("tree"))
   return memory.estimate(as_target(model.config), params, drafter, dparams,
                          prompt_tokens=prompts, prompt_lens=lens,
                          capacity=static["capacity"], max_new_tokens=8, sampling=sampling,
-                         mesh=mesh, width=strategy.width, lazy_drafter=strategy.lazy_drafter)
+                         mesh=mesh, strategy=strategy)
 
 
 def cache_dtype(model, static) -> str:
