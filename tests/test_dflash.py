@@ -45,14 +45,6 @@ def target():
   return model
 
 
-@pytest.fixture(scope="module")
-def hf_target(target, tmp_path_factory):
-  import transformers
-  from spec_jax.models.hf_export import save_hf
-  folder = save_hf(target, tmp_path_factory.mktemp("target") / "t")
-  return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-
-
 def public_config(**over) -> dict:
   cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": BLOCK,
          "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": LAYER_IDS},

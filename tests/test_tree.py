@@ -641,11 +641,6 @@ REAL_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def stories260k():
-  return sj.load(need_shared("models", "stories260K"))
-
-
-@pytest.fixture(scope="module")
 def plain_greedy(stories260k):
   return sj.generate(stories260k, PROMPTS, max_new_tokens=REAL_NEW, sampling=GREEDY,
                      stop_tokens=[])
