@@ -41,11 +41,8 @@ class Strategy:
     lazy_drafter: the drafter may skip plain rounds and catch up later (PrefillInfo.lazy).
   """
   width: int = 0
+  extent = property(lambda self: self.width)
   lazy_drafter: bool = False
-
-  @property
-  def extent(self) -> int:
-    return self.width
 
   def bind(self, drafter, target) -> "Strategy":
     """The strategy that runs with this drafter (None: no drafter) on this target (a Target, or
@@ -92,4 +89,5 @@ class Strategy:
 
   @property
   def label(self) -> str:
+    """What statistics print for these rounds (SpecStats.strategy)."""
     return type(self).__name__

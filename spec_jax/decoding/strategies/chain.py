@@ -33,19 +33,13 @@ class Chain(Strategy):
   """A chain of K drafts every round, verified in one target forward over K+1 tokens
   (decoding.rounds.chain_round); K = 0 is plain decoding (no drafter)."""
   k: int = 0
+  width = property(lambda self: self.k)
+  label = property(lambda self: f"K={self.k}")
 
   def __post_init__(self):
     if not is_static_int(self.k) or self.k < 0:
       raise ValueError(f"Chain(K): K (num_draft) must be an integer >= 0, got {self.k!r}")
     object.__setattr__(self, "k", int(self.k))
-
-  @property
-  def width(self) -> int:
-    return self.k
-
-  @property
-  def label(self) -> str:
-    return f"K={self.k}"
 
   def bind(self, drafter, target) -> "Chain":
     if drafter is None and self.k:

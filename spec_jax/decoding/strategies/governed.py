@@ -103,18 +103,12 @@ class Governed(Strategy):
   governor: Any = None
   candidates: tuple = ()
   lazy_drafter = True
+  width = property(lambda self: max(self.candidates))
+  label = property(lambda self: f"K=auto(<={self.width})")
 
   def bind(self, drafter, target) -> "Governed":
     gov = resolve_governor(self.governor, drafter)
     return Governed(gov, gov.candidates(drafter))
-
-  @property
-  def width(self) -> int:
-    return max(self.candidates)
-
-  @property
-  def label(self) -> str:
-    return f"K=auto(<={self.width})"
 
   def round_costs(self, drafter, round_costs):
     return self.governor.cost_array(drafter, round_costs)        # ValueError on a bad table

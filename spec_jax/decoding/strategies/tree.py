@@ -63,18 +63,9 @@ def tree_round(env, st, *, spec: TreeSpec):
 class Tree(Strategy):
   """Tree drafting: every round verifies a draft tree of spec.num_nodes nodes (tree_round)."""
   spec: TreeSpec
-
-  @property
-  def width(self) -> int:
-    return self.spec.depth
-
-  @property
-  def extent(self) -> int:
-    return self.spec.cache_extent
-
-  @property
-  def label(self) -> str:
-    return self.spec.label()
+  width = property(lambda self: self.spec.depth)
+  extent = property(lambda self: self.spec.cache_extent)
+  label = property(lambda self: self.spec.label())
 
   def bind(self, drafter, target) -> "Tree":
     check_tree(self.spec, drafter)
