@@ -113,13 +113,12 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
   else:
     params = with_sharding(params, P())
     dparams = None if drafter is None else with_sharding(dparams, P())
-  i32, f32 = jnp.int32, jnp.float32
+  i32 = jnp.int32
   rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   prompts = with_sharding(rows((batch, prompt_len), i32), P("data"))
   lens = with_sharding(rows((batch,), i32), P("data"))
   key = with_sharding(jax.eval_shape(lambda: jax.random.key(0)), P())
-  sampling = with_sharding(Sampling(temperature=rows((batch,), f32), top_k=rows((batch,), i32),
-                                    top_p=rows((batch,), f32)), P("data"))
+  sampling = with_sharding(jax.eval_shape(lambda: Sampling().rows(batch)), P("data"))
   max_new = with_sharding(rows((), i32), P())
   stop = with_sharding(rows((stop_count,), i32), P())
   static = dict(config=config, drafter=drafter, num_draft=num_draft, capacity=capacity,
