@@ -130,25 +130,11 @@ class ModelTarget(Target):
   (spec_jax.models.families) at trace time; nothing here depends on which family it is."""
   config: ModelConfig
 
-  @property
-  def family(self):
-    return self.config.family
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def max_position_embeddings(self) -> int:
-    return self.config.max_position_embeddings
-
-  @property
-  def eos_token_ids(self) -> tuple:
-    return self.config.eos_token_ids
-
-  @property
-  def tree_capable(self) -> bool:
-    return self.family.tree_capable
+  family = property(lambda self: self.config.family)
+  vocab_size = property(lambda self: self.config.vocab_size)
+  max_position_embeddings = property(lambda self: self.config.max_position_embeddings)
+  eos_token_ids = property(lambda self: self.config.eos_token_ids)
+  tree_capable = property(lambda self: self.config.family.tree_capable)
 
   def init_cache(self, batch, capacity):
     return self.family.init_cache(self.config, batch, capacity)

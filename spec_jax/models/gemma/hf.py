@@ -41,21 +41,18 @@ _SKIPPED_TOWERS = re.compile(r"^(model\.)?(vision_tower|audio_tower|embed_vision
                              r"multi_modal_projector)\.")
 LAYER_NAMES = hf_reader.layer_names(
     rename={"post_attention_layernorm.weight": "post_attn_norm"},
-    add={"pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    add={"pre_feedforward_layernorm.weight": ("mlp_norm", False),        # the sandwich norms
          "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
-         "per_layer_input_gate.weight": ("ple_gate", True),
-         "per_layer_projection.weight": ("ple_proj", True),
-         "post_per_layer_input_norm.weight": ("ple_norm", False),
-         "layer_scalar": ("layer_scalar", False)})
+         "per_layer_input_gate.weight": ("ple_gate", True), "layer_scalar": ("layer_scalar", False),
+         "per_layer_projection.weight": ("ple_proj", True),                # per-layer embeddings
+         "post_per_layer_input_norm.weight": ("ple_norm", False)})
 _KV_ONLY = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight",
             "self_attn.v_norm.weight")
-_TOP_NAMES = {
-    "embed_tokens.weight": ("embed", False),
-    "norm.weight": ("final_norm", False),
-    "embed_tokens_per_layer.weight": ("embed_per_layer", False),
-    "per_layer_model_projection.weight": ("per_layer_proj", True),
-    "per_layer_projection_norm.weight": ("per_layer_proj_norm", False),
-}
+_TOP_NAMES = {"embed_tokens.weight": ("embed", False), "norm.weight": ("final_norm", False),
+              # per-layer embeddings (PLE)
+              "embed_tokens_per_layer.weight": ("embed_per_layer", False),
+              "per_layer_model_projection.weight": ("per_layer_proj", True),
+              "per_layer_projection_norm.weight": ("per_layer_proj_norm", False)}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 

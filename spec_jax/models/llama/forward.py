@@ -79,29 +79,9 @@ def decoder_layer(config, lp, x, positions, k_cache, v_cache, offsets, tree_mask
 def forward(params, config, tokens, cache: KVCache, offsets, *,
             positions=None, tree_mask=None, return_layers: Sequence[int] = (),
             logits_index=None) -> ForwardOutput:
-  """Runs T new tokens per row through the model, writing their KV at per-row offsets.
-
-  Args:
-    params: the model pytree (module docstring).
-    config: ModelConfig (static).
-    tokens: int32 [B, T]; entries must be valid ids (pad with any valid id).
-    cache: KVCache (either layout) with capacity S >= offsets + T for every row.
-    offsets: int32 [B], where row b's new tokens go: positions offsets[b] .. offsets[b]+T-1.
-      Row b attends to cache entries < offsets[b] plus its new tokens (causally).
-    positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
-      tree drafts pass offset + depth here.
-    tree_mask: optional bool [B, T, T] visibility among the new tokens (default causal), or
-      [B, T, W] (W > T) over the last W cache entries ending with the new tokens (a draft tree
-      growing in the cache; see kernels_pallas.reference).
-    return_layers: indices of layers whose output residual stream to return (EAGLE-3 features).
-    logits_index: optional int32 [B]: compute the logits of new token logits_index[b] of row b
-      only (logits [B,1,V]; a prefill needs the last prompt token's, not the LM head over
-      every position).
-
-  Returns:
-    ForwardOutput(logits [B,T,V] f32 ([B,1,V] with logits_index), hidden [B,T,D],
-    layer_hidden, cache).
-  """
+  """sj.forward for llama-family configs (spec_jax.models.transformer.forward: the arguments,
+  shapes and ForwardOutput). params: the module docstring's layout, canonical or execution;
+  cache: init_cache's KVCache [L, B, S, Hkv, Dh] (either layout), S >= offsets + T."""
   b, t = tokens.shape
   offsets = offsets.astype(jnp.int32)
   if positions is None:
