@@ -96,8 +96,8 @@ def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[in
 
 
 def init_layer_params(cfg: ModelConfig, key, std: float = 0.02) -> dict:
-  """One decoder layer's params (no [L] axis) in the llama family's layout (models.llama.forward): normal(std) weights,
-  unit norms, zero biases."""
+  """One decoder layer's params (no [L] axis) in the llama family's layout
+  (models.llama.forward): normal(std) weights, unit norms, zero biases."""
   d, f, hq, hkv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim)
   ks = iter(jax.random.split(key, 8))
