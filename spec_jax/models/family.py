@@ -50,6 +50,16 @@ The functions a family provides (config is a ModelConfig of one of its model_typ
 Data: name; model_types (ModelConfig.model_type values); hf_model_types ({config.json
 model_type: ModelConfig.model_type}); config_fields ({ModelConfig field only this family reads:
 the value that means "unused"}: other families' configs must leave them so).
+
+A family whose cache is not only a KV cache (a hybrid linear-attention model: Gated DeltaNet
+layers with a recurrent state [B, H, Dk, Dv] and a conv window, attention layers with KV):
+init_cache returns its own pytree, say a flax dataclass (kv: KVCache of the attention layers,
+state [L_lin, B, H, Dk, Dv], conv [L_lin, B, W, C], and per-position buffers of both for the
+T verify positions); its forward writes the KV as usual and the state after every new
+position into those buffers; commit_cache(cache, lengths, n_accepted) copies position
+n_accepted (the accepted prefix's last) into state and conv; tree_capable=False (or a move_kv
+that recomputes the state along the path). ModelTarget.commit_cache calls it; the round calls
+the target's commit_cache after acceptance.
 """
 
 from __future__ import annotations
