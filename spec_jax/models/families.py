@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from spec_jax.models import gemma, llama, toy
+from spec_jax.models import gemma, llama
 from spec_jax.models.family import Family
 
 FAMILIES = {f.name: f for f in (
     llama.FAMILY,
     gemma.FAMILY,
-    toy.FAMILY,
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES.values() for t in f.model_types)
