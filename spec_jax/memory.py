@@ -92,8 +92,8 @@ def _axis_sizes(mesh) -> tuple:
 
 
 def cache_bytes(cache, mesh=None) -> int:
-  """Bytes per device of a spec_jax KV cache (KVCache / GemmaKVCache: buffers [L, B, S, Hkv,
-  Dh], head-major [L, B, Hkv, S, Dh]) under sharding.constrain_cache's partition: rows on
+  """Bytes per device of a spec_jax KV cache (KVCache: buffers [L, B, S, Hkv,
+  Dh], head-major [L, B, Hkv, S, Dh]) under models.cache.constrain_cache's partition: rows on
   "data", kv heads on "model" where they divide."""
   data, model = _axis_sizes(mesh)
   head_axis = 2 if getattr(cache, "head_major", False) else 3
