@@ -114,8 +114,9 @@ def test_eval_num_draft_auto(tmp_path, prompt_file, monkeypatch):
   model = need_shared("models", TINY)
   assert auto_supported()
   monkeypatch.setattr(calibration, "round_costs_for",
-                      lambda strategy, target, drafter, *a, **kw: np.ones(
-                          len(strategy.candidates), np.float32))
+                      lambda strategy, target, drafter, *a, **kw: None
+                      if strategy.calibration_ks is None
+                      else np.ones(len(strategy.calibration_ks), np.float32))
   out = tmp_path / "auto"
   assert cli.main(_argv(model, prompt_file, out, "--batch", "2", "--num-draft", "auto")) == 0
   res = json.loads((out / "results.json").read_text())

@@ -65,7 +65,7 @@ def prompt_tokens(model, prompt: str) -> list:
                                              for i in range(15)]
 
 
-def _num_params(params) -> int:
+def num_params(params) -> int:
   import jax
   return int(sum(np.size(x) for x in jax.tree.leaves(params)))
 

@@ -26,8 +26,8 @@ import sys
 
 import numpy as np
 
-from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, prompt_tokens,
-                                    target_logits, too_far, tool_main)
+from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, num_params,
+                                    prompt_tokens, target_logits, too_far, tool_main)
 
 
 def parse_args(argv=None):
@@ -81,7 +81,7 @@ def run(args) -> int:
   files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" if p.stat().st_size > 1e6
                     else p.name for p in sorted(out.iterdir()) if p.is_file())
   print(f"wrote {out} ({what} {args.src}, Hugging Face {w.model_type} folder): {files}")
-  print(f"  params: {_num_params(wide.params):,} (source {_num_params(src.params):,}); hidden "
+  print(f"  params: {num_params(wide.params):,} (source {num_params(src.params):,}); hidden "
         f"{w.hidden_size}, intermediate {w.intermediate_size}, layers {w.num_layers}, heads "
         f"{w.num_heads} x {w.head_dim}, kv heads {w.num_kv_heads}, {w.dtype}")
   tokens = prompt_tokens(src, args.prompt)
