@@ -1,6 +1,6 @@
 """The cost of one target forward over T = 1..17 rows, per dtype and weight orientation, in the
 whole model (not a matmul microbenchmark): what decides the CPU execution layout
-(spec_jax.models.layout.cpu_orientation) and what c_verify can be.
+(spec_jax.models.llama.layout.cpu_orientation) and what c_verify can be.
 
     python scripts/step_layouts.py [--model widened:../shared/models/stories260K] [--repeats 7]
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
 from spec_jax.bench.specs import load_model            # noqa: E402
-from spec_jax.models import layout                    # noqa: E402
+from spec_jax.models.llama import layout              # noqa: E402
 from spec_jax.models.cache import KVCache             # noqa: E402
 from spec_jax.models.transformer import forward        # noqa: E402
 from spec_jax.timing import interleaved_rounds         # noqa: E402

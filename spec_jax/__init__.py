@@ -15,11 +15,13 @@ __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_
            "Sampling", "sampling", "rejection_sample"]
 
 from spec_jax import drafters
-from spec_jax.calibration import calibrate
+from spec_jax.decoding import strategies
+from spec_jax.decoding.calibration import calibrate
 from spec_jax.decoding.generate import GenerateOutput, generate, new_tokens
 from spec_jax.decoding.loop import decode
 from spec_jax.decoding.prompts import prepare_batch
 from spec_jax.decoding.state import DecodeResult
+from spec_jax.decoding.strategies import Chain, Governed, Strategy, Tree
 from spec_jax.decoding.target import ModelTarget, Target
 from spec_jax.governor import CostTable, Governor
 from spec_jax.stats import SpecStats
@@ -27,4 +29,5 @@ from spec_jax.tree import DraftTree, TreeSpec
 
 __all__ += ["drafters", "decode", "DecodeResult", "new_tokens", "generate", "GenerateOutput",
             "prepare_batch", "Target", "ModelTarget", "SpecStats", "Governor", "calibrate",
-            "CostTable", "TreeSpec", "DraftTree"]
+            "CostTable", "TreeSpec", "DraftTree", "strategies", "Strategy", "Chain", "Tree",
+            "Governed"]

@@ -22,6 +22,7 @@ import sys
 
 DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "models"
                     / "stories260K")
+SAMPLING_DEFAULTS = {"temperature": 0.0}      # the command line decodes greedily by default
 
 
 def _generate(args) -> int:
@@ -50,7 +51,7 @@ def _generate(args) -> int:
     drafter = make_drafter(args.drafter, model)
     if args.attention_impl is not None and isinstance(drafter, sj.drafters.DraftModel):
       drafter.config = drafter.config.replace(attention_impl=args.attention_impl)
-    sampling = sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sj.Sampling(**{name: getattr(args, name) for name in sj.sampling.OPTIONS})
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
     if args.chat:
@@ -95,22 +96,20 @@ def _check_memory(model, drafter, prompts, args, mesh):
   import spec_jax as sj
   from kernels_pallas import platform
   from spec_jax import memory
-  from spec_jax.decoding.plan import drafting_plan
+  from spec_jax.decoding.strategies import strategy_for
   from spec_jax.decoding.target import as_target
   from spec_jax.models.layout import prepare_model
-  strategy = drafting_plan(drafter, args.num_draft if drafter is not None else 4)
+  strategy = strategy_for(None, drafter, args.num_draft if drafter is not None else 4)
   tokens, lens, capacity = sj.prepare_batch(model, prompts, args.max_new_tokens,
                                             strategy.extent, None, prompt_bucket=None)
   b = tokens.shape[0]
-  sampling = sj.Sampling(temperature=np.ones(b, np.float32), top_k=np.zeros(b, np.int32),
-                         top_p=np.ones(b, np.float32))
+  sampling = sj.Sampling().rows(b, np)
   est = memory.estimate(as_target(model.config), model.params, drafter,
                         None if drafter is None else drafter.params,
                         prompt_tokens=jax.ShapeDtypeStruct(tokens.shape, np.int32),
                         prompt_lens=jax.ShapeDtypeStruct(lens.shape, np.int32),
                         capacity=capacity, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, mesh=mesh, width=strategy.width,
-                        lazy_drafter=strategy.lazy_drafter)
+                        sampling=sampling, mesh=mesh, strategy=strategy)
   device_bytes = memory.device_memory(jax.devices()[0])
   print(est.describe(device_bytes), file=sys.stderr)
   memory.check_fits(est, device_bytes)
@@ -125,6 +124,7 @@ def _check_memory(model, drafter, prompts, args, mesh):
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   from spec_jax import distributed
+  from spec_jax.sampling import OPTIONS
   try:
     distributed.initialize()        # a multi-process run (spec_jax.launch, a pod) or nothing
   except ValueError as e:
@@ -149,9 +149,9 @@ def main(argv=None) -> int:
   g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                  help="the weights' dtype (default: the checkpoint's; float32 for GGUF)")
   g.add_argument("--max-new-tokens", type=int, default=128)
-  g.add_argument("--temperature", type=float, default=0.0)
-  g.add_argument("--top-k", type=int, default=0)
-  g.add_argument("--top-p", type=float, default=1.0)
+  for name, opt in OPTIONS.items():            # one option per Sampling field
+    g.add_argument("--" + name.replace("_", "-"), type=opt.parse,
+                   default=SAMPLING_DEFAULTS.get(name, opt.default), help=opt.help)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--drafter", default=None,
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")

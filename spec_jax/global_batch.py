@@ -23,7 +23,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import numpy as np
 
 from spec_jax import distributed
-from spec_jax.sampling import Sampling
+from spec_jax.sampling import OPTIONS, Sampling
 
 
 class GlobalBatch(NamedTuple):
@@ -51,8 +51,7 @@ def assemble(ids: list, sampling: Sampling, fields: Mapping[str, Any],
   try:
     local = sampling.as_arrays(len(ids)) if error is None else sampling.as_arrays(0)
   except ValueError as e:
-    error, local = str(e), Sampling(np.zeros(0, np.float32), np.zeros(0, np.int32),
-                                    np.zeros(0, np.float32))
+    error, local = str(e), Sampling().rows(0, np)
   names = sorted(fields)
   meta = np.asarray([len(ids), max((len(r) for r in ids), default=0), error is not None] +
                     [distributed.fingerprint(fields[n]) for n in names], np.int64)
@@ -77,12 +76,11 @@ def assemble(ids: list, sampling: Sampling, fields: Mapping[str, Any],
   for i, r in enumerate(ids):
     tokens[i, :len(r)], lens[i] = r, len(r)
   rows = {"tokens": tokens, "lens": lens}
-  for name in ("temperature", "top_k", "top_p"):
-    col = np.asarray(getattr(local, name))
-    rows[name] = np.zeros((b,), col.dtype)
-    rows[name][:len(ids)] = col
+  for name, opt in OPTIONS.items():       # padding rows at the option's "off" value
+    rows[name] = np.array(opt.rows(opt.off, b, np))
+    rows[name][:len(ids)] = getattr(local, name)
   got = distributed.allgather(rows)
-  out_ids, cols = [], {name: [] for name in ("temperature", "top_k", "top_p")}
+  out_ids, cols = [], {name: [] for name in OPTIONS}
   for p, n in enumerate(counts.tolist()):
     out_ids += [got["tokens"][p, i, :got["lens"][p, i]].tolist() for i in range(n)]
     for name in cols:

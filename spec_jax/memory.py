@@ -22,6 +22,9 @@ from typing import Optional
 import jax
 import numpy as np
 
+from spec_jax.decoding.loop import init_loop
+from spec_jax.decoding.rounds import NoDrafter
+from spec_jax.decoding.strategies import Chain, Strategy
 from spec_jax.sharding import DATA, MODEL, param_shardings
 
 GiB = 1024 ** 3
@@ -89,8 +92,8 @@ def _axis_sizes(mesh) -> tuple:
 
 
 def cache_bytes(cache, mesh=None) -> int:
-  """Bytes per device of a spec_jax KV cache (KVCache / GemmaKVCache: buffers [L, B, S, Hkv,
-  Dh], head-major [L, B, Hkv, S, Dh]) under sharding.constrain_cache's partition: rows on
+  """Bytes per device of a spec_jax KV cache (KVCache: buffers [L, B, S, Hkv,
+  Dh], head-major [L, B, Hkv, S, Dh]) under models.cache.constrain_cache's partition: rows on
   "data", kv heads on "model" where they divide."""
   data, model = _axis_sizes(mesh)
   head_axis = 2 if getattr(cache, "head_major", False) else 3
@@ -203,21 +206,18 @@ def compiled_figures(compiled) -> Optional[dict]:
 
 
 def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_lens, capacity,
-             max_new_tokens, sampling, mesh=None, width: int = 0,
-             lazy_drafter: bool = False) -> Estimate:
+             max_new_tokens, sampling, mesh=None,
+             strategy: Strategy = Chain(0)) -> Estimate:
   """The Estimate of one decode from shapes alone (nothing compiled or run): params (the
   target's, any layout) and drafter_params per device, and the decode state init_loop builds
   (jax.eval_shape of it). Arguments as decoding.loop.init_loop takes them (arrays or
-  ShapeDtypeStructs)."""
-  from spec_jax.decoding.loop import init_loop
-  from spec_jax.decoding.rounds import NoDrafter
+  ShapeDtypeStructs; strategy: the call's bound Strategy)."""
   drafter = NoDrafter() if drafter is None else drafter
 
   def state_of(p, dp, tokens, lens, samp):
     _, st = init_loop(p, tokens, lens, jax.random.key(0), config=target, drafter=drafter,
-                          drafter_params=dp, max_new_tokens=max_new_tokens, capacity=capacity,
-                          sampling=samp, greedy=False, mesh=None, width=width,
-                          lazy_drafter=lazy_drafter)
+                      drafter_params=dp, max_new_tokens=max_new_tokens, capacity=capacity,
+                      sampling=samp, greedy=False, mesh=None, strategy=strategy)
     return st
 
   st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)

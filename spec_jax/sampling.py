@@ -4,14 +4,21 @@ Target and draft distributions both come from `probs`, so the rejection sampler 
 with like: p = probs(target_logits, s) and q = probs(draft_logits, s) are the exact
 distributions that plain sampling would draw from. Greedy is temperature 0: a one-hot argmax,
 which turns rejection sampling into exact matching.
+
+Each field of `Sampling` is declared once, by `option(...)` in the class body: its dtype,
+default, the value that turns it off, its check and its help. Everything that handles sampling
+settings iterates `OPTIONS` (the checks and per-row arrays here, the decode loop's broadcast,
+the multi-process global batch, generate()'s agreement between processes, the CLI), so a new
+option is its line in `Sampling` and its math in `probs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import flax.struct
 import jax
@@ -19,72 +26,114 @@ import jax.numpy as jnp
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One field of Sampling, scalar or per-row [B].
+
+  dtype: the per-row dtype inside jit (np.float32 or np.int32).
+  default: the field's default; off: the value that leaves the distribution as it is.
+  valid: value -> bool, elementwise on a float64 numpy array or on one Python number (written
+    with comparisons and `&` only, so one predicate serves both).
+  rule: what `valid` allows, in words, for the ValueError ("must be {rule}, got ...").
+  help: the command line's help text.
+
+  The three methods below are what the rest of the library calls; an option of another shape
+  (issue 32's per-row logit_bias map) overrides them.
+  """
+  dtype: Any
+  default: Any
+  off: Any
+  valid: Callable[[Any], Any]
+  rule: str
+  help: str = ""
+
+  @property
+  def parse(self) -> type:
+    """The Python type of one value (the CLI's argparse type)."""
+    return int if np.issubdtype(self.dtype, np.integer) else float
+
+  def check(self, name: str, value, batch_size: Optional[int] = None) -> None:
+    """ValueError unless value is valid: a host number, or a scalar or [batch_size] array."""
+    if isinstance(value, numbers.Real):      # generate() checks per call: no numpy here
+      if not self.valid(float(value)):
+        raise ValueError(f"Sampling.{name} must be {self.rule}, got {value}")
+      return
+    arr = np.asarray(value)
+    if arr.ndim > 1:
+      raise ValueError(f"Sampling.{name} must be a scalar or a [batch] vector, got shape "
+                       f"{arr.shape}")
+    if batch_size is not None and arr.ndim == 1 and arr.shape[0] != batch_size:
+      raise ValueError(f"Sampling.{name} has {arr.shape[0]} entries but the batch has "
+                       f"{batch_size} rows; pass a scalar or one value per row")
+    if not np.all(self.valid(arr.astype(np.float64))):
+      raise ValueError(f"Sampling.{name} must be {self.rule}, got {arr.tolist()}")
+
+  def rows(self, value, batch_size: int, xp=jnp):
+    """value broadcast to the option's per-row array [batch_size] (xp: jnp, or np on the host;
+    no checks: traced values pass through)."""
+    return xp.broadcast_to(xp.asarray(value, self.dtype), (batch_size,))
+
+  def scalar(self, value):
+    """The host scalar of a scalar setting (hashable), or None for per-row arrays."""
+    if not isinstance(value, numbers.Real):
+      return None
+    return self.parse(value)
+
+
+def option(dtype, default, *, off, valid, rule: str, help: str = ""):
+  """A Sampling field declared with its Option (dataclass metadata, read into OPTIONS)."""
+  return flax.struct.field(default=default, metadata={"option": Option(
+      dtype=dtype, default=default, off=off, valid=valid, rule=rule, help=help)})
+
+
 @flax.struct.dataclass
 class Sampling:
-  """Sampling settings, scalars or per-row [B] arrays.
+  """Sampling settings, scalars or per-row [B] arrays (each field's Option says its rule).
 
   temperature: >= 0; 0 is greedy (one-hot argmax).
   top_k: >= 0 integer; 0 disables top-k.
   top_p: in (0, 1]; 1 disables top-p.
   """
-  temperature: jax.Array | float = 1.0
-  top_k: jax.Array | int = 0
-  top_p: jax.Array | float = 1.0
+  temperature: jax.Array | float = option(
+      np.float32, 1.0, off=1.0, valid=lambda t: (t >= 0) & (t < math.inf),
+      rule="finite and >= 0 (0 = greedy)", help="0 = greedy")
+  top_k: jax.Array | int = option(
+      np.int32, 0, off=0, valid=lambda k: (k >= 0) & (k == k // 1),
+      rule="a non-negative integer (0 = off)", help="keep the k likeliest tokens (0 = off)")
+  top_p: jax.Array | float = option(
+      np.float32, 1.0, off=1.0, valid=lambda p: (p > 0) & (p <= 1),
+      rule="in (0, 1] (1 = off)", help="keep the smallest set of tokens with this mass (1 = off)")
 
   def __post_init__(self):
-    if all(_is_concrete(v) for v in (self.temperature, self.top_k, self.top_p)):
+    if all(_is_concrete(getattr(self, name)) for name in OPTIONS):
       self.check()
-
-  def _scalars(self) -> bool:
-    """All three fields are host scalars (Python or numpy numbers): the cheap paths below."""
-    return all(isinstance(v, numbers.Real)
-               for v in (self.temperature, self.top_k, self.top_p))
 
   def check(self, batch_size: Optional[int] = None) -> "Sampling":
     """Raises ValueError on invalid values or per-row arrays whose length is not batch_size."""
-    if self._scalars():       # the same checks and messages without numpy (generate() per call)
-      t, k, p = float(self.temperature), self.top_k, float(self.top_p)
-      if not math.isfinite(t) or t < 0:
-        raise ValueError(f"Sampling.temperature must be finite and >= 0 (0 = greedy), got {t}")
-      if not float(k).is_integer():
-        raise ValueError(f"Sampling.top_k must be a non-negative integer (0 = off), got {k}")
-      if k < 0:
-        raise ValueError(f"Sampling.top_k must be >= 0 (0 = off), got {k}")
-      if not math.isfinite(p) or p <= 0 or p > 1:
-        raise ValueError(f"Sampling.top_p must lie in (0, 1] (1 = off), got {p}")
-      return self
-    t = np.asarray(self.temperature, dtype=np.float64)
-    k = np.asarray(self.top_k)
-    p = np.asarray(self.top_p, dtype=np.float64)
-    for name, arr in (("temperature", t), ("top_k", k), ("top_p", p)):
-      if arr.ndim > 1:
-        raise ValueError(f"Sampling.{name} must be a scalar or a [batch] vector, got shape {arr.shape}")
-      if batch_size is not None and arr.ndim == 1 and arr.shape[0] != batch_size:
-        raise ValueError(f"Sampling.{name} has {arr.shape[0]} entries but the batch has "
-                         f"{batch_size} rows; pass a scalar or one value per row")
-    if not np.all(np.isfinite(t)) or np.any(t < 0):
-      raise ValueError(f"Sampling.temperature must be finite and >= 0 (0 = greedy), got {t.tolist()}")
-    if not np.issubdtype(k.dtype, np.integer) and not np.all(np.equal(np.mod(k, 1), 0)):
-      raise ValueError(f"Sampling.top_k must be a non-negative integer (0 = off), got {k.tolist()}")
-    if np.any(k < 0):
-      raise ValueError(f"Sampling.top_k must be >= 0 (0 = off), got {k.tolist()}")
-    if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
-      raise ValueError(f"Sampling.top_p must lie in (0, 1] (1 = off), got {p.tolist()}")
+    for name, opt in OPTIONS.items():
+      opt.check(name, getattr(self, name), batch_size)
     return self
 
+  def scalars(self) -> Optional[tuple]:
+    """Every field as a host scalar (hashable, in field order), or None when some field is an
+    array."""
+    values = tuple(opt.scalar(getattr(self, name)) for name, opt in OPTIONS.items())
+    return None if any(v is None for v in values) else values
+
+  def rows(self, batch_size: int, xp=jnp) -> "Sampling":
+    """Every field broadcast to its per-row array [B] (unchecked; traced values allowed)."""
+    return Sampling(**{name: opt.rows(getattr(self, name), batch_size, xp)
+                       for name, opt in OPTIONS.items()})
+
   def as_arrays(self, batch_size: int) -> "Sampling":
-    """Per-row arrays of shape [B] (float32, int32, float32) for use inside jit."""
+    """Checked per-row arrays of shape [B] (each field's dtype) for use inside jit."""
     self.check(batch_size)
-    if self._scalars():
-      return _scalar_rows(float(self.temperature), int(self.top_k), float(self.top_p),
-                          int(batch_size))
-    fields = (self.temperature, self.top_k, self.top_p)
+    scalars = self.scalars()
+    if scalars is not None:
+      return _scalar_rows(scalars, int(batch_size))
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
-    xp = jnp if any(isinstance(x, jax.Array) for x in fields) else np
-    return Sampling(
-        temperature=xp.broadcast_to(xp.asarray(self.temperature, xp.float32), (batch_size,)),
-        top_k=xp.broadcast_to(xp.asarray(self.top_k, xp.int32), (batch_size,)),
-        top_p=xp.broadcast_to(xp.asarray(self.top_p, xp.float32), (batch_size,)))
+    fields = [getattr(self, name) for name in OPTIONS]
+    return self.rows(batch_size, jnp if any(isinstance(x, jax.Array) for x in fields) else np)
 
   @property
   def is_greedy(self) -> bool:
@@ -93,16 +142,17 @@ class Sampling:
     return bool(np.all(np.asarray(self.temperature) == 0))
 
 
+OPTIONS: dict = {f.name: f.metadata["option"] for f in dataclasses.fields(Sampling)}
+
+
 @functools.lru_cache(maxsize=256)
-def _scalar_rows(temperature: float, top_k: int, top_p: float, batch_size: int) -> Sampling:
+def _scalar_rows(scalars: tuple, batch_size: int) -> Sampling:
   """Sampling.as_arrays of checked scalar settings: read-only numpy rows, made once per
   (settings, batch) (generate() asks for them on every call)."""
-  rows = (np.full((batch_size,), temperature, np.float32),
-          np.full((batch_size,), top_k, np.int32),
-          np.full((batch_size,), top_p, np.float32))
-  for row in rows:
+  rows = Sampling(*scalars).rows(batch_size, np)
+  for row in jax.tree.leaves(rows):
     row.flags.writeable = False
-  return Sampling(*rows)
+  return rows
 
 
 def _is_concrete(x) -> bool:

@@ -163,16 +163,3 @@ def replicate(mesh: Optional[Mesh], tree):
     return tree
   sharding = NamedSharding(mesh, P())
   return jax.tree.map(lambda x: _put(x, sharding), tree)
-
-
-def constrain_cache(mesh: Optional[Mesh], cache):
-  """KV cache [L, B, S, Hkv, Dh] (or head-major [L, B, Hkv, S, Dh]): rows on "data", kv heads on
-  "model" (when they divide)."""
-  if mesh is None:
-    return cache
-  head_axis = 2 if cache.head_major else 3
-  heads = MODEL if cache.k.shape[head_axis] % mesh.shape[MODEL] == 0 else None
-  spec = (P(None, DATA, heads, None, None) if cache.head_major else
-          P(None, DATA, None, heads, None))
-  sharding = NamedSharding(mesh, spec)
-  return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, sharding), cache)

@@ -53,6 +53,9 @@ class SpecStats:
     accepted nodes / verified nodes), accepted_at[d] the rounds whose accepted path reached
     depth d+1, mean_accepted_length is tau, tokens emitted per verify, as for chains, and
     alpha_token is 0 (no chain of K i.i.d. drafts describes a tree round).
+  strategy: the label of the round strategy that ran (decoding.strategies: "K=4",
+    "K=auto(<=8)", "tree D=..."), what summary() prints first; "" = written from num_draft,
+    auto and tree.
   """
   rounds: int
   drafted: int
@@ -72,6 +75,7 @@ class SpecStats:
   k_histogram: Optional[dict] = None
   auto: bool = False
   tree: Optional[tuple] = None
+  strategy: str = ""
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -79,7 +83,7 @@ class SpecStats:
     """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
     totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
     ([B] or a total); None means no round was cut (accepted + rounds). fields: the remaining
-    dataclass fields (k_histogram, auto, tree); with auto or tree, alpha_token is 0.
+    dataclass fields (k_histogram, auto, tree, strategy); with auto or tree, alpha_token is 0.
 
     Host side and small (B rows): Python lists, not numpy (generate() pays it per call)."""
     row_counts = {name: _int_list(x)
@@ -115,11 +119,13 @@ class SpecStats:
 
   @classmethod
   def from_result(cls, result, seconds: float = 0.0, num_draft: Optional[int] = None,
-                  processes: int = 1, auto: bool = False, tree=None) -> "SpecStats":
+                  processes: int = 1, auto: bool = False, tree=None,
+                  strategy: str = "") -> "SpecStats":
     """Statistics of a DecodeResult (host side; arrays or numpy). tau counts the tokens the
     rounds emitted (every row's first token comes from the prefill, not from a round).
     auto: the result came from num_draft="auto" (the governor). tree: the TreeSpec of a tree
-    decode (num_draft is then its depth), or None."""
+    decode (num_draft is then its depth), or None. strategy: the strategy's label (generate
+    passes Strategy.stats_fields for these four)."""
     accepted_at = np.asarray(result.accepted_at)
     k = accepted_at.shape[-1] if num_draft is None else int(num_draft)
     new = [n - p for n, p in zip(_int_list(result.lengths), _int_list(result.prompt_lens))]
@@ -133,7 +139,7 @@ class SpecStats:
         accepted_at=accepted_at, seconds=seconds, new_tokens=sum(new),
         iterations=int(np.asarray(result.iterations)), num_draft=k,
         emitted=[max(n - 1, 0) for n in new], processes=processes, k_histogram=hist,
-        auto=bool(auto), tree=tree)
+        auto=bool(auto), tree=tree, strategy=strategy)
 
   @classmethod
   def merge(cls, parts: Sequence["SpecStats"]) -> "SpecStats":
@@ -160,7 +166,7 @@ class SpecStats:
         new_tokens=sum(p.new_tokens for p in parts),
         iterations=sum(p.iterations for p in parts), num_draft=first.num_draft,
         emitted=sum(p.emitted for p in parts), processes=first.processes, k_histogram=hist,
-        auto=first.auto, tree=first.tree)
+        auto=first.auto, tree=first.tree, strategy=first.strategy)
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
@@ -169,8 +175,11 @@ class SpecStats:
     if self.auto and self.k_histogram is not None:
       hist = " K_rounds={" + ", ".join(f"{kk}: {n}" for kk, n in
                                        sorted(self.k_histogram.items())) + "}"
-    shape = (f"K={k}{hist}" if self.tree is None else
-             "tree D={},k={},N={},{}".format(*self.tree[:4]))
+    if self.strategy:
+      shape = self.strategy + hist
+    else:
+      shape = (f"K={k}{hist}" if self.tree is None else
+               "tree D={},k={},N={},{}".format(*self.tree[:4]))
     return (f"{shape} rounds={self.rounds} drafted={self.drafted} "
             f"accepted={self.accepted} alpha={self.acceptance_rate:.3f} "
             f"alpha_token={self.alpha_token:.3f} "

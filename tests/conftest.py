@@ -1,4 +1,5 @@
-"""Shared fixtures: paths to ../shared, small random model configs."""
+"""Shared fixtures: paths to ../shared, the shared models' loaders, a module's random target
+as a transformers model."""
 
 import os
 import pathlib
@@ -23,6 +24,37 @@ def need_shared(*parts):
   if not path.exists():
     pytest.skip(f"{path} is absent (../shared is beside the repository in CI)")
   return path
+
+
+def load_shared(name: str, **kwargs):
+  """sj.load of ../shared/models/NAME (the test skips when it is absent)."""
+  import spec_jax as sj
+  return sj.load(need_shared("models", name), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def stories260k():
+  return load_shared("stories260K")
+
+
+@pytest.fixture(scope="module")
+def salty279k():
+  return load_shared("salty279K")
+
+
+@pytest.fixture(scope="module")
+def tinystories656k():
+  return load_shared("tinystories656K")
+
+
+@pytest.fixture(scope="module")
+def hf_target(target, tmp_path_factory):
+  """The test module's `target` fixture (an sj Model) as a transformers model, read back from
+  the Hugging Face folder save_hf writes (eager attention: comparable logits)."""
+  import transformers
+  from spec_jax.models.hf_export import save_hf
+  folder = save_hf(target, tmp_path_factory.mktemp("target") / "t")
+  return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
 
 
 # The longest files first: with two xdist workers taking whole files (--dist loadfile), a long

@@ -79,7 +79,7 @@ def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, cap
   """-K 1 auto: the governor is one more row per drafter, with its K histogram, cost table and
   share of the best fixed K; --prompts mixed gives half random-token rows. The cost table's
   timing is replaced by fixed numbers (calibration is tested in tests/test_governor.py)."""
-  from spec_jax import calibration
+  from spec_jax.decoding import calibration
   from spec_jax.bench.prompts import prompt_token_lists
   from spec_jax.bench.specs import load_model
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -47,16 +47,6 @@ def paragraphs(name, count=None):
   return paras[:count] if count else paras
 
 
-@pytest.fixture(scope="module")
-def stories260k():
-  return sj.load(need_shared("models", "stories260K"))
-
-
-@pytest.fixture(scope="module")
-def tinystories656k():
-  return sj.load(need_shared("models", "tinystories656K"))
-
-
 # ----------------------------------------------------------------------------- stories260K
 
 def test_stories260k_config(stories260k):

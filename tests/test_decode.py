@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax.decoding.plan import check_num_draft
+from spec_jax.decoding.strategies.chain import check_num_draft
 from spec_jax.decoding.prompts import prepare_batch
 
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,

@@ -45,14 +45,6 @@ def target():
   return model
 
 
-@pytest.fixture(scope="module")
-def hf_target(target, tmp_path_factory):
-  import transformers
-  from spec_jax.models.hf_export import save_hf
-  folder = save_hf(target, tmp_path_factory.mktemp("target") / "t")
-  return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-
-
 def public_config(**over) -> dict:
   cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": BLOCK,
          "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": LAYER_IDS},
@@ -533,7 +525,7 @@ def test_dflash_stays_in_sync_across_plain_rounds(tmp_path, monkeypatch):
   """tests/test_governor.py's check: greedy tokens through the governed loop with K forced to
   0, 3, 1, 0, 0, 2, ... equal plain greedy, and the drafter then proposes what a drafter freshly
   initialised on the committed tokens proposes (plain rounds commit [B, 1] verifies)."""
-  from spec_jax import calibration
+  from spec_jax.decoding import calibration
   from tests import test_governor as tg
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   calibration.clear_memory()

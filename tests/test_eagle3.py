@@ -38,14 +38,6 @@ def target():
   return model
 
 
-@pytest.fixture(scope="module")
-def hf_target(target, tmp_path_factory):
-  import transformers
-  from spec_jax.models.hf_export import save_hf
-  folder = save_hf(target, tmp_path_factory.mktemp("target") / "t")
-  return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-
-
 def public_config(**over) -> dict:
   cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
          "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": len(DRAFT_IDS),

@@ -110,12 +110,13 @@ def test_eval_num_draft_auto(tmp_path, prompt_file, monkeypatch):
   """--num-draft auto runs the governor (its cost table replaced by a flat one: calibration is
   tested in tests/test_governor.py) and passes the greedy check against plain decoding."""
   import numpy as np
-  from spec_jax import calibration
+  from spec_jax.decoding import calibration
   model = need_shared("models", TINY)
   assert auto_supported()
   monkeypatch.setattr(calibration, "round_costs_for",
-                      lambda gov, target, drafter, *a, **kw: np.ones(
-                          len(gov.candidates(drafter)), np.float32))
+                      lambda strategy, target, drafter, *a, **kw: None
+                      if strategy.calibration_ks is None
+                      else np.ones(len(strategy.calibration_ks), np.float32))
   out = tmp_path / "auto"
   assert cli.main(_argv(model, prompt_file, out, "--batch", "2", "--num-draft", "auto")) == 0
   res = json.loads((out / "results.json").read_text())

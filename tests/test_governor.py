@@ -19,8 +19,10 @@ import spec_jax as sj
 from spec_jax.decoding import compiled as compiled_lib
 from spec_jax.decoding.loop import init_loop
 from spec_jax.decoding.prompts import prepare_batch
-from spec_jax.decoding.state import DecodeState
-from spec_jax import calibration, governor as governor_lib
+from spec_jax.decoding.strategies import Governed
+from spec_jax.decoding.strategies.governed import governed_loop
+from spec_jax import governor as governor_lib
+from spec_jax.decoding import calibration
 from spec_jax.drafters.base import DraftContext, PrefillInfo
 from spec_jax.drafters.eagle import EAGLE, EAGLE3
 from spec_jax.drafters.medusa import Medusa
@@ -103,10 +105,10 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
   def run(tp, dp, prompts, lens):
     env, st = init_loop(tp, prompts, lens, jax.random.key(0), config=CFG,
                                drafter=drafter, drafter_params=dp, max_new_tokens=MAX_NEW,
-                               capacity=CAPACITY, sampling=GREEDY, greedy=True, width=3,
-                               lazy_drafter=True)
-    st = st.replace(governor=gov.init_state(drafter, b))
-    st = governor_lib.governed_loop(env, gov, gov.cost_array(drafter), st, until=n_rounds)
+                               capacity=CAPACITY, sampling=GREEDY, greedy=True,
+                               strategy=Governed(gov).bind(drafter, None))
+    st = st.replace(strategy=gov.init_state(drafter, b))
+    st = governed_loop(env, gov, gov.cost_array(drafter), st, until=n_rounds)
     # Sampled drafts at T=1: their q depends continuously on the drafter's state.
     ctx = DraftContext(key=jax.random.key(9), tokens=st.tokens, lengths=st.lengths,
                        sampling=sj.Sampling(temperature=1.0).as_arrays(b),
@@ -123,7 +125,8 @@ def rounds_then_drafts(drafter, schedule, n_rounds):
         hidden=pre.hidden, layer_hidden=pre.layer_hidden, target_params=env.target_params,
         sampling=env.sampling))
     fresh = drafts(fresh_state)
-    return st.tokens, st.lengths, carried, fresh, st.governor.k_hist, st.accepted, st.drafted
+    return (st.tokens, st.lengths, carried, fresh, st.strategy.k_hist, st.counts.accepted,
+            st.counts.drafted)
 
   return jax.tree.map(np.asarray, run(target.params, drafter.params, jnp.asarray(prompts),
                                       jnp.asarray(lens)))
@@ -249,21 +252,17 @@ def test_alpha_estimate_counts_accepted_and_first_failure():
   gov = sj.Governor(ks=(0, 4), smoothing=0.5, prior_alpha=0.6, prior_weight=2.0)
   gs = gov.init_state(sj.drafters.NGram(), 3)
   np.testing.assert_allclose(governor_lib.row_alpha(gs), [0.6, 0.6, 0.6])
-  before = DecodeState(
-      tokens=None, lengths=None, done=jnp.asarray([False, False, True]), cache=None,
-      drafter_state=(), key=None, rounds=None, drafted=None,
-      accepted=jnp.zeros((3,), jnp.int32), accepted_at=None, finished_at_round=None,
-      iterations=None)
+  active = jnp.asarray([True, True, False])
   # Row 0 accepted 4 of 4 (nothing judged as a failure); row 1 accepted 1 then failed; row 2
   # had already finished: unchanged.
-  after = before.replace(accepted=jnp.asarray([4, 1, 3], jnp.int32))
-  gs2 = governor_lib.observe(gov, gs, before, after, 4, None)
+  accepted = jnp.asarray([4, 1, 3], jnp.int32)
+  gs2 = governor_lib.observe(gov, gs, active, accepted, 4, None)
   np.testing.assert_allclose(gs2.accepted, [0.6 + 4, 0.6 + 1, 1.2])
   np.testing.assert_allclose(gs2.judged, [1.0 + 4, 1.0 + 2, 2.0])
   # A gated row and a K = 0 round teach nothing.
-  gs3 = governor_lib.observe(gov, gs, before, after, 4, jnp.asarray([True, False, True]))
+  gs3 = governor_lib.observe(gov, gs, active, accepted, 4, jnp.asarray([True, False, True]))
   np.testing.assert_allclose(gs3.judged, [5.0, 2.0, 2.0])
-  assert governor_lib.observe(gov, gs, before, after, 0, None) is gs
+  assert governor_lib.observe(gov, gs, active, accepted, 0, None) is gs
 
 
 # ----------------------------------------------------------------------------- bad input

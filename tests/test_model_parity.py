@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import spec_jax as sj
-from spec_jax.models import hf as hf_loader
+from spec_jax.models import hf as hf_loader, hf_reader
+from spec_jax.models.llama import hf as llama_hf
 from spec_jax.models.transformer import KVCache, forward
 from tests.numerics import MODEL_ULPS, assert_f32_close
 
@@ -108,13 +109,13 @@ def test_logits_match_transformers(case, tmp_path):
 
 def test_rope_from_legacy_and_new_attributes():
   legacy = types.SimpleNamespace(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 4.0})
-  assert hf_loader.rope_from_hf(legacy) == (1e6, (("factor", 4.0), ("rope_type", "linear")))
-  assert hf_loader.rope_from_hf(types.SimpleNamespace(rope_theta=5.0, rope_scaling=None)) == (5.0, None)
+  assert llama_hf.rope_from_hf(legacy) == (1e6, (("factor", 4.0), ("rope_type", "linear")))
+  assert llama_hf.rope_from_hf(types.SimpleNamespace(rope_theta=5.0, rope_scaling=None)) == (5.0, None)
   new = transformers.LlamaConfig(rope_parameters=LLAMA3_ROPE)
-  theta, scaling = hf_loader.rope_from_hf(new)
+  theta, scaling = llama_hf.rope_from_hf(new)
   assert theta == 500000.0 and dict(scaling)["original_max_position_embeddings"] == 64
   with pytest.raises(ValueError, match="yarn.*supported: default, linear, llama3"):
-    hf_loader.rope_from_hf(types.SimpleNamespace(rope_theta=1.0,
+    llama_hf.rope_from_hf(types.SimpleNamespace(rope_theta=1.0,
                                                  rope_scaling={"rope_type": "yarn", "factor": 2.0}))
 
 
@@ -148,7 +149,7 @@ def test_bfloat16_and_sharded_checkpoints(tmp_path):
                bf16.params, upcast.params)
 
   # The raw-bytes bf16 reader (for safetensors without numpy bf16 support) agrees.
-  f = hf_loader._TensorFile(tmp_path / "bf16" / "model.safetensors")
+  f = hf_reader.TensorFile(tmp_path / "bf16" / "model.safetensors")
   name = "model.layers.0.mlp.down_proj.weight"
   np.testing.assert_array_equal(f._read_raw(name), f.read(name))
 

@@ -45,7 +45,7 @@ MUTANTS = {
         ["tests/test_engine.py::test_stats_count_only_what_a_cut_block_emitted"]),
     # capacity: the bound one slot short
     "capacity-bound": (
-        "spec_jax/decoding/plan.py",
+        "spec_jax/decoding/checks.py",
         "  needed = longest_prompt + max_new_tokens + k + 1\n",
         "  needed = longest_prompt + max_new_tokens + k - 1\n",
         ["tests/test_engine.py::test_capacity_exactly_what_is_needed"]),

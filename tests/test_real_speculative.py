@@ -8,27 +8,11 @@ with n-gram lookup. Also the classic mistake: a draft with another vocabulary is
 import pytest
 
 import spec_jax as sj
-from tests.conftest import need_shared
 
 PROMPTS = ["Once upon a time", "Tom and his dog went to the park. Tom saw a big tree",
            "Lily liked to", "One day, a little bird"]
 GREEDY = sj.Sampling(temperature=0.0)
 NEW = 48
-
-
-@pytest.fixture(scope="module")
-def stories260k():
-  return sj.load(need_shared("models", "stories260K"))
-
-
-@pytest.fixture(scope="module")
-def salty279k():
-  return sj.load(need_shared("models", "salty279K"))
-
-
-@pytest.fixture(scope="module")
-def tinystories656k():
-  return sj.load(need_shared("models", "tinystories656K"))
 
 
 def _check_equal(target, drafter, k):

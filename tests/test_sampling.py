@@ -1,5 +1,7 @@
 """sampling.probs against a numpy oracle, per-row settings, and every bad-input path."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,6 +103,29 @@ def test_scalar_and_array_settings_are_checked_alike(kwargs):
       assert a.dtype == b.dtype and a.shape == (3,)
       np.testing.assert_array_equal(a, b)
     assert sj.Sampling(*settings).is_greedy == (settings[0] == 0)
+
+
+def test_every_option_is_declared_once_and_drives_checks_rows_and_the_cli(capsys):
+  """sampling.OPTIONS (one Option per Sampling field) gives the per-row arrays' dtypes and
+  defaults, its "off" values leave the distribution as it is, and the command line has one
+  flag per option."""
+  options = sj.sampling.OPTIONS
+  assert list(options) == [f.name for f in dataclasses.fields(sj.Sampling)]
+  rows = sj.Sampling().as_arrays(3)
+  for name, opt in options.items():
+    col = getattr(rows, name)
+    assert col.dtype == opt.dtype and col.shape == (3,), name
+    np.testing.assert_array_equal(col, opt.default)
+  logits = jax.random.normal(jax.random.key(3), (2, 19)) * 3
+  off = sj.Sampling(**{name: opt.off for name, opt in options.items()})
+  np.testing.assert_allclose(sj.sampling.probs(logits, off), jax.nn.softmax(logits), atol=1e-6)
+  assert sj.Sampling(0.5, 3, 0.9).scalars() == (0.5, 3, 0.9)
+  assert sj.Sampling(np.ones(2), 3, 0.9).scalars() is None
+  from spec_jax.__main__ import main
+  with pytest.raises(SystemExit):
+    main(["generate", "--help"])
+  text = capsys.readouterr().out
+  assert all(f"--{name.replace('_', '-')}" in text for name in options)
 
 
 def test_wrong_number_of_rows_raises():

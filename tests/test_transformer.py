@@ -79,7 +79,7 @@ def test_execution_layouts_give_the_canonical_logits(chunks):
   """fuse_layers (fused q|k|v and gate|up; [out, in] with row blocks) + unstack_layers: the same
   logits and cache as the canonical stacked weights, over a 3-token forward at ragged offsets
   (3 blocks do not divide every projection: fewer are used, still exact)."""
-  from spec_jax.models import layout as tr
+  from spec_jax.models.llama import layout as tr
   m = model()
   layout = dict(m.params)
   layout["layers"] = tr.fuse_layers(m.params["layers"], transpose=True, chunks=chunks)

@@ -21,7 +21,7 @@ import pytest
 
 import spec_jax as sj
 from spec_jax import tree as tree_lib
-from spec_jax.tree import round as tree_round_lib
+from spec_jax.decoding.strategies import tree as tree_round_lib
 from spec_jax.decoding.compiled import clear_compiled
 from spec_jax.models.cache import move_kv
 from spec_jax.models.layout import prepare_params
@@ -638,11 +638,6 @@ def test_decode_with_a_tree_inside_a_user_jit():
 PROMPTS = ["Once upon a time", "Tom and his dog went to the park. Tom saw a big tree",
            "Lily liked to", "One day, a little bird"]
 REAL_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def stories260k():
-  return sj.load(need_shared("models", "stories260K"))
 
 
 @pytest.fixture(scope="module")

@@ -65,11 +65,10 @@ def put_back(defect: str) -> None:
     dispatch.sharded = lambda call, mesh, *args, **kw: call(*args)
   elif defect == "fuse":
     from spec_jax.aot import program
-    from spec_jax.decoding import target
-    from spec_jax.drafters import draft_model
-    from spec_jax.models import layout
-    layout.prepare_params = lambda p, c, mesh=None: layout.execution_layout(p, c, mesh)
-    target.prepare_params = draft_model.prepare_params = layout.prepare_params
+    from spec_jax.models import llama
+    # The family record is frozen; this put-back (one process, a diagnosis) swaps its in-jit
+    # hook for the fused layout, which every target and draft model of the family reads.
+    object.__setattr__(llama.FAMILY, "prepare", llama.layout.execution_layout)
     original = program.abstract_call
     program.abstract_call = lambda *a, **k: original(*a, **dict(k, prepared=False))
   elif defect == "scores":

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kernels_pallas import platform as platform_lib
 from spec_jax import memory, sharding as sharding_lib
 from spec_jax.decoding.compiled import _DECODE_STATIC, _packed_decode
-from spec_jax.decoding.plan import drafting_plan
+from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.models.layout import execution_layout
 from spec_jax.sampling import Sampling
@@ -113,13 +113,12 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
   else:
     params = with_sharding(params, P())
     dparams = None if drafter is None else with_sharding(dparams, P())
-  i32, f32 = jnp.int32, jnp.float32
+  i32 = jnp.int32
   rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   prompts = with_sharding(rows((batch, prompt_len), i32), P("data"))
   lens = with_sharding(rows((batch,), i32), P("data"))
   key = with_sharding(jax.eval_shape(lambda: jax.random.key(0)), P())
-  sampling = with_sharding(Sampling(temperature=rows((batch,), f32), top_k=rows((batch,), i32),
-                                    top_p=rows((batch,), f32)), P("data"))
+  sampling = with_sharding(jax.eval_shape(lambda: Sampling().rows(batch)), P("data"))
   max_new = with_sharding(rows((), i32), P())
   stop = with_sharding(rows((stop_count,), i32), P())
   static = dict(config=config, drafter=drafter, num_draft=num_draft, capacity=capacity,
@@ -151,11 +150,12 @@ def drafter_layout(drafter, mesh, prepared: bool = True):
 def decode_estimate(model, drafter, args, static, mesh) -> memory.Estimate:
   """The shape-only memory estimate of the call (spec_jax.memory.estimate)."""
   params, prompts, lens, _, dparams, _, sampling, _ = args
-  strategy = drafting_plan(static["drafter"], static["num_draft"], static.get("tree"))
+  strategy = strategy_for(static.get("strategy"), static["drafter"], static["num_draft"],
+                          static.get("tree"))
   return memory.estimate(as_target(model.config), params, drafter, dparams,
                          prompt_tokens=prompts, prompt_lens=lens,
                          capacity=static["capacity"], max_new_tokens=8, sampling=sampling,
-                         mesh=mesh, width=strategy.width, lazy_drafter=strategy.lazy_drafter)
+                         mesh=mesh, strategy=strategy)
 
 
 def cache_dtype(model, static) -> str:

@@ -16,12 +16,13 @@ from kernels_pallas import platform
 from spec_jax import sharding as sharding_lib
 from spec_jax.decoding.loop import decode
 from spec_jax.decoding.state import DecodeResult
+from spec_jax.decoding.strategies import Strategy
 from spec_jax.decoding.target import as_target, model_config
 from spec_jax.models.layout import prepare_params
 from spec_jax.sampling import Sampling
 
 _DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy",
-                  "governor")
+                  "governor", "strategy")
 
 _COMPILED: dict = {}   # tree signature -> PackedDecode (see _compiled_decode)
 
@@ -156,7 +157,7 @@ def _signed_execution_params(target, mesh=None) -> tuple:
 
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
                          sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
-                         num_draft=4, governor=None, round_costs=None, tree=None) -> tuple:
+                         strategy: Strategy, round_costs=None) -> tuple:
   """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
   mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
   per shapes and static configuration. The governor's calibration times this same executable.
@@ -164,7 +165,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   compiled.unpack(np.asarray(it)) is the DecodeResult (PackedDecode).
 
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
-  stop: int32 [N]; round_costs: float32 [len(candidates)] or None; tree: a TreeSpec or None."""
+  stop: int32 [N]; strategy: the bound Strategy (strategies.strategy_for); round_costs: float32
+  [len(candidates)] or None."""
   drafter_params = None if drafter is None else drafter.params
   # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
   # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
@@ -177,12 +179,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                 max_new_tokens=sharding_lib.replicate(mesh, np.asarray(max_new_tokens, np.int32)),
                 sampling=sharding_lib.shard_rows(mesh, sampling),
                 stop_tokens=sharding_lib.replicate(mesh, np.asarray(stop, np.int32)))
-  static = dict(config=target.config, drafter=drafter, num_draft=num_draft, capacity=capacity,
+  static = dict(config=target.config, drafter=drafter, strategy=strategy, capacity=capacity,
                 mesh=mesh, greedy=greedy)
-  if governor is not None:
-    static["governor"] = governor
-  if tree is not None:
-    static["tree"] = tree
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
   return _compiled_decode((args, kwargs), static, params_signature), args, kwargs

@@ -1,8 +1,9 @@
 """generate: prompts in, text and acceptance statistics out — a host wrapper over `decode`.
 
-It checks and pads the prompts (decoding.prompts), compiles decode ahead of time once per
-shapes (decoding.compiled; compilation is not timed), calibrates the governor's cost table on
-first use (spec_jax.calibration), times the compiled call and decodes the text.
+It checks and pads the prompts (decoding.prompts), resolves the round strategy once
+(decoding.strategies), compiles decode ahead of time once per shapes (decoding.compiled;
+compilation is not timed), calibrates a cost table on first use for a strategy that reads one
+(decoding.calibration: the governor's), times the compiled call and decodes the text.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import calibration, global_batch, sharding as sharding_lib
+from spec_jax import global_batch, sharding as sharding_lib
+from spec_jax.decoding import calibration
+from spec_jax.decoding.checks import is_static_int
 from spec_jax.decoding.compiled import compiled_decode_call
-from spec_jax.decoding.plan import drafting_plan, is_static_int
 from spec_jax.decoding.prompts import pad_batch, prompt_ids, stop_array
+from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter
-from spec_jax.governor import Governed
 from spec_jax.models.chat import chat_ids, check_messages
 from spec_jax.sampling import Sampling
 from spec_jax.stats import SpecStats
-from spec_jax.tree.round import TreeRounds
 
 
 class GenerateOutput(NamedTuple):
@@ -64,7 +65,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
              prompt_bucket: Optional[int] = None, governor=None, tree=None,
-             messages=None) -> GenerateOutput:
+             messages=None, strategy=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -81,6 +82,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       (spec_jax.models.chat), and with stop_tokens=None a row stops at the template's
       end-of-turn token. text is then the assistant's answer without special tokens.
     drafter: a Drafter (sj.drafters.*) or None for plain decoding (then num_draft is ignored).
+    strategy: how the rounds run (sj.strategies): Chain(K), Tree(spec), Governed(governor),
+      "auto", or a Strategy of your own; None: num_draft, tree and governor say it.
     num_draft: K, draft tokens per round (>= 1 with a drafter), or "auto": the governor picks
       K (0 = a plain step) every round from a cost table (`sj.calibrate`, measured on first
       use for this batch and capacity, then cached on disk; not part of the timed seconds)
@@ -123,11 +126,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   elif prompts is None:
     raise ValueError("generate needs prompts (a list of strings or token-id lists) or messages "
                      "(a list of chat conversations)")
-  strategy = drafting_plan(drafter, num_draft, tree, governor)
-  strategy.check_target(as_target(target.config))
-  k, extent = strategy.width, strategy.extent
-  gov = strategy.governor if isinstance(strategy, Governed) else None
-  tree = strategy.spec if isinstance(strategy, TreeRounds) else None
+  strategy = strategy_for(strategy, drafter, num_draft, tree, governor,
+                          as_target(target.config))
   if drafter is not None:
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
@@ -150,10 +150,10 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     except ValueError as e:
       ids, error = [], str(e)
     ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
-        target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity, prompt_bucket,
-        tree), error=error)
+        target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens, capacity,
+        prompt_bucket), error=error)
   sharding_lib.check_mesh(mesh, len(ids))
-  prompt_tokens, prompt_lens, capacity = pad_batch(target, ids, max_new_tokens, extent,
+  prompt_tokens, prompt_lens, capacity = pad_batch(target, ids, max_new_tokens, strategy.extent,
                                                      capacity, prompt_bucket)
   batch = prompt_tokens.shape[0]
   mesh = sharding_lib.as_auto(mesh)
@@ -161,15 +161,14 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   sampling = sampling.as_arrays(batch)
   stop = stop_array(target, stop_tokens)
 
-  costs = None
-  if gov is not None:   # the cost table (calibrated on first use, then cached): not timed
-    costs = calibration.round_costs_for(gov, target, drafter, batch, capacity, greedy,
-                                        max_new_tokens, prompt_len=prompt_tokens.shape[1],
-                                        stop_count=len(stop), mesh=mesh)
+  # A cost table, for a strategy that reads one (calibrated on first use, then cached): not timed.
+  costs = calibration.round_costs_for(strategy, target, drafter, batch, capacity, greedy,
+                                      max_new_tokens, prompt_len=prompt_tokens.shape[1],
+                                      stop_count=len(stop), mesh=mesh)
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
-      num_draft="auto" if gov is not None else k, governor=gov, round_costs=costs, tree=tree)
+      strategy=strategy, round_costs=costs)
   compile_seconds = compiled.last_compile_seconds
   if compile_seconds > 0:
     # A fresh executable's first run sets its kernels up (~0.8 s for a 135M model on XLA:CPU,
@@ -189,28 +188,23 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   text = None
   if target.tokenizer is not None:
     text = [target.tokenizer.decode(t) for t in new]
-  stats = SpecStats.from_result(result, seconds=seconds, num_draft=k, processes=processes,
-                                auto=gov is not None,
-                                tree=None if tree is None else tree.resolved(
-                                    greedy or getattr(drafter, "greedy_drafts", False) or
-                                    not drafter.samples_tree_candidates))
+  stats = SpecStats.from_result(result, seconds=seconds, processes=processes,
+                                **strategy.stats_fields(greedy, drafter))
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows,
                         compile_seconds=compile_seconds)
 
 
-def _agreed_options(target, drafter, k, max_new_tokens, sampling, key, stop_tokens, capacity,
-                    prompt_bucket, tree=None) -> dict:
+def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens,
+                    capacity, prompt_bucket) -> dict:
   """What every process of a multi-process generate() must pass alike (global_batch.assemble
   compares fingerprints): all options but the prompts and per-row sampling arrays."""
-  scalar = all(np.ndim(v) == 0 for v in (sampling.temperature, sampling.top_k, sampling.top_p))
+  scalars = sampling.scalars()
   params = lambda pytree: [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(pytree)]
   return {"target": [repr(target.config), params(target.params)],
           "drafter": None if drafter is None else [type(drafter).__name__,
                                                    params(drafter.params)],
-          "num_draft": k, "max_new_tokens": max_new_tokens,
-          "sampling": [float(sampling.temperature), int(sampling.top_k), float(sampling.top_p)]
-          if scalar else "per-row",
+          "strategy": repr(strategy), "max_new_tokens": max_new_tokens,
+          "sampling": "per-row" if scalars is None else list(scalars),
           "key": np.asarray(jax.random.key_data(key)).tolist(),
           "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
-          "capacity": capacity, "prompt_bucket": prompt_bucket,
-          "tree": None if tree is None else tree.label()}
+          "capacity": capacity, "prompt_bucket": prompt_bucket}

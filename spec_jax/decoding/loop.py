@@ -1,6 +1,7 @@
 """decode: the whole generation as one pure function of arrays — the prefill, then the rounds of
-one round strategy (a chain, a tree, the governor) in `lax.while_loop`s. Jittable: research
-code calls it inside its own `jax.jit`; generate (decoding.generate) is a host wrapper."""
+one round strategy (decoding.strategies: a chain, a tree, the governor) in `lax.while_loop`s.
+Jittable: research code calls it inside its own `jax.jit`; generate (decoding.generate) is a
+host wrapper."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import numpy as np
 
 from kernels_pallas import platform as kernel_platform
 from spec_jax import sampling as sampling_lib
-from spec_jax.decoding.plan import check_capacity, drafting_plan, is_static_int
+from spec_jax.decoding.checks import check_capacity, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
-from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv
+from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv, RowCounts
+from spec_jax.decoding.strategies import Strategy, strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter, PrefillInfo
 from spec_jax.models.prefill import PREFILL_CHUNK, chunked_prefill
@@ -27,7 +29,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
            tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
            governor=None, round_costs=None,
-           prefill_chunk: int = PREFILL_CHUNK) -> DecodeResult:
+           prefill_chunk: int = PREFILL_CHUNK, strategy=None) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
   `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
 
@@ -43,14 +45,18 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     max_new_tokens: int, or a traced int32 scalar (then capacity is not checked against it).
     cache: optional cache to decode into (a KVCache [L, B, S, Hkv, Dh] for spec_jax.models;
       donate it with `donate_argnums` to reuse its memory); default target.init_cache(B, S).
-    round_costs: with num_draft="auto", float [len(governor.ks)] seconds (or any common unit)
-      of one round at each candidate K, in the order of `governor.candidates(drafter)` —
+    round_costs: for a strategy that chooses its rounds by cost (num_draft="auto": the
+      governor), float [len(governor.ks)] seconds (or any common unit) of one round at each
+      candidate K, in the order of `governor.candidates(drafter)` —
       `sj.calibrate(...).round_costs`; None takes the governor's own `costs` table (or, with a
       `schedule`, needs none).
   Static (hashable; mark them static in your jit, e.g. with functools.partial):
     config: the target's ModelConfig, or any spec_jax.Target (the target protocol,
       spec_jax.decoding.target: a JAX model of your own, wrapped in a few lines).
     drafter: a Drafter or None (plain decoding, K = 0).
+    strategy: how the rounds run (sj.strategies): Chain(K), Tree(spec), Governed(governor),
+      "auto" (the governor with its defaults), or a Strategy of your own. None: num_draft,
+      tree and governor say it (the sugar: Chain(num_draft), Tree(tree), "auto").
     num_draft: K, or "auto": the governor picks K every round (spec_jax.governor).
     governor: with num_draft="auto", a `sj.Governor` (None = the defaults).
     capacity: S, the KV-cache length: >= P_max + max_new_tokens + K + 1 (K: the largest
@@ -84,8 +90,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     raise ValueError(f"drafter must be a spec_jax.drafters drafter or None, got "
                      f"{type(drafter).__name__}")
   target = as_target(config)
-  strategy = drafting_plan(drafter, num_draft, tree, governor)
-  strategy.check_target(target)
+  strategy = strategy_for(strategy, drafter, num_draft, tree, governor, target)
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -115,34 +120,27 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                            drafter=drafter, drafter_params=drafter_params,
                            max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                            stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
-                           width=strategy.width, extent=extent,
-                           lazy_drafter=strategy.lazy_drafter, prefill_chunk=prefill_chunk)
+                           strategy=strategy, prefill_chunk=prefill_chunk)
     env = env._replace(round_costs=costs)
-    final = strategy.run(env, strategy.init(env, state))
-  return DecodeResult(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
-                      rounds=final.rounds, drafted=final.drafted, accepted=final.accepted,
-                      accepted_at=final.accepted_at, finished_at_round=final.finished_at_round,
-                      iterations=final.iterations, k_rounds=strategy.k_rounds(final))
+    final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
+  return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final))
 
 
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
               drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
-              cache=None, width: int = 0, extent: Optional[int] = None,
-              lazy_drafter: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> tuple:
+              cache=None, strategy: Strategy, prefill_chunk: int = PREFILL_CHUNK) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
-  with accepted_at [B, width]. config: a Target or a ModelConfig. lazy_drafter: the loop calls
-  drafter.catch_up before drafting (the governor's loop; PrefillInfo.lazy)."""
+  with accepted_at [B, strategy.width] and no strategy state yet. config: a Target or a
+  ModelConfig. strategy: a bound Strategy; its extent bounds the rows' lengths, and with
+  lazy_drafter the loop calls drafter.catch_up before drafting (PrefillInfo.lazy)."""
   target = as_target(config)
   b, p = prompt_tokens.shape
-  extent = width if extent is None else extent
+  extent = strategy.extent
   if greedy is None:
     greedy = _concretely_greedy(sampling)
-  sampling = Sampling(
-      temperature=jnp.broadcast_to(jnp.asarray(sampling.temperature, jnp.float32), (b,)),
-      top_k=jnp.broadcast_to(jnp.asarray(sampling.top_k, jnp.int32), (b,)),
-      top_p=jnp.broadcast_to(jnp.asarray(sampling.top_p, jnp.float32), (b,)))
+  sampling = sampling.rows(b)
   stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
   s = int(capacity)
   layers = tuple(drafter.target_layers)
@@ -182,12 +180,13 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   drafter_state = drafter.init_state(drafter_params, PrefillInfo(
       tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
       layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
-      lazy=lazy_drafter))
+      lazy=strategy.lazy_drafter))
   zeros = jnp.zeros((b,), jnp.int32)
+  counts = RowCounts(rounds=zeros, drafted=zeros, accepted=zeros,
+                     accepted_at=jnp.zeros((b, strategy.width), jnp.int32),
+                     finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32))
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
-                      drafter_state=drafter_state, key=key, rounds=zeros, drafted=zeros,
-                      accepted=zeros, accepted_at=jnp.zeros((b, width), jnp.int32),
-                      finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
+                      drafter_state=drafter_state, key=key, counts=counts,
                       iterations=jnp.zeros((), jnp.int32))
   env = LoopEnv(target=target, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from spec_jax.decoding.plan import check_capacity, is_static_int
+from spec_jax.decoding.checks import check_capacity, is_static_int
 from spec_jax.models.chat import default_stop_ids
 
 PROMPT_BUCKET = 16

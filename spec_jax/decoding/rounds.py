@@ -12,13 +12,12 @@ Invariant: row b holds `lengths[b]` committed tokens in `tokens[b]`; the target'
 entries for positions < lengths[b] - 1 (the last committed token is fed in the next round).
 K = 0 (no drafter) is plain autoregressive decoding through the same loop: the baseline.
 
-`RoundStrategy` is the interface of the ways to run rounds (Chain here, trees, the governor).
+The ways to run rounds (a chain, a tree, the governor) are the strategies of
+decoding.strategies; they call these primitives, which know none of them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -135,7 +134,8 @@ def commit_step(tokens, lengths, done, emitted, n_accepted, stop_tokens, limit):
 
 
 def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n_emit):
-  """`new` with the statistics of the round st -> new added (rows active at its start only).
+  """`new` with the statistics (RowCounts) of the round st -> new added (rows active at its
+  start only) and the iteration counted.
 
   accepted counts the drafts that were emitted: drafts cut by a stop token or the token limit
   are not accepted tokens of this generation, and a round cut inside its accepted drafts
@@ -144,15 +144,15 @@ def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n
   accepted_at may be wider than this round's K."""
   active = (~st.done).astype(jnp.int32)
   n_used = jnp.minimum(n_emit, n_accepted) * active
-  width = st.accepted_at.shape[1]
+  c = st.counts
+  width = c.accepted_at.shape[1]
   iteration = st.iterations + 1
-  return new.replace(
-      rounds=st.rounds + active,
-      drafted=st.drafted + active * jnp.where(n_emit <= n_accepted, n_emit, draft_lengths),
-      accepted=st.accepted + n_used,
-      accepted_at=st.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
-      finished_at_round=jnp.where(new.done & ~st.done, iteration, st.finished_at_round),
-      iterations=iteration)
+  return new.replace(iterations=iteration, counts=c.replace(
+      rounds=c.rounds + active,
+      drafted=c.drafted + active * jnp.where(n_emit <= n_accepted, n_emit, draft_lengths),
+      accepted=c.accepted + n_used,
+      accepted_at=c.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
+      finished_at_round=jnp.where(new.done & ~st.done, iteration, c.finished_at_round)))
 
 
 def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> DecodeState:
@@ -160,9 +160,11 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
   propose -> verify -> accept -> commit -> drafter.commit -> statistics.
 
   K = 0 does not call drafter.propose (a drafter with state still gets commit, with K+1 = 1
-  verified token, to stay in sync). draft_rows: optional bool [B], the rows that may use their
-  drafts this round; the others get draft_length 0 (drafts masked to -1) and decode one token
-  (the governor's per-row gating)."""
+  verified token, to stay in sync). draft_rows: optional per-row limits on this round's drafts
+  (the verify stays [B, K+1]; a row's drafts past its limit are masked to -1, as a drafter's
+  missing ones are): bool [B], the rows that may use their drafts (the others decode one token:
+  the governor's per-row gating), or int32 [B] in 0..K, each row's own draft length (a
+  strategy that budgets each row's verify)."""
   key, draft_key, accept_key = jax.random.split(st.key, 3)
   if k == 0:
     b = st.tokens.shape[0]
@@ -175,8 +177,12 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
     draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
         env.drafter, env.drafter_params, st.drafter_state, ctx)
     if draft_rows is not None:
-      draft_tokens = jnp.where(draft_rows[:, None], draft_tokens, -1)
-      draft_lengths = jnp.where(draft_rows, draft_lengths, 0)
+      if draft_rows.dtype == jnp.bool_:
+        keep, draft_lengths = draft_rows[:, None], jnp.where(draft_rows, draft_lengths, 0)
+      else:
+        keep = jnp.arange(k)[None, :] < draft_rows[:, None]
+        draft_lengths = jnp.minimum(draft_lengths, draft_rows)
+      draft_tokens = jnp.where(keep, draft_tokens, -1)
   last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
   target_out, out = verify_step(env.target_params, env.target, st.cache, last, draft_tokens,
                                 st.lengths, env.sampling, env.layers, greedy=env.greedy)
@@ -196,67 +202,7 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
                    drafter_state=dstate, key=key)
   return update_stats(st, new, draft_lengths, n_acc, n_emit)
 
-# ----------------------------------------------------------------------------- strategies
-
-class RoundStrategy:
-  """How a decode runs its rounds: the interface `decode` calls (static, hashable).
-
-  Implementations: Chain (below), spec_jax.tree.round.TreeRounds, spec_jax.governor.loop.
-  Governed. None of them imports the loop; the loop imports them through decoding.plan.
-
-  Attributes:
-    width: accepted_at columns (the most drafts a round can accept: K, a tree's depth D).
-    extent: cache slots past the last committed token a round may write (K; a tree's
-      cache_extent); capacity must hold the prompt + max_new_tokens + extent + 1.
-    lazy_drafter: the drafter may skip plain rounds and catch up later (PrefillInfo.lazy).
-  """
-  width: int = 0
-  extent: int = 0
-  lazy_drafter: bool = False
-
-  def check_target(self, target) -> None:
-    """Raises ValueError when this strategy cannot run on `target` (a Target)."""
-
-  def round_costs(self, drafter, round_costs):
-    """The per-round cost table this strategy reads (LoopEnv.round_costs), checked; None for
-    strategies that do not choose by cost (round_costs is then ignored)."""
-    del drafter, round_costs
-    return None
-
-  def init(self, env: LoopEnv, state: DecodeState) -> DecodeState:
-    """The state after the prefill with this strategy's own carry added (default: none)."""
-    del env
-    return state
-
-  def run(self, env: LoopEnv, state: DecodeState) -> DecodeState:
-    """Rounds until every row is done (default: `round` in a while loop)."""
-    return run_until_done(functools.partial(self.round, env), state)
-
-  def round(self, env: LoopEnv, state: DecodeState) -> DecodeState:
-    raise NotImplementedError
-
-  def k_rounds(self, final: DecodeState):
-    """int32 [width+1]: loop iterations per number of drafts (default: all at `width`)."""
-    return jnp.zeros((self.width + 1,), jnp.int32).at[self.width].set(final.iterations)
-
 
 def run_until_done(round_fn, state: DecodeState) -> DecodeState:
   """round_fn (state -> state) in a lax.while_loop until every row is done."""
   return jax.lax.while_loop(lambda st: ~jnp.all(st.done), round_fn, state)
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain(RoundStrategy):
-  """A chain of K drafts every round (K = 0: plain decoding)."""
-  k: int = 0
-
-  @property
-  def width(self) -> int:
-    return self.k
-
-  @property
-  def extent(self) -> int:
-    return self.k
-
-  def round(self, env, state):
-    return chain_round(env, state, k=self.k)

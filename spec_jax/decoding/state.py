@@ -1,7 +1,9 @@
-"""The decode loop's state types: the carry, the result, what every round closes over."""
+"""The decode loop's state types: the carry, its statistics, the result, what every round
+closes over."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -13,8 +15,28 @@ from spec_jax.sampling import Sampling
 
 
 @flax.struct.dataclass
+class RowCounts:
+  """Per-row statistics of the rounds so far (B rows, W = the strategy's width). Rows count
+  only while they run.
+
+  rounds: int32 [B] target verify passes.
+  drafted: int32 [B] valid draft tokens proposed.
+  accepted: int32 [B] drafts accepted and emitted (drafts cut by a stop token or the token
+    limit are not counted).
+  accepted_at: int32 [B, W] rounds in which draft position i was accepted and emitted.
+  finished_at_round: int32 [B] the loop iteration in which the row finished (0 = at the
+    prefill), or -1 while it runs.
+  """
+  rounds: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  accepted_at: jax.Array
+  finished_at_round: jax.Array
+
+
+@flax.struct.dataclass
 class DecodeState:
-  """Loop carry. B rows, capacity S, K drafts.
+  """Loop carry. B rows, capacity S.
 
   tokens: int32 [B, S] prompt + generated tokens; row b valid in [0, lengths[b]).
   lengths: int32 [B] committed tokens.
@@ -22,11 +44,12 @@ class DecodeState:
   cache: the target's KV cache (its own pytree: spec_jax.models' KVCache [L, B, S, Hkv, Dh]).
   drafter_state: the drafter's pytree.
   key: PRNG key, split once per round.
-  rounds, drafted, accepted: int32 [B] statistics; accepted_at: int32 [B, K].
-  finished_at_round: int32 [B], the round in which the row finished (0 = at the prefill), or -1
-    while it runs.
+  counts: RowCounts, the statistics (decoding.rounds.update_stats adds each round's).
   iterations: int32 scalar, loop iterations so far.
-  governor: the governor's state with num_draft="auto" (spec_jax.governor.GovernorState), else ().
+  strategy: the round strategy's own state (Strategy.init: the governor's GovernorState), or
+    (); the core never looks inside.
+  sampling_state: per-row state of the sampling transform that rounds update as they commit
+    tokens (logits processors' counts, a grammar's automaton), or () while there is none.
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -34,32 +57,26 @@ class DecodeState:
   cache: Any
   drafter_state: Any
   key: jax.Array
-  rounds: jax.Array
-  drafted: jax.Array
-  accepted: jax.Array
-  accepted_at: jax.Array
-  finished_at_round: jax.Array
+  counts: RowCounts
   iterations: jax.Array
-  governor: Any = ()
+  strategy: Any = ()
+  sampling_state: Any = ()
 
 
 @flax.struct.dataclass
 class DecodeResult:
-  """What `decode` returns: arrays only (B rows, capacity S, K drafts).
+  """What `decode` returns: arrays only (B rows, capacity S, W = the strategy's width: K, a
+  tree's depth, the governor's largest K).
 
   tokens: int32 [B, S]; row b holds its prompt in [0, prompt_lens[b]) and its new tokens in
     [prompt_lens[b], lengths[b]) (a stop token that ended the row included); the rest is junk.
   lengths: int32 [B] prompt + new tokens.
   prompt_lens: int32 [B].
-  rounds: int32 [B] target verify passes while the row was running.
-  drafted: int32 [B] valid draft tokens proposed to the row.
-  accepted: int32 [B] drafts accepted AND emitted (drafts cut by a stop token or the token limit
-    are not counted).
-  accepted_at: int32 [B, K], rounds in which draft position i was accepted and emitted.
-  finished_at_round: int32 [B], the loop iteration in which the row finished (0 = its first
-    token, sampled at the prefill, already ended it): a request's latency in rounds.
+  rounds, drafted, accepted: int32 [B]; accepted_at: int32 [B, W]; finished_at_round: int32
+    [B] (0 = its first token, sampled at the prefill, already ended it: a request's latency in
+    rounds): the RowCounts of the last round.
   iterations: int32 scalar, loop iterations (target forwards after the prefill).
-  k_rounds: int32 [K+1], loop iterations that ran with k drafts, k = 0..K (a fixed K puts every
+  k_rounds: int32 [W+1], loop iterations that ran with k drafts, k = 0..W (a fixed K puts every
     iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
     histogram of choices).
   """
@@ -74,6 +91,13 @@ class DecodeResult:
   iterations: jax.Array
   k_rounds: jax.Array
 
+  @classmethod
+  def of(cls, final: DecodeState, prompt_lens, k_rounds) -> "DecodeResult":
+    """The result of the loop's final state."""
+    counts = {f.name: getattr(final.counts, f.name) for f in dataclasses.fields(RowCounts)}
+    return cls(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
+               iterations=final.iterations, k_rounds=k_rounds, **counts)
+
 
 class LoopEnv(NamedTuple):
   """What every round of one decode call closes over (set once, before the loop).
@@ -83,7 +107,7 @@ class LoopEnv(NamedTuple):
   [B]), stop_tokens int32 [N], limit int32 [B] (the longest committed length of each row).
   rolled: drafters run their K-1 draft steps as a loop rather than unrolled
   (DraftContext.rolled; the governor's many K compile faster). round_costs: float32 [N] the
-  cost table of a strategy that chooses its rounds by cost (the governor), else None."""
+  cost table of a strategy that chooses its rounds by cost (Strategy.round_costs), else None."""
   target: Target
   drafter: Drafter
   drafter_params: Any

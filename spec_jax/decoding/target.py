@@ -33,7 +33,8 @@ that shape, or zeros, for targets whose drafters do not need it), the residual s
 each layer in `return_layers` (EAGLE-3 features; () when none are asked), and the new cache.
 Trees also need `move_kv`; the mesh needs `constrain_cache`. The prefill calls `forward_last`
 chunk by chunk (spec_jax.models.prefill): by default `forward` with the logits of one token per
-row gathered; override it to skip the LM head over the other positions.
+row gathered; override it to skip the LM head over the other positions. A cache that is not
+positional (a recurrent state) needs `commit_cache` after each round's acceptance.
 """
 
 from __future__ import annotations
@@ -43,12 +44,8 @@ from typing import Optional, Sequence
 
 import jax
 
-from spec_jax import sharding
-from spec_jax.models import cache as cache_lib, gemma
-from spec_jax.models.cache import GemmaKVCache, KVCache
+from spec_jax.models.cache import KVCache
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.layout import prepare_params
-from spec_jax.models.transformer import forward
 
 
 class Target:
@@ -110,6 +107,16 @@ class Target:
     raise ValueError(f"{type(self).__name__} has no move_kv: tree drafting needs it (pass "
                      "tree=None for a chain)")
 
+  def commit_cache(self, cache, lengths, n_accepted):
+    """After a round's acceptance: keep the accepted prefix of the verify's writes. lengths
+    int32 [B] before the round; n_accepted int32 [B]. The verify wrote positions lengths-1 ..
+    lengths-1+K; the round keeps lengths-1 .. lengths+n_accepted-1. Default: nothing, as for a
+    KV cache (rejected slots are masked by lengths and overwritten later). A recurrent state
+    (linear attention) that the verify returned for every position selects position
+    n_accepted here."""
+    del lengths, n_accepted
+    return cache
+
   def constrain_cache(self, mesh, cache):
     """Sharding annotations of the cache for a mesh (spec_jax.sharding); default: none."""
     del mesh
@@ -118,101 +125,67 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTarget(Target):
-  """spec_jax.models' llama-family transformers as a Target: one per ModelConfig (equal configs,
-  equal targets: one compile). as_target gives the Gemma families their own (GemmaTarget)."""
+  """spec_jax.models' transformers as a Target, for every family: one per ModelConfig (equal
+  configs, equal targets: one compile). Each method asks the config's family
+  (spec_jax.models.families) at trace time; nothing here depends on which family it is."""
   config: ModelConfig
-  tree_capable: bool = True
 
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
-
-  @property
-  def max_position_embeddings(self) -> int:
-    return self.config.max_position_embeddings
-
-  @property
-  def eos_token_ids(self) -> tuple:
-    return self.config.eos_token_ids
+  family = property(lambda self: self.config.family)
+  vocab_size = property(lambda self: self.config.vocab_size)
+  max_position_embeddings = property(lambda self: self.config.max_position_embeddings)
+  eos_token_ids = property(lambda self: self.config.eos_token_ids)
+  tree_capable = property(lambda self: self.config.family.tree_capable)
 
   def init_cache(self, batch, capacity):
-    return KVCache.zeros(self.config, batch, capacity)
+    return self.family.init_cache(self.config, batch, capacity)
 
   def check_cache(self, cache, batch, capacity):
     if not isinstance(cache, KVCache):
-      raise ValueError(f"cache must be an sj.KVCache (sj.KVCache.zeros(config, B, capacity)), "
-                       f"got {type(cache).__name__}")
-    want = jax.eval_shape(lambda: KVCache.zeros(self.config, batch, capacity,
-                                                head_major=cache.head_major))
-    if cache.k.shape != want.k.shape or cache.v.shape != want.k.shape:
+      Target.check_cache(self, cache, batch, capacity)
+      return
+    want = jax.eval_shape(lambda: self.family.init_cache(self.config, batch, capacity,
+                                                         cache.head_major))
+    shapes = lambda c: [tuple(x.shape) for x in jax.tree.leaves((c.k, c.v))]
+    if jax.tree.structure(cache) != jax.tree.structure(want) or shapes(cache) != shapes(want):
       layout = "[L, B, Hkv, S, Dh]" if cache.head_major else "[L, B, S, Hkv, Dh]"
-      raise ValueError(f"cache must be {layout} = {want.k.shape} (sj.KVCache.zeros(config, B, "
-                       f"capacity)), got {cache.k.shape}")
+      raise ValueError(f"cache must be {layout} buffers {shapes(want)} (sj.KVCache.zeros(config, "
+                       f"B, capacity)), got {shapes(cache)}")
 
   def prepare(self, params, mesh=None):
-    return prepare_params(params, self.config, mesh)
+    return self.family.prepare(params, self.config, mesh)
 
   def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
               return_layers=()):
-    return forward(params, self.config, tokens, cache, offsets, positions=positions,
-                   tree_mask=tree_mask, return_layers=return_layers)
+    return self.family.forward(params, self.config, tokens, cache, offsets, positions=positions,
+                               tree_mask=tree_mask, return_layers=return_layers)
 
   def forward_last(self, params, tokens, cache, offsets, logits_index, return_layers=()):
-    return forward(params, self.config, tokens, cache, offsets, return_layers=return_layers,
-                   logits_index=logits_index)
+    return self.family.forward(params, self.config, tokens, cache, offsets,
+                               return_layers=return_layers, logits_index=logits_index)
 
   def move_kv(self, cache, lengths, path, n_accepted):
-    return cache_lib.move_kv(cache, lengths, path, n_accepted)
+    return self.family.move_kv(cache, lengths, path, n_accepted)
+
+  def commit_cache(self, cache, lengths, n_accepted):
+    commit = self.family.commit_cache
+    return cache if commit is None else commit(cache, lengths, n_accepted)
 
   def constrain_cache(self, mesh, cache):
-    return sharding.constrain_cache(mesh, cache)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmaTarget(ModelTarget):
-  """spec_jax.models' Gemma 3 / Gemma 4 transformers (spec_jax.models.gemma) as a Target: their
-  own forward, and a cache with one buffer per attention type (GemmaKVCache: the layers differ
-  in KV shape; KV-shared layers have none)."""
-
-  def init_cache(self, batch, capacity):
-    return GemmaKVCache.zeros(self.config, batch, capacity)
-
-  def check_cache(self, cache, batch, capacity):
-    Target.check_cache(self, cache, batch, capacity)
-
-  def prepare(self, params, mesh=None):
-    return gemma.prepare_params(params, self.config, mesh)
-
-  def forward(self, params, tokens, cache, offsets, *, positions=None, tree_mask=None,
-              return_layers=()):
-    return gemma.forward(params, self.config, tokens, cache, offsets, positions=positions,
-                         tree_mask=tree_mask, return_layers=return_layers)
-
-  def forward_last(self, params, tokens, cache, offsets, logits_index, return_layers=()):
-    return gemma.forward(params, self.config, tokens, cache, offsets,
-                         return_layers=return_layers, logits_index=logits_index)
-
-  def move_kv(self, cache, lengths, path, n_accepted):
-    return cache.move_accepted(lengths, path, n_accepted)
-
-  def constrain_cache(self, mesh, cache):
-    return cache if mesh is None else cache.constrain(mesh)
+    return self.family.constrain_cache(mesh, cache)
 
 
 def as_target(config) -> Target:
-  """A Target for decode's `config=`: a Target as it is, a ModelConfig wrapped in ModelTarget
-  (GemmaTarget for the Gemma families); ValueError otherwise."""
+  """A Target for decode's `config=`: a Target as it is, a ModelConfig wrapped in ModelTarget;
+  ValueError otherwise."""
   if isinstance(config, Target):
     return config
   if isinstance(config, ModelConfig):
-    return GemmaTarget(config) if config.is_gemma else ModelTarget(config)
+    return ModelTarget(config)
   raise ValueError(f"config must be a spec_jax ModelConfig or a spec_jax.Target (the target "
                    f"protocol, spec_jax.decoding.target), got {type(config).__name__}")
 
 
 def model_config(target: Target) -> Optional[ModelConfig]:
-  """The ModelConfig behind a (llama-family) ModelTarget, None for other targets (what host-side
-  helpers that know that family's layout, like the CPU execution-layout cache, ask)."""
-  if isinstance(target, ModelTarget) and not isinstance(target, GemmaTarget):
-    return target.config
-  return None
+  """The ModelConfig behind a ModelTarget, None for other targets (what host-side helpers that
+  know spec_jax.models' layouts, like the CPU execution-layout cache, ask)."""
+  return target.config if isinstance(target, ModelTarget) else None

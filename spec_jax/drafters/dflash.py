@@ -497,7 +497,7 @@ def layer_config(target_config: ModelConfig, num_layers: int,
 
 
 def init_layers(cfg: ModelConfig, key, std: float) -> dict:
-  """Stacked [N, ...] layer params in transformer.py's names, plus q_norm / k_norm."""
+  """Stacked [N, ...] layer params in the llama family's names (models.llama.forward), plus q_norm / k_norm."""
   n, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
   hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   ks = iter(jax.random.split(key, 7))

@@ -50,23 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.drafters.eagle3_format import _open_weights, _read_config
+from spec_jax.models import hf_reader
 
 ARCHITECTURES = ("DFlashDraftModel",)
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # public suffix (after "layers.i.") -> (our layer leaf, transpose)
-_LAYER = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_LAYER = hf_reader.layer_names()
 _TOP = {"fc.weight": ("fc", True), "hidden_norm.weight": ("hidden_norm", False),
         "norm.weight": ("norm", False), "mask_embedding": ("mask_embed", False)}
 _TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
@@ -97,7 +86,7 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
 
   Raises ValueError naming the field that does not fit."""
   from spec_jax.drafters import dflash
-  from spec_jax.models.hf import rope_from_hf
+  from spec_jax.models.llama.hf import rope_from_hf
   t = target_config
   if not set(cfg.get("architectures") or ()) & set(ARCHITECTURES):
     raise ValueError(f"{where}: architectures {cfg.get('architectures')!r}; a DFlash folder "

@@ -55,9 +55,9 @@ import numpy as np
 from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.blocks import (_attention, _mlp, _out_projection, _qkv_projections,
+from spec_jax.models.blocks import (attention, out_projection, qkv_projections, swiglu_mlp,
                                     apply_rope, embed, rms_norm, rope_inv_freq, rope_tables)
-from spec_jax.models.cache import write_rows as _write_rows
+from spec_jax.models.cache import write_rows
 
 
 def _eye_block(d, parts, which, scale=1.0):
@@ -199,14 +199,14 @@ def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, off
   b, t, _ = residual.shape
   hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rope = rope_tables(positions, inv_freq)
-  q, k, v = _qkv_projections(cfg, lp, h)
+  q, k, v = qkv_projections(cfg, lp, h)
   q = apply_rope(q.reshape(b, t, hq, dh), positions, tables=rope)
   k = apply_rope(k.reshape(b, t, hkv, dh), positions, tables=rope)
-  k_cache = _write_rows(k_cache[None], 0, k, offsets, head_major)[0]
-  v_cache = _write_rows(v_cache[None], 0, v.reshape(b, t, hkv, dh), offsets, head_major)[0]
-  attn = _attention(cfg, q, k_cache, v_cache, offsets + t, tree_mask, head_major)
-  x = residual + _out_projection(lp, attn.reshape(b, t, hq * dh))
-  x = x + _mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
+  k_cache = write_rows(k_cache[None], 0, k, offsets, head_major)[0]
+  v_cache = write_rows(v_cache[None], 0, v.reshape(b, t, hkv, dh), offsets, head_major)[0]
+  attn = attention(cfg, q, k_cache, v_cache, offsets + t, tree_mask, head_major)
+  x = residual + out_projection(lp, attn.reshape(b, t, hq * dh))
+  x = x + swiglu_mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
   return x, k_cache, v_cache
 
 

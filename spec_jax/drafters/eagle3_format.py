@@ -49,22 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.models import hf_reader
+
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 FORMATS = ("eagle3",)
 
 # public suffix (after "midlayer.") -> (our layer leaf, transpose)
-_MID = {
-    "input_layernorm.weight": ("embed_norm", False),
-    "hidden_norm.weight": ("hidden_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_MID = hf_reader.layer_names(rename={"input_layernorm.weight": "embed_norm"},
+                             add={"hidden_norm.weight": ("hidden_norm", False)},
+                             drop=("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
 _TOP_LEVEL_LEAVES = ("embed_norm", "hidden_norm")     # midlayer norms kept outside params/layer
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -72,13 +65,7 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # ----------------------------------------------------------------------------- config
 
 def _read_config(path: pathlib.Path) -> dict:
-  try:
-    cfg = json.loads((path / "config.json").read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path / 'config.json'}: not a readable JSON config: {e}") from e
-  if not isinstance(cfg, dict):
-    raise ValueError(f"{path / 'config.json'}: a config is a JSON object")
-  return cfg
+  return hf_reader.read_json_config(path)
 
 
 def is_eagle3_folder(path) -> bool:
@@ -130,7 +117,7 @@ def _need(cfg: dict, name: str, where: str):
 def _layer_config(cfg: dict, target_config, where: str):
   """The head's layer ModelConfig from a public config.json, checked against the target."""
   from spec_jax.drafters.feature_head import head_layer_config
-  from spec_jax.models.hf import rope_from_hf
+  from spec_jax.models.llama.hf import rope_from_hf
   t = target_config
   d = int(_need(cfg, "hidden_size", where))
   dt = int(cfg.get("target_hidden_size") or d)
@@ -175,7 +162,7 @@ def _layer_config(cfg: dict, target_config, where: str):
 # ----------------------------------------------------------------------------- tensors
 
 class _TorchFile:
-  """pytorch_model.bin through torch.load(weights_only=True), with the _TensorFile interface."""
+  """pytorch_model.bin through torch.load(weights_only=True), with the hf_reader.TensorFile interface."""
 
   def __init__(self, path: pathlib.Path):
     import torch
@@ -200,10 +187,9 @@ class _TorchFile:
 
 def _open_weights(path: pathlib.Path) -> dict:
   """{tensor name: file object} over the folder's safetensors (single or sharded) or .bin."""
-  from spec_jax.models import hf
   if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-    files, _ = hf.tensor_files(path)
-    opened = [hf._TensorFile(p) for p in files]
+    files, _ = hf_reader.tensor_files(path)
+    opened = [hf_reader.TensorFile(p) for p in files]
   elif (path / "pytorch_model.bin").is_file():
     opened = [_TorchFile(path / "pytorch_model.bin")]
   else:

@@ -64,7 +64,7 @@ from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
 from spec_jax.models.cache import default_head_major
-from spec_jax.models.transformer import decoder_layer
+from spec_jax.models.llama.forward import decoder_layer
 
 KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
@@ -82,11 +82,8 @@ def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[in
                       num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
                       copy_attention_flags: bool = False) -> ModelConfig:
   """The head's one-layer ModelConfig (float32): the target's width and RoPE, its own MLP (a
-  llama-style layer also for Gemma targets: gemma_layout.llama_view)."""
-  c = target_config
-  if c.is_gemma:
-    from spec_jax.models.gemma_layout import llama_view
-    c = llama_view(c)
+  llama-style layer whatever the target's family: its family's llama_view)."""
+  c = target_config.family.llama_view(target_config)
   heads = num_heads or c.num_heads
   kv = num_kv_heads or (c.num_kv_heads if heads == c.num_heads else heads)
   return c.replace(
@@ -99,8 +96,8 @@ def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[in
 
 
 def init_layer_params(cfg: ModelConfig, key, std: float = 0.02) -> dict:
-  """One decoder layer's params (no [L] axis) in transformer.py's layout: normal(std) weights,
-  unit norms, zero biases."""
+  """One decoder layer's params (no [L] axis) in the llama family's layout
+  (models.llama.forward): normal(std) weights, unit norms, zero biases."""
   d, f, hq, hkv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                        cfg.head_dim)
   ks = iter(jax.random.split(key, 8))

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
-from spec_jax.models import gemma, gemma_layout
-from spec_jax.models.blocks import _attention
+from spec_jax.models.blocks import AttentionSpec, attention
+from spec_jax.models.cache import KVCache
+from spec_jax.models.gemma import forward as gemma, plan as gemma_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _unfold_output(o, f: int, num_heads: int, num_kv_heads: int):
 def check_pair(decoder_config, head: AssistantHead, target_config) -> None:
   """ValueError unless the assistant can draft for this target (a Gemma 4 of the same
   vocabulary and width whose cache has the KV shapes the assistant's queries read)."""
-  if not getattr(target_config, "is_gemma", False) or target_config.model_type != "gemma4":
+  if target_config.model_type != "gemma4":
     raise ValueError(f"the Gemma 4 assistant drafts for Gemma 4 targets only, got model_type "
                      f"{target_config.model_type!r}")
   if target_config.vocab_size != decoder_config.vocab_size:
@@ -134,7 +135,7 @@ def assistant_step(params, decoder_config, head: AssistantHead, target_config, t
     # The query sits after the cache's last valid entry (slot lengths-2): a window of W+1
     # there is the reference's last W+1 entries.
     window = None if plan.window is None else plan.window + 1
-    attn = _attention(gemma._attention_config(c.attention_impl, window), q.astype(k_all.dtype),
+    attn = attention(AttentionSpec(c.attention_impl, window), q.astype(k_all.dtype),
                       k_all, v_all, kv_lengths, None, target_cache.head_major)
     attn = _unfold_output(attn, f, c.num_heads, store.num_kv_heads).astype(dtype)
     o = gemma.dot(attn.reshape(b, f, c.num_heads * plan.head_dim), lp["wo"]).astype(dtype)
@@ -231,9 +232,8 @@ class Gemma4Assistant(Drafter):
     cache of the target's shape: the same cost, drafts that mean nothing (still lossless)."""
     if ctx.target_cache is not None:
       return ctx.target_cache
-    from spec_jax.models.cache import GemmaKVCache
     b, s = ctx.tokens.shape
-    return GemmaKVCache.zeros(self.target_config, b, s)
+    return KVCache.zeros(self.target_config, b, s)
 
   def propose(self, params, state: AssistantState, ctx: DraftContext):
     k = ctx.num_draft

@@ -9,7 +9,7 @@ Names (HF [out, in] Linear weights transposed into our [in, out]):
   model.embed_tokens.weight [V, D_a]        embed (the tied LM head; lm_head.weight when untied)
   model.norm.weight                         final_norm
   model.layers.N.*                          layers[N]: the Gemma 4 layer names of
-                                            spec_jax.models.gemma_hf, q-side only
+                                            spec_jax.models.gemma.hf, q-side only
   masked_embedding.centroids.weight [C, D_a]   centroids [D_a, C]   (use_ordered_embeddings)
   masked_embedding.token_ordering [V]          token_ordering int32
 """
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.drafters.gemma4_assistant import AssistantHead, Gemma4Assistant, check_pair
-from spec_jax.models import gemma_hf, hf_files
+from spec_jax.models import hf, hf_reader
+from spec_jax.models.gemma.hf import LAYER_NAMES
 
 MODEL_TYPE = "gemma4_assistant"
 _Q_ONLY = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "wq", "q_norm", "wo",
@@ -54,8 +55,8 @@ def config_from_hf(cfg, dtype: str, source: str) -> tuple:
   # Its layers attend to the target's cache; as a ModelConfig it is a stack without KV sharing
   # (only its q side, norms, RoPE and MLP are used).
   text.num_kv_shared_layers = 0
-  decoder = gemma_hf.config_from_hf(text, dtype=dtype, source=source,
-                                    tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)))
+  decoder = hf.config_from_hf(text, dtype=dtype, source=source,
+                              tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)))
   ordered = bool(getattr(cfg, "use_ordered_embeddings", False))
   head = AssistantHead(backbone_hidden_size=int(cfg.backbone_hidden_size), ordered=ordered,
                        num_centroids=int(cfg.num_centroids) if ordered else 0,
@@ -72,7 +73,7 @@ def config_from_hf(cfg, dtype: str, source: str) -> tuple:
 
 def expected_shapes(decoder, head: AssistantHead) -> dict:
   """Shapes of every param leaf of an assistant."""
-  from spec_jax.models.gemma import init_params
+  from spec_jax.models.gemma.forward import init_params
   abstract = jax.eval_shape(lambda k: init_params(decoder, k), jax.random.key(0))
   d_a, d_t = decoder.hidden_size, head.backbone_hidden_size
   out = {"layers": [{k: tuple(v.shape) for k, v in lp.items() if k in _Q_ONLY}
@@ -113,10 +114,10 @@ def load(path, target, greedy_drafts: bool = False,
   check_pair(decoder, head, target.config)
   shapes = expected_shapes(decoder, head)
 
-  paths, _ = hf_files.tensor_files(folder)
+  paths, _ = hf_reader.tensor_files(folder)
   plan, unknown = [], []
   for p in paths:
-    f = hf_files.TensorFile(p)
+    f = hf_reader.TensorFile(p)
     for name in f.names:
       if name in _TOP:
         leaf, transpose = _TOP[name]
@@ -126,7 +127,7 @@ def load(path, target, greedy_drafts: bool = False,
       elif name.startswith("model.layers."):
         rest = name[len("model.layers."):]
         idx, _, suffix = rest.partition(".")
-        entry = gemma_hf._LAYER_NAMES.get(suffix)
+        entry = LAYER_NAMES.get(suffix)
         if not idx.isdigit() or int(idx) >= decoder.num_layers or entry is None or \
             entry[0] not in shapes["layers"][int(idx)]:
           unknown.append(name)
@@ -143,7 +144,7 @@ def load(path, target, greedy_drafts: bool = False,
   if unknown:
     raise ValueError(f"{folder}: {len(unknown)} tensor(s) a Gemma 4 assistant does not use: "
                      f"{', '.join(sorted(unknown)[:8])}")
-  np_dtype = hf_files.np_dtype(dtype)
+  np_dtype = hf_reader.np_dtype(dtype)
   params = {"layers": [dict() for _ in range(decoder.num_layers)]}
   for name, f, target_path, transpose in plan:
     want = shapes

@@ -41,7 +41,7 @@ import numpy as np
 
 from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
 from spec_jax.models.config import ModelConfig
-from spec_jax.models import hf
+from spec_jax.models.llama import hf as llama_hf
 
 
 class MTP(FeatureHead):
@@ -81,7 +81,7 @@ class MTP(FeatureHead):
     return cls(params, model.config, cfg, (model.config.num_layers - 1,), greedy_drafts)
 
 
-_LAYER_SUFFIX = hf._LAYER_NAMES  # one HF -> ours name table, shared with the loader
+_LAYER_SUFFIX = llama_hf.LAYER_NAMES  # one HF -> ours name table, shared with the loader
 _NORM_LEAVES = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 
 

@@ -123,9 +123,9 @@ class UnitRunner:
     drafter read equally long caches) and for the timed and the 1-token TTFT call: the
     power-of-two bucket of the longest prompt + max_new_tokens + the widest round of any
     configuration (one compiled decode per bucket and configuration)."""
-    from spec_jax.decoding.plan import drafting_plan
     from spec_jax.decoding.prompts import capacity_bucket
-    extent = max([0] + [drafting_plan(c.drafter, c.num_draft).extent for c in self.configs
+    from spec_jax.decoding.strategies import strategy_for
+    extent = max([0] + [strategy_for(None, c.drafter, c.num_draft).extent for c in self.configs
                         if c.drafter is not None])
     return capacity_bucket(max(len(p) for p in prompts) + self.max_new + extent + 1,
                            self.target.config.max_position_embeddings)

@@ -1,14 +1,15 @@
 """num_draft="auto": the speculation governor picks K (0 = a plain step) every round.
 
 Modules: options (Governor, its knobs), costs (CostTable), choice (the per-round choice and
-the live acceptance), loop (the governed loop, the Governed round strategy). Measuring a cost
-table is spec_jax.calibration's job (it times compiled decodes, so it sits above the core).
+the live acceptance): pure functions of arrays. The loop that runs them is the Governed round
+strategy (spec_jax.decoding.strategies.governed); measuring a cost table is
+spec_jax.decoding.calibration's job (it times compiled decodes, on the host side).
 
 Cost model. A round with K drafts costs t(K) seconds for the whole batch (drafting, the verify
 forward over K+1 tokens, acceptance, commit: tau / (K c_draft + c_verify(K+1)) of
 ../shared/DESIGN.md with the denominator measured as one number). t(K) is a cost table measured
 once per (device kind, target, drafter, batch B, capacity bucket, greedy or not) by
-`sj.calibrate` (spec_jax.calibration), and cached as JSON under $XDG_CACHE_HOME/spec_jax/governor
+`sj.calibrate` (spec_jax.decoding.calibration), and cached as JSON under $XDG_CACHE_HOME/spec_jax/governor
 (default ~/.cache/spec_jax/governor). It times the very executable generate() then runs (compiled once,
 shared): decode(num_draft="auto") with K forced through the cost vector, two lengths per K,
 differenced so the prefill and per-call work cancel (measure_round_costs). A row b with per-token
@@ -53,9 +54,7 @@ speculative round for any K, so the output distribution is the target's (tests/t
 
 from spec_jax.governor.choice import choose, expected_tokens, observe, row_alpha
 from spec_jax.governor.costs import CostTable
-from spec_jax.governor.loop import Governed, governed_loop, k_rounds
-from spec_jax.governor.options import DEFAULT_KS, OPTIONS, Governor, GovernorState, resolve
+from spec_jax.governor.options import DEFAULT_KS, OPTIONS, Governor, GovernorState
 
-__all__ = ["Governor", "GovernorState", "CostTable", "Governed", "DEFAULT_KS", "OPTIONS",
-           "resolve", "choose", "observe", "row_alpha", "expected_tokens", "governed_loop",
-           "k_rounds"]
+__all__ = ["Governor", "GovernorState", "CostTable", "DEFAULT_KS", "OPTIONS", "choose",
+           "observe", "row_alpha", "expected_tokens"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from spec_jax.decoding.state import DecodeState
 from spec_jax.governor.options import Governor, GovernorState
 
 
@@ -47,15 +46,18 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   return jnp.argmax(jnp.stack(scores)).astype(jnp.int32), draft_rows
 
 
-def observe(gov: Governor, gs: GovernorState, before: DecodeState, after: DecodeState, k: int,
+def observe(gov: Governor, gs: GovernorState, active, accepted, k: int,
             draft_rows) -> GovernorState:
-  """The acceptance counts after a round of K drafts (rows that drafted only)."""
+  """The acceptance counts after a round of K drafts (rows that drafted only).
+
+  active: bool [B] the rows running at the round's start; accepted: int32 [B] the drafts each
+  row accepted in the round; draft_rows: bool [B] the rows allowed to draft, or None (all)."""
   if k == 0:
     return gs
-  seen = ~before.done
+  seen = active
   if draft_rows is not None:
     seen = seen & draft_rows
-  a = (after.accepted - before.accepted).astype(jnp.float32)
+  a = accepted.astype(jnp.float32)
   j = a + (a < k).astype(jnp.float32)
   lam = gov.smoothing
   return gs.replace(accepted=jnp.where(seen, lam * gs.accepted + a, gs.accepted),

@@ -1,4 +1,4 @@
-"""CostTable: measured seconds per round at each candidate K (spec_jax.calibration makes them)."""
+"""CostTable: measured seconds per round at each candidate K (spec_jax.decoding.calibration makes them)."""
 
 from __future__ import annotations
 

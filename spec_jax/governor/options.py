@@ -199,24 +199,3 @@ class GovernorState:
   judged: jax.Array
   k_hist: jax.Array
   choice: jax.Array
-
-
-def resolve(governor, drafter) -> Governor:
-  """The Governor for num_draft="auto" (None = defaults), checked against the drafter before
-  anything compiles."""
-  if drafter is None:
-    raise ValueError("num_draft='auto' needs a drafter: the governor chooses how many of its "
-                     "drafts to verify (pass drafter=..., or an integer num_draft without one)")
-  from spec_jax.drafters.base import Drafter
-  if not isinstance(drafter, Drafter):
-    raise ValueError(f"drafter must be a spec_jax.drafters drafter, got "
-                     f"{type(drafter).__name__}")
-  if governor is None:
-    governor = Governor()
-  elif isinstance(governor, dict):
-    governor = Governor(**governor)
-  elif not isinstance(governor, Governor):
-    raise ValueError(f"governor must be a spec_jax.Governor, a dict of its options or None, "
-                     f"got {type(governor).__name__}")
-  governor.candidates(drafter)                 # ValueError: K above the drafter's max_draft
-  return governor

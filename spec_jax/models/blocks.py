@@ -1,12 +1,15 @@
-"""The building blocks every family's forward shares: norms, RoPE, the verify attention over a
+"""The building blocks the families' forwards share: norms, RoPE, the verify attention over a
 cache layer, the projections (in any execution layout, accumulated in f32 for bf16), the
-embedding and the LM head. spec_jax.models.transformer (llama family) and spec_jax.models.gemma
-assemble them into layers."""
+embedding and the LM head. spec_jax.models.llama and spec_jax.models.gemma assemble them into
+layers; draft heads build their own layers from them.
+
+The blocks read a few config fields only (duck-typed: a ModelConfig, or an AttentionSpec where
+a layer's attention differs from the model's)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,13 @@ from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
 from spec_jax.models import matmul
-from spec_jax.models.config import ModelConfig
+
+
+class AttentionSpec(NamedTuple):
+  """What `attention` reads of a config, for one layer: the impl (ModelConfig.attention_impl)
+  and the sliding window (None: full attention)."""
+  attention_impl: str
+  sliding_window: Optional[int] = None
 
 
 class ForwardOutput(NamedTuple):
@@ -40,7 +49,7 @@ def rms_norm(x, weight, eps):
   return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+def rope_inv_freq(config) -> np.ndarray:
   """Inverse frequencies [Dh/2] (numpy, static), with llama3 / linear scaling."""
   dh = config.head_dim
   inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
@@ -88,9 +97,10 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 
 
 
-def _attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
+def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh]. (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
+  [B,Hkv,S,Dh] -> [B,T,Hq,Dh]; kv_lengths, tree_mask as kernels_pallas.verify_attention's.
+  config: a ModelConfig or an AttentionSpec (attention_impl, sliding_window). (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
   the whole stack with kernels_pallas' layer= made XLA:TPU copy the entire stack into the
   custom call's layout before every call, 512 MiB a layer for an 8-layer 8B-wide decode,
   measured; a slice costs one layer's copy.)"""
@@ -152,7 +162,7 @@ def residual_boundary(x):
   return x
 
 
-def _dense(x, w, transposed: bool = False):
+def dense(x, w, transposed: bool = False):
   """x [..., in] times a weight stored [in, out] (transposed False) or [out, in] (True), in x's
   dtype, accumulated in float32 for bf16 (spec_jax.models.matmul); with transposed, w may be a
   tuple of row chunks [out_i, in] (see models.layout.fuse_layers' chunks)."""
@@ -164,40 +174,40 @@ def _rows(x) -> int:
   return math.prod(x.shape[:-1])
 
 
-def _project(lp, name: str, x):
+def project(lp, name: str, x):
   """x times projection `name` of layer params lp, in whichever orientation it is stored for
   this many rows (models.layout.pick_weight); None when lp has no such projection."""
   picked = matmul.pick_weight(lp, name, _rows(x))
-  return None if picked is None else _dense(x, *picked)
+  return None if picked is None else dense(x, *picked)
 
 
-def _qkv_projections(config: ModelConfig, lp, h):
+def qkv_projections(config, lp, h):
   """q [B,T,Hq*Dh], k, v [B,T,Hkv*Dh] from the normed input, in either param layout."""
   nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  y = _project(lp, "wqkv", h)
+  y = project(lp, "wqkv", h)
   if y is not None:
     if config.qkv_bias:
       y = y + lp["bqkv"]
     return y[..., :nq], y[..., nq:nq + nkv], y[..., nq + nkv:]
-  q, k, v = _dense(h, lp["wq"]), _dense(h, lp["wk"]), _dense(h, lp["wv"])
+  q, k, v = dense(h, lp["wq"]), dense(h, lp["wk"]), dense(h, lp["wv"])
   if config.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   return q, k, v
 
 
-def _mlp(lp, h):
+def swiglu_mlp(lp, h):
   """SwiGLU: down(silu(gate h) * up h), in either param layout."""
-  gu = _project(lp, "w_gu", h)
+  gu = project(lp, "w_gu", h)
   if gu is not None:
     gate, up = jnp.split(gu, 2, axis=-1)
     inner = jax.nn.silu(gate) * up
   else:
-    inner = jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"])
-  return _project(lp, "w_down", inner)
+    inner = jax.nn.silu(dense(h, lp["w_gate"])) * dense(h, lp["w_up"])
+  return project(lp, "w_down", inner)
 
 
-def _out_projection(lp, attn):
-  return _project(lp, "wo", attn)
+def out_projection(lp, attn):
+  return project(lp, "wo", attn)
 
 
 def embed(params, tokens):
@@ -212,7 +222,7 @@ def select_rows(hidden, index):
   return jnp.take_along_axis(hidden, index.astype(jnp.int32)[:, None, None], axis=1)
 
 
-def lm_head(params, config: ModelConfig, hidden):
+def lm_head(params, config, hidden):
   """hidden [..., D] (after the final norm) -> float32 logits [..., V] (soft-capped,
   c * tanh(logits / c), when config.final_logit_softcap is set: Gemma)."""
   if config.tie_embeddings:

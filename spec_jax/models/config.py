@@ -1,13 +1,14 @@
 """ModelConfig: the static, hashable description of a decoder-only transformer.
 
-One config covers the llama, mistral, qwen2 and qwen3 families: they differ only in
-grouped-query attention sizes, RoPE scaling, q/k RMSNorm (qwen3), qkv bias (qwen2),
-the optional sliding window (mistral) and whether the LM head is tied to the embedding.
+model_type picks the family that runs it (`config.family`, from spec_jax.models.families).
+The llama family (llama, mistral, qwen2, qwen3) differs only in grouped-query attention sizes,
+RoPE scaling, q/k RMSNorm (qwen3), qkv bias (qwen2), the optional sliding window (mistral) and
+whether the LM head is tied to the embedding.
 
-Gemma 3 and Gemma 4 (model_type "gemma3" / "gemma4", run by spec_jax.models.gemma) add a
-per-layer pattern of attention types with per-type RoPE and KV shapes, sandwich norms, GeGLU,
-logit soft-capping, KV sharing and per-layer embeddings: the fields after `num_mtp_layers`.
-They keep their defaults (the llama-family math) for every other model_type.
+The Gemma family (gemma3 / gemma4, spec_jax.models.gemma) adds a per-layer pattern of attention
+types with per-type RoPE and KV shapes, sandwich norms, GeGLU, logit soft-capping, KV sharing
+and per-layer embeddings: the fields after `num_mtp_layers`, which every other family's configs
+leave at their defaults (a family's `config_fields`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-GEMMA_MODEL_TYPES = ("gemma3", "gemma4")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + GEMMA_MODEL_TYPES
+from spec_jax.models.family import Family
+from spec_jax.models.families import FAMILIES, SUPPORTED_MODEL_TYPES, family_of
+
 ATTENTION_IMPLS = ("auto", "reference", "pallas")
-from spec_jax.models.gemma_layout import (GEMMA_ONLY as _GEMMA_ONLY, check_gemma_config,
-                                          num_params as gemma_num_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,8 @@ class ModelConfig:
     qk_norm: RMSNorm over head_dim on q and k before RoPE (qwen3).
     sliding_window: None, or the attention window (mistral).
     max_position_embeddings: the longest context the model was trained for.
-    model_type: one of SUPPORTED_MODEL_TYPES (informational; the math is set by the flags).
+    model_type: one of SUPPORTED_MODEL_TYPES: picks the family (within the llama family the
+      math is set by the flags).
     bos_token_id: prepended to text prompts when the tokenizer does not add it.
     eos_token_ids: tokens that end generation by default.
     dtype: "float32" or "bfloat16", the dtype of params and activations.
@@ -51,7 +52,7 @@ class ModelConfig:
       jnp reference on CPU), "reference", or "pallas" (interpret mode on CPU).
     num_mtp_layers: native multi-token-prediction modules carried by the checkpoint.
 
-  Gemma fields (model_type "gemma3" / "gemma4" only; spec_jax.models.gemma_layout reads them):
+  Gemma fields (model_type "gemma3" / "gemma4" only; spec_jax.models.gemma.plan reads them):
     hidden_act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh GELU).
     embed_scale: the embedding is multiplied by sqrt(hidden_size), the scale cast to `dtype`.
     norm_plus_one: every RMSNorm is x_hat * (1 + w) (Gemma 3) rather than x_hat * w.
@@ -130,18 +131,19 @@ class ModelConfig:
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
     object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-    if self.is_gemma:
-      check_gemma_config(self)
-    else:
-      changed = [k for k, v in _GEMMA_ONLY.items() if getattr(self, k) != v]
+    family = self.family
+    for other in FAMILIES.values():
+      changed = [k for k, v in other.config_fields.items()
+                 if k not in family.config_fields and getattr(self, k) != v]
       if changed:
         raise ValueError(f"ModelConfig fields {', '.join(changed)} apply to model_type "
-                         f"{' / '.join(GEMMA_MODEL_TYPES)} only, not {self.model_type!r}")
+                         f"{' / '.join(other.model_types)} only, not {self.model_type!r}")
+    family.check_config(self)
 
   @property
-  def is_gemma(self) -> bool:
-    """Gemma 3 / Gemma 4: run by spec_jax.models.gemma (per-layer KV shapes, its own cache)."""
-    return self.model_type in GEMMA_MODEL_TYPES
+  def family(self) -> Family:
+    """The family that runs this config (spec_jax.models.families)."""
+    return family_of(self.model_type)
 
   @property
   def rope_scaling_dict(self) -> dict:
@@ -149,12 +151,7 @@ class ModelConfig:
 
   @property
   def num_params(self) -> int:
-    if self.is_gemma:
-      return gemma_num_params(self)
-    d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
-    hq, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
-    per_layer = d * dh * (hq + 2 * hkv) + hq * dh * d + 3 * d * f + 2 * d
-    return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
+    return self.family.num_params(self)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

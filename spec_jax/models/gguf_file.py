@@ -267,7 +267,7 @@ def read_tokenizer(path: pathlib.Path, eos_ids=()):
 
 
 def read_gguf(path, dtype: Optional[str] = None, tokenizer: bool = True) -> tuple:
-  """A GGUF file -> (ModelConfig, numpy params in transformer.py's layout, tokenizer or None).
+  """A GGUF file -> (ModelConfig, numpy params in the llama family's layout, tokenizer or None).
   dtype None keeps float32 (the dequantised values); "bfloat16" rounds them."""
   path = pathlib.Path(path)
   reader = open_reader(path)

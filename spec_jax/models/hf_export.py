@@ -3,11 +3,9 @@
     save_hf(sj.load("../shared/models/stories260K"), "out/stories260K-hf")
     # out/stories260K-hf/config.json, model.safetensors, generation_config.json, tokenizer files
 
-The inverse of `spec_jax.models.hf`'s loader: the same tensor names (its `_LAYER_NAMES` /
-`_TOP_NAMES` table, read backwards), torch's [out, in] Linear layout, the model's dtype. Our q/k
-weights are already in the rotate_half RoPE layout transformers uses (llama2.c checkpoints are
-permuted into it when loaded), so no permutation is needed. A tied LM head is stored once, as
-`model.embed_tokens.weight`.
+The inverse of the loader, for the families whose record has `hf_export` (the llama family:
+spec_jax.models.llama.export writes config.json and the tensors under their HF names); others
+are refused with a ValueError naming the model types that can be written.
 
 Tokenizers: a Hugging Face tokenizer is saved with its own `save_pretrained`. A llama2.c
 tokenizer is written twice: as `tok{V}.bin` in llama2.c's format (which `sj.load` prefers, so
@@ -30,109 +28,11 @@ from typing import Optional
 
 import numpy as np
 
-from spec_jax.models.config import ModelConfig
-from spec_jax.models.hf import _LAYER_NAMES, _TOP_NAMES
+from spec_jax.models.families import FAMILIES
 from spec_jax.models.model import Model
 from spec_jax.models.tokenizers import HFTokenizer, Llama2cTokenizer
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _SPACE = "\u2581"   # sentencepiece's "▁"
-
-
-# ----------------------------------------------------------------------------- config
-
-def _check_expressible(c: ModelConfig) -> None:
-  """transformers' classes fix some flags per family; refuse what they cannot express."""
-  if c.is_gemma:
-    raise ValueError(f"save_hf writes llama-family folders; a {c.model_type} model is not "
-                     "supported (allowed: llama, mistral, qwen2, qwen3)")
-  if c.qk_norm != (c.model_type == "qwen3"):
-    raise ValueError(f"save_hf: a {c.model_type} model with qk_norm={c.qk_norm} has no "
-                     f"transformers class (q/k RMSNorm is exactly qwen3's); allowed: qk_norm "
-                     f"only with model_type 'qwen3'")
-  if c.model_type == "mistral" and c.qkv_bias:
-    raise ValueError("save_hf: transformers' Mistral has no q/k/v biases; allowed: "
-                     "qkv_bias=False for model_type 'mistral' (or use 'llama' / 'qwen2')")
-  if c.num_mtp_layers:
-    raise ValueError("save_hf: writing native MTP modules is not supported; the model has "
-                     f"num_mtp_layers={c.num_mtp_layers} (allowed: 0)")
-
-
-def hf_config(c: ModelConfig) -> dict:
-  """ModelConfig -> the config.json dict of its transformers class (what `hf.config_from_hf`
-  reads back into the same ModelConfig)."""
-  _check_expressible(c)
-  scaling = c.rope_scaling_dict
-  eos = list(c.eos_token_ids)
-  cfg = {
-      "architectures": [_ARCHITECTURES[c.model_type]],
-      "model_type": c.model_type,
-      "vocab_size": c.vocab_size,
-      "hidden_size": c.hidden_size,
-      "intermediate_size": c.intermediate_size,
-      "num_hidden_layers": c.num_layers,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_act": "silu",
-      "max_position_embeddings": c.max_position_embeddings,
-      "rms_norm_eps": c.rms_norm_eps,
-      # Both spellings: transformers >= 5 reads rope_parameters, older versions the other two.
-      "rope_theta": c.rope_theta,
-      "rope_scaling": scaling or None,
-      "rope_parameters": {"rope_type": "default", **scaling, "rope_theta": c.rope_theta},
-      "tie_word_embeddings": c.tie_embeddings,
-      "bos_token_id": c.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else eos,
-      "torch_dtype": c.dtype,
-      "dtype": c.dtype,
-  }
-  if c.model_type in ("llama", "qwen3"):
-    cfg["attention_bias"] = c.qkv_bias
-  if c.model_type == "llama":
-    cfg["mlp_bias"] = False
-  if c.model_type == "mistral":
-    cfg["sliding_window"] = c.sliding_window
-  if c.model_type in ("qwen2", "qwen3"):
-    cfg["use_sliding_window"] = c.sliding_window is not None
-    cfg["sliding_window"] = c.sliding_window
-    cfg["max_window_layers"] = 0 if c.sliding_window is not None else c.num_layers
-  return cfg
-
-
-# ----------------------------------------------------------------------------- tensors
-
-def hf_tensors(model: Model) -> dict:
-  """{torch name: numpy array [out, in]} of every weight, the inverse of `hf.load_hf`."""
-  c = model.config
-  _check_expressible(c)
-  params = model.params
-  layers = params["layers"]
-  stacked = not isinstance(layers, (list, tuple))
-  leaf_names = layers.keys() if stacked else layers[0].keys()
-  out = {}
-  for name, (leaf, transpose) in _TOP_NAMES.items():
-    if leaf == "lm_head" and c.tie_embeddings:
-      continue
-    value = np.asarray(params[leaf])
-    out[name] = np.ascontiguousarray(value.T if transpose else value)
-  dtype = np.asarray(params["embed"]).dtype
-  by_leaf = {leaf: (suffix, transpose) for suffix, (leaf, transpose) in _LAYER_NAMES.items()}
-  for i in range(c.num_layers):
-    for leaf in leaf_names:
-      suffix, transpose = by_leaf[leaf]
-      value = np.asarray(layers[leaf][i] if stacked else layers[i][leaf])
-      out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(value.T if transpose else value)
-    if c.qkv_bias and c.model_type in ("llama", "qwen3"):
-      # attention_bias also gives transformers' o_proj a bias; ours is zero (hf.py's _ZERO_ONLY).
-      out[f"model.layers.{i}.self_attn.o_proj.bias"] = np.zeros((c.hidden_size,), dtype)
-    if c.model_type == "qwen2" and not c.qkv_bias:
-      # Qwen2 always has q/k/v biases: zeros are the same function (it reloads with qkv_bias).
-      for proj, width in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-        out[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = np.zeros((width * c.head_dim,),
-                                                                       dtype)
-  return out
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -216,7 +116,7 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
   """Writes `model` as a Hugging Face folder (atomically) and returns its path.
 
   Args:
-    model: a Model (params in transformer.py's canonical layout, float32 or bfloat16).
+    model: a Model (params in its family's canonical layout, float32 or bfloat16).
     out_dir: the folder to create.
     overwrite: replace an existing non-empty `out_dir` (else ValueError).
     metadata: optional str -> str entries for the safetensors header.
@@ -231,8 +131,7 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
   if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
     raise ValueError(f"save_hf: {out_dir} already exists and is not empty; pass overwrite=True "
                      f"(CLI: --overwrite) or choose a new folder")
-  config = hf_config(model.config)
-  tensors = hf_tensors(model)
+  config, tensors = hf_config_and_tensors(model)
   with atomic_folder(out_dir) as tmp:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
@@ -242,6 +141,18 @@ def save_hf(model: Model, out_dir, overwrite: bool = False,
               metadata={"format": "pt", **(metadata or {})})
     _write_tokenizer(model.tokenizer, tmp)
   return out_dir
+
+
+def hf_config_and_tensors(model: Model) -> tuple:
+  """(config.json dict, {HF tensor name: numpy array}) of `model`, by its family's hf_export;
+  ValueError for a family that has none."""
+  family = model.config.family
+  if family.hf_export is None:
+    allowed = [t for f in FAMILIES.values() if f.hf_export is not None for t in f.model_types]
+    raise ValueError(f"save_hf writes {' / '.join(f.name for f in FAMILIES.values() if f.hf_export)}"
+                     f"-family folders; a {model.config.model_type} model is not supported "
+                     f"(allowed: {', '.join(allowed)})")
+  return family.hf_export(model.config, model.params)
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def _sections(config: ModelConfig) -> list:
 
 
 def read_llama2c(path) -> tuple:
-  """Reads a llama2.c v0 checkpoint -> (ModelConfig, numpy params in transformer.py's layout)."""
+  """Reads a llama2.c v0 checkpoint -> (ModelConfig, numpy params in the llama family's layout)."""
   path = pathlib.Path(path)
   config = _config_from_header(path, read_header(path))
   sections = _sections(config)

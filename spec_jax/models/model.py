@@ -14,7 +14,7 @@ from spec_jax.models.transformer import init_params
 
 @dataclasses.dataclass
 class Model:
-  """config: ModelConfig (hashable); params: pytree (see transformer.py); tokenizer: a
+  """config: ModelConfig (hashable); params: pytree (its family's layout); tokenizer: a
   `spec_jax.models.tokenizers.Tokenizer` or None; mtp_params: native MTP module weights or None."""
   config: ModelConfig
   params: Any

@@ -1,93 +1,30 @@
-"""One decoder-only transformer for the llama / mistral / qwen2 / qwen3 families.
+"""The decoder-only transformer of any family: sj.forward, init_params and the cache type.
 
-Params are a plain pytree; per-layer weights are stacked on a leading [L] axis:
-
-  embed        [V, D]
-  layers/
-    attn_norm  [L, D]            mlp_norm [L, D]
-    wq [L, D, Hq*Dh]   wk, wv [L, D, Hkv*Dh]   wo [L, Hq*Dh, D]
-    bq [L, Hq*Dh]      bk, bv [L, Hkv*Dh]       (qkv_bias only)
-    q_norm, k_norm [L, Dh]                      (qk_norm only)
-    w_gate, w_up [L, D, F]   w_down [L, F, D]
-  final_norm   [D]
-  lm_head      [D, V]                           (absent when tie_embeddings)
-
-q/k weights use the Hugging Face "rotate_half" RoPE layout; llama2.c checkpoints are permuted
-into it when loaded (as the HF conversion script does), so one RoPE serves every family.
-
-`forward` writes the T new tokens of every row at that row's offset of a fixed-capacity KV
-cache (spec_jax.models.cache; in place: a scatter on the stacked cache, no copy) and attends
-through `kernels_pallas.verify_attention`. It takes the canonical params above or the
-execution layout of spec_jax.models.layout (fused, on CPU [out, in] and unstacked).
+Each call asks the config's family (spec_jax.models.families) once, at trace time: the compiled
+program is the family's own forward, nothing is added per step.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-
-from spec_jax.models.blocks import (ForwardOutput, _attention, _mlp, _out_projection,
-                                    _qkv_projections, apply_rope, embed, lm_head, residual_boundary,
-                                    rms_norm, rope_inv_freq, rope_tables, select_rows)
-from spec_jax.models.cache import KVCache, write_rows as _write_rows
+from spec_jax.models import hf_reader
+from spec_jax.models.blocks import ForwardOutput
+from spec_jax.models.cache import KVCache
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.matmul import activation_dtype
+
+__all__ = ["ForwardOutput", "KVCache", "expected_shapes", "forward", "init_params"]
 
 
-
-
-def decoder_layer(config: ModelConfig, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
-                  inv_freq, layer: Optional[int] = None, rope: Optional[tuple] = None,
-                  head_major: bool = False):
-  """One pre-norm block. lp: this layer's params (no [L] axis), canonical or execution layout
-  (see prepare_params).
-
-  k_cache, v_cache: with `layer` given, the stacked [L,B,S,Hkv,Dh] caches (head_major:
-  [L,B,Hkv,S,Dh]; see KVCache), of which slab `layer` is written and read; with layer None, one
-  layer's [B,S,Hkv,Dh] (or [B,Hkv,S,Dh]) cache (drafter heads).
-  rope: optional (cos, sin) tables from rope_tables(positions, inv_freq), shared by all layers.
-  Returns (x, k_cache, v_cache)."""
-  if layer is None:
-    x, k_cache, v_cache = decoder_layer(config, lp, x, positions, k_cache[None], v_cache[None],
-                                        offsets, tree_mask, inv_freq, layer=0, rope=rope,
-                                        head_major=head_major)
-    return x, k_cache[0], v_cache[0]
-  b, t, _ = x.shape
-  hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
-  if rope is None:
-    rope = rope_tables(positions, inv_freq)
-  h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-  q, k, v = _qkv_projections(config, lp, h)
-  q = q.reshape(b, t, hq, dh)
-  k = k.reshape(b, t, hkv, dh)
-  v = v.reshape(b, t, hkv, dh)
-  if config.qk_norm:
-    q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-    k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
-  q = apply_rope(q, positions, tables=rope)
-  k = apply_rope(k, positions, tables=rope)
-  k_cache = _write_rows(k_cache, layer, k, offsets, head_major)
-  v_cache = _write_rows(v_cache, layer, v, offsets, head_major)
-  attn = _attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask,
-                    head_major)
-  x = x + _out_projection(lp, attn.reshape(b, t, hq * dh))
-  h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-  x = x + _mlp(lp, h)
-  return x, k_cache, v_cache
-
-
-def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
-            positions=None, tree_mask=None, return_layers: Sequence[int] = (),
-            logits_index=None) -> ForwardOutput:
+def forward(params, config: ModelConfig, tokens, cache, offsets, *, positions=None,
+            tree_mask=None, return_layers: Sequence[int] = (), logits_index=None) -> ForwardOutput:
   """Runs T new tokens per row through the model, writing their KV at per-row offsets.
 
   Args:
-    params: the model pytree (module docstring).
+    params: the model pytree (its family's layout, canonical or execution layout).
     config: ModelConfig (static).
     tokens: int32 [B, T]; entries must be valid ids (pad with any valid id).
-    cache: KVCache (either layout) with capacity S >= offsets + T for every row.
+    cache: KVCache.zeros(config, B, S) (either layout) with S >= offsets + T for every row.
     offsets: int32 [B], where row b's new tokens go: positions offsets[b] .. offsets[b]+T-1.
       Row b attends to cache entries < offsets[b] plus its new tokens (causally).
     positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
@@ -103,87 +40,17 @@ def forward(params, config: ModelConfig, tokens, cache: KVCache, offsets, *,
   Returns:
     ForwardOutput(logits [B,T,V] f32 ([B,1,V] with logits_index), hidden [B,T,D],
     layer_hidden, cache).
-
-  Gemma configs run spec_jax.models.gemma.forward (same arguments; their cache is a
-  GemmaKVCache from KVCache.zeros).
   """
-  if config.is_gemma:
-    from spec_jax.models import gemma
-    return gemma.forward(params, config, tokens, cache, offsets, positions=positions,
-                         tree_mask=tree_mask, return_layers=return_layers,
-                         logits_index=logits_index)
-  b, t = tokens.shape
-  offsets = offsets.astype(jnp.int32)
-  if positions is None:
-    positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  inv_freq = rope_inv_freq(config)
-  rope = rope_tables(positions, inv_freq)
-  x = embed(params, tokens).astype(activation_dtype(config))
-  k_all, v_all = cache.k, cache.v
-  wanted = set(int(i) for i in return_layers)
-  layer_hidden = {}
-  # A static Python loop over layers: each layer scatters its new KV into the stacked buffer in
-  # place (no scan carrying the whole cache as xs/ys, which would copy it every step).
-  layers = params["layers"]
-  for layer in range(config.num_layers):
-    if isinstance(layers, (list, tuple)):   # unstacked (see unstack_layers)
-      lp = layers[layer]
-    else:
-      lp = jax.tree.map(lambda w: w[layer], layers)
-    x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
-                                    inv_freq, layer=layer, rope=rope, head_major=cache.head_major)
-    x = residual_boundary(x)
-    if layer in wanted:
-      layer_hidden[layer] = x
-  hidden = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-  logits = lm_head(params, config, select_rows(hidden, logits_index))
-  return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
-                       KVCache(k=k_all, v=v_all, head_major=cache.head_major))
+  return config.family.forward(params, config, tokens, cache, offsets, positions=positions,
+                               tree_mask=tree_mask, return_layers=return_layers,
+                               logits_index=logits_index)
 
 
+def init_params(config: ModelConfig, key):
+  """Random weights (normal, std 0.02; norms at their identity) in the family's layout."""
+  return config.family.init_params(config, key)
 
 
-# ----------------------------------------------------------------------------- init
-
-def init_params(config: ModelConfig, key) -> dict:
-  """Random weights (normal, std 0.02; norms at 1) in the layout of the module docstring
-  (Gemma configs: gemma.init_params's layout)."""
-  if config.is_gemma:
-    from spec_jax.models import gemma
-    return gemma.init_params(config, key)
-  d, f, v, l = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
-  hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
-  dtype = jnp.dtype(config.dtype)
-  keys = iter(jax.random.split(key, 16))
-
-  def normal(shape, std=0.02):
-    return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
-
-  layers = {
-      "attn_norm": jnp.ones((l, d), dtype),
-      "mlp_norm": jnp.ones((l, d), dtype),
-      "wq": normal((l, d, hq * dh)),
-      "wk": normal((l, d, hkv * dh)),
-      "wv": normal((l, d, hkv * dh)),
-      "wo": normal((l, hq * dh, d)),
-      "w_gate": normal((l, d, f)),
-      "w_up": normal((l, d, f)),
-      "w_down": normal((l, f, d)),
-  }
-  if config.qkv_bias:
-    layers["bq"] = normal((l, hq * dh))
-    layers["bk"] = normal((l, hkv * dh))
-    layers["bv"] = normal((l, hkv * dh))
-  if config.qk_norm:
-    layers["q_norm"] = jnp.ones((l, dh), dtype)
-    layers["k_norm"] = jnp.ones((l, dh), dtype)
-  params = {"embed": normal((v, d)), "layers": layers, "final_norm": jnp.ones((d,), dtype)}
-  if not config.tie_embeddings:
-    params["lm_head"] = normal((d, v))
-  return params
-
-
-def expected_shapes(config: ModelConfig) -> dict:
+def expected_shapes(config: ModelConfig):
   """The shape of every param leaf (same tree as init_params), for loaders to check against."""
-  abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
-  return jax.tree.map(lambda s: tuple(s.shape), abstract)
+  return hf_reader.param_shapes(config.family.init_params, config)

@@ -34,7 +34,7 @@ the new shape costs. Why each piece is exact, for a llama-family source:
   output is the source layer i's (EAGLE-3 / MTP features read the same layers).
 - LM head. lm_head is zero-padded [D, V] -> [D', V]; a tied embedding stays tied.
 
-Params are in transformer.py's canonical layout (stacked [L, ...], weights [in, out]). The
+Params are in the llama family's canonical layout (spec_jax.models.llama.forward) (stacked [L, ...], weights [in, out]). The
 placement rules are data (`LAYER_AXES`, `TOP_AXES`): an axis is named by what it indexes
 ("res", "ffn", "q", "kv", "dh", "layer"; "res_blocks" for a concatenation of residual-width
 blocks), and `place` puts every source coordinate at its wide index. Draft heads reuse them
@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.models import llama
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.model import Model
 
@@ -62,7 +63,7 @@ class Rule(NamedTuple):
 
 
 NORM = Rule(("res",), "norm")
-# One decoder layer (no [L] axis), transformer.py's names.
+# One decoder layer (no [L] axis), llama.forward's names.
 LAYER_AXES = {
     "attn_norm": NORM,
     "mlp_norm": NORM,
@@ -113,9 +114,9 @@ def widened_config(src: ModelConfig, hidden_size: int, intermediate_size: int, n
 
   num_heads defaults to hidden_size // head_dim; num_kv_heads to num_heads / the source's GQA
   group size (the group is kept)."""
-  if src.is_gemma:
-    raise ValueError(f"widen: {src.model_type} models are not supported (allowed: llama, "
-                     "mistral, qwen2, qwen3)")
+  if src.family is not llama.FAMILY:
+    raise ValueError(f"widen: {src.model_type} models are not supported (allowed: "
+                     f"{', '.join(llama.FAMILY.model_types)})")
   for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                       ("num_layers", num_layers), ("head_dim", head_dim),
                       ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -237,7 +238,7 @@ def place(x, rule: Rule, p: WidenPlan) -> np.ndarray:
 
 
 def widen_layer(layer: dict, p: WidenPlan, stacked: bool = False) -> dict:
-  """One decoder layer's params ({name: leaf}, transformer.py's names) -> wide float32 numpy.
+  """One decoder layer's params ({name: leaf}, llama.forward's names) -> wide float32 numpy.
 
   stacked: the leaves carry a leading [L] axis, widened to [L'] with all-zero (identity) layers
   after the source's."""

@@ -17,22 +17,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spec_jax.tools.checks import add_check_flags, max_logit_diff, target_logits, too_far, tool_main
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(prog="python -m spec_jax.tools.convert",
                               description="Convert a GGUF file into a Hugging Face folder.")
   p.add_argument("gguf", help="the .gguf file")
   p.add_argument("out", help="the folder to write")
-  p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-  p.add_argument("--max-diff", type=float, default=1e-5,
-                 help="fail (exit 1) when the folder's logits differ from the file's by more")
+  add_check_flags(p, "folder's logits and the file's", max_diff=1e-5, prompt=False)
   return p.parse_args(argv)
 
 
 def run(args) -> int:
-  import jax.numpy as jnp
-  import numpy as np
-
   import spec_jax as sj
   from spec_jax.models import gguf_file
 
@@ -47,25 +44,14 @@ def run(args) -> int:
     print("error: the folder's tokenizer encodes differently from the GGUF file's",
           file=sys.stderr)
     return 1
-  tokens = jnp.asarray([ids], jnp.int32)
-  logits = []
-  for model in (folder, source):
-    cache = sj.KVCache.zeros(model.config, 1, len(ids))
-    logits.append(np.asarray(sj.forward(model.params, model.config, tokens, cache,
-                                        jnp.zeros((1,), jnp.int32)).logits))
-  diff = float(np.max(np.abs(logits[0] - logits[1])))
+  diff = max_logit_diff(target_logits(folder, ids), target_logits(source, ids))
   print(f"{folder.config.model_type}: {folder.config.num_params / 1e6:.1f}M params, "
         f"max |logit difference| folder vs file {diff:.2e} over {len(ids)} tokens")
-  return 0 if diff <= args.max_diff else 1
+  return too_far("logits", args.max_diff) if diff > args.max_diff else 0
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
-  try:
-    return run(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return tool_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

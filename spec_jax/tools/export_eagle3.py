@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, prompt_tokens,
+                                    too_far, tool_main)
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
@@ -23,11 +26,7 @@ def parse_args(argv=None):
   p.add_argument("target", help="the target the heads were trained on (sj.load path)")
   p.add_argument("heads", help="a heads folder or a train.distill_heads out_dir")
   p.add_argument("out", help="the folder to write")
-  p.add_argument("--prompt", default="Once upon a time, there was a little girl named Lily.",
-                 help="text of the draft-logits check")
-  p.add_argument("--max-diff", type=float, default=1e-5,
-                 help="fail (exit 1) when the reloaded heads' draft logits differ by more")
-  p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+  add_check_flags(p, "reloaded heads' draft logits", max_diff=1e-5)
   return p.parse_args(argv)
 
 
@@ -35,7 +34,6 @@ def run(args) -> int:
   import json
 
   import spec_jax as sj
-  from spec_jax.tools.widen import _prompt_tokens, head_logits, max_logit_diff
 
   target = sj.load(args.target)
   heads = sj.drafters.load(args.heads, target)
@@ -50,23 +48,15 @@ def run(args) -> int:
   print(f"  captured target layers: inputs of layers "
         f"{ids if ids else [i + 1 for i in heads.target_layers]}"
         f"{'' if ids else ' (the vLLM / SGLang default, not written)'}")
-  tokens = _prompt_tokens(target, args.prompt)
+  tokens = prompt_tokens(target, args.prompt)
   diff = max_logit_diff(head_logits(heads, target, tokens), head_logits(back, target, tokens))
   print(f"  check: reloaded with sj.drafters.load; max |draft logit diff| over {len(tokens)} "
         f"prompt tokens: {diff:.3g}")
-  if diff > args.max_diff:
-    print(f"error: draft logits differ by more than --max-diff={args.max_diff}", file=sys.stderr)
-    return 1
-  return 0
+  return too_far("draft logits", args.max_diff) if diff > args.max_diff else 0
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
-  try:
-    return run(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return tool_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

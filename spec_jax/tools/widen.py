@@ -26,62 +26,8 @@ import sys
 
 import numpy as np
 
-
-def target_logits(model, tokens) -> np.ndarray:
-  """float32 logits [T, V] of one forward over `tokens` (a list of ids)."""
-  import jax.numpy as jnp
-  from spec_jax.models.transformer import KVCache, forward
-  toks = jnp.asarray([list(tokens)], jnp.int32)
-  cache = KVCache.zeros(model.config, 1, toks.shape[1])
-  out = forward(model.params, model.config, toks, cache, jnp.zeros((1,), jnp.int32))
-  return np.asarray(out.logits[0])
-
-
-def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
-  """float32 draft logits of a head drafter over `tokens` on `model`.
-
-  Medusa: [T, K, V], every head at every position. EAGLE / EAGLE-3 / MTP: [steps, T-1, V], the
-  head's teacher-forced outputs (step 1) and its own-feature outputs (steps > 1, as when it
-  drafts), through `FeatureHead.unroll`. DFlash: [T-1, b-1, V], the block anchored at every
-  position but the last (`DFlash.training_hidden`)."""
-  import jax.numpy as jnp
-  from spec_jax.drafters.medusa import medusa_logits
-  from spec_jax.models.transformer import KVCache, forward
-  toks = jnp.asarray([list(tokens)], jnp.int32)
-  cache = KVCache.zeros(model.config, 1, toks.shape[1])
-  layers = getattr(drafter, "target_layers", ())
-  out = forward(model.params, model.config, toks, cache, jnp.zeros((1,), jnp.int32),
-                return_layers=layers)
-  if drafter.kind == "medusa":
-    return np.asarray(medusa_logits(drafter.params, out.hidden)[0])
-  if drafter.kind == "dflash":
-    anchors = jnp.arange(toks.shape[1] - 1, dtype=jnp.int32)[None]
-    hidden = drafter.training_hidden(drafter.params, model.params, toks, out.layer_hidden,
-                                     anchors)
-    return np.asarray(drafter.logits(drafter.params, model.params, hidden[:, :, 1:])[0])
-  feats = drafter.target_feature(drafter.params, out.hidden, out.layer_hidden)
-  outs = drafter.unroll(drafter.params, model.params, toks, feats, steps=steps)
-  return np.stack([np.asarray(drafter.logits(drafter.params, model.params, o)[0]) for o in outs])
-
-
-def max_logit_diff(a, b) -> float:
-  """max |a - b|, where equal infinities (the -inf outside an EAGLE-3 draft vocabulary) count
-  as no difference and any other mismatch of infinities as an infinite one."""
-  a, b = np.asarray(a), np.asarray(b)
-  same_inf = np.isinf(a) & (a == b)
-  return float(np.abs(np.where(same_inf, 0.0, a) - np.where(same_inf, 0.0, b)).max())
-
-
-def _prompt_tokens(model, prompt: str) -> list:
-  if model.tokenizer is not None:
-    return model.encode(prompt)
-  return [model.config.bos_token_id or 0] + [(7 * i + 3) % model.config.vocab_size
-                                             for i in range(15)]
-
-
-def _num_params(params) -> int:
-  import jax
-  return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, num_params,
+                                    prompt_tokens, target_logits, too_far, tool_main)
 
 
 def parse_args(argv=None):
@@ -102,11 +48,7 @@ def parse_args(argv=None):
   p.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the params")
   p.add_argument("--heads", help="a heads folder or training out_dir trained on SRC")
   p.add_argument("--heads-out", help="where to save the widened heads (default OUT/heads)")
-  p.add_argument("--prompt", default="Once upon a time, there was a little girl named Lily.",
-                 help="text of the logits check")
-  p.add_argument("--max-diff", type=float, default=1e-3,
-                 help="fail (exit 1) when a float32 model's max |logit diff| exceeds this")
-  p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+  add_check_flags(p, "logits (float32 models only)", max_diff=1e-3)
   return p.parse_args(argv)
 
 
@@ -139,10 +81,10 @@ def run(args) -> int:
   files = ", ".join(f"{p.name} ({p.stat().st_size / 1e6:.1f} MB)" if p.stat().st_size > 1e6
                     else p.name for p in sorted(out.iterdir()) if p.is_file())
   print(f"wrote {out} ({what} {args.src}, Hugging Face {w.model_type} folder): {files}")
-  print(f"  params: {_num_params(wide.params):,} (source {_num_params(src.params):,}); hidden "
+  print(f"  params: {num_params(wide.params):,} (source {num_params(src.params):,}); hidden "
         f"{w.hidden_size}, intermediate {w.intermediate_size}, layers {w.num_layers}, heads "
         f"{w.num_heads} x {w.head_dim}, kv heads {w.num_kv_heads}, {w.dtype}")
-  tokens = _prompt_tokens(src, args.prompt)
+  tokens = prompt_tokens(src, args.prompt)
   a, b = target_logits(src, tokens), target_logits(wide, tokens)
   diff = float(np.abs(a - b).max())
   same = bool((a.argmax(-1) == b.argmax(-1)).all())
@@ -160,19 +102,11 @@ def run(args) -> int:
     print(f"wrote {heads_out} ({heads.kind} heads for {out}); check: max |draft logit diff| vs "
           f"the source heads: {hd:.3g}")
     failed = failed or (w.dtype == "float32" and hd > args.max_diff)
-  if failed:
-    print(f"error: logits differ by more than --max-diff={args.max_diff}", file=sys.stderr)
-    return 1
-  return 0
+  return too_far("logits", args.max_diff) if failed else 0
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
-  try:
-    return run(args)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  return tool_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Tree drafting: TreeSpec, draft trees in fixed shapes, lossless tree verification, one round.
+"""Tree drafting: TreeSpec, draft trees in fixed shapes, lossless tree verification.
 
 Modules: spec (TreeSpec), build (DraftTree, EAGLE-2 dynamic trees, tries), verify (the
-lossless verifiers), round (the tree round and its strategy: the decode core's side, imported
-by decoding.plan, not by this __init__, which drafters import to build trees).
+lossless verifiers). The round that uses them is the decode loop's Tree strategy
+(spec_jax.decoding.strategies.tree); drafters import this package to build trees.
 
 A chain of K drafts dies at its first wrong token; a tree keeps several candidates per position
 and the target verifies all of them in ONE forward through an ancestor mask.

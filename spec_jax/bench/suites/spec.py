@@ -273,7 +273,8 @@ def model_of(setup, dspec: str):
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
   """The cost table generate(num_draft='auto') used in this cell (this process's memory or
   the disk cache: no measuring) and the largest candidate K -> (CostTable or None, K max)."""
-  from spec_jax import calibration, governor as governor_lib
+  from spec_jax import governor as governor_lib
+  from spec_jax.decoding import calibration
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
   kmax = max(gov.candidates(drafter))

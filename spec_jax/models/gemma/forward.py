@@ -1,10 +1,9 @@
-"""Gemma 3 and Gemma 4 text decoders: forward over T new tokens at per-row cache offsets.
+"""The Gemma family's forward (Gemma 3, Gemma 4 text decoders): params, layers, cache.
 
-The target protocol for Gemma configs (transformer.forward, KVCache.zeros and prepare_params
-route here when config.is_gemma): `forward`, `GemmaKVCache.zeros`, `GemmaKVCache.move_accepted`
-and `prepare_params`.
+What the family record (spec_jax.models.gemma) points to: `forward`, `init_params`,
+`init_cache` (a KVCache with one buffer per attention type, plan.py's cache groups).
 
-Params (a list of per-layer dicts: layers differ in shape, see gemma_layout):
+Params (a list of per-layer dicts: layers differ in shape, see plan.py):
 
   embed [V, D]                                  final_norm [D]        lm_head [D, V] (untied)
   layers[i]/
@@ -28,7 +27,7 @@ One layer (x the residual stream, dtype = config.dtype; every dot accumulates in
   x = x + ple_norm(ple_proj(gelu_tanh(x ple_gate) * ple_i))    (PLE)
   x = x * layer_scalar                                          (Gemma 4)
 
-Attention goes through kernels_pallas.verify_attention (via blocks._attention, so the
+Attention goes through kernels_pallas.verify_attention (via blocks.attention, so the
 Pallas kernels run where they apply): the Gemma scale (query_pre_attn_scalar ** -0.5, or 1.0)
 is folded into q. Sliding layers see keys at positions > position - window; with explicit
 positions (tree drafts, whose slots run ahead of their positions) the window is applied on
@@ -37,19 +36,17 @@ positions through a full-width tree mask, so trees stay exact past the window.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas.reference import visibility
-from spec_jax.models import gemma_layout
-from spec_jax.models.blocks import (ForwardOutput, _attention, apply_rope, lm_head,
+from spec_jax.models.blocks import (AttentionSpec, ForwardOutput, apply_rope, attention, lm_head,
                                     residual_boundary, rope_tables, select_rows)
-from spec_jax.models.cache import GemmaKVCache, write_rows as _write_rows
-from spec_jax.models.config import ModelConfig
-from spec_jax.models.gemma_layout import SLIDING
+from spec_jax.models.cache import KVCache, write_rows
+from spec_jax.models.gemma import plan as gemma_plan
+from spec_jax.models.gemma.plan import SLIDING
 from spec_jax.models.matmul import activation_dtype
 
 
@@ -102,15 +99,6 @@ def per_layer_inputs(params, config, tokens, x):
   return ((proj + ids) * (2.0 ** -0.5)).astype(dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def _attention_config(attention_impl: str, window):
-  """A config holding the two fields blocks._attention reads for one layer: the impl and
-  the window (the rest is unused)."""
-  return ModelConfig(vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1,
-                     num_heads=1, num_kv_heads=1, sliding_window=window,
-                     attention_impl=attention_impl)
-
-
 def windowed_tree_mask(kv_lengths, t: int, s: int, tree_mask, positions, window: int):
   """bool [B, T, S]: which cache slots each new query sees, with the sliding window applied on
   RoPE positions (key slot > query position - window), in verify_attention_reference's
@@ -131,10 +119,10 @@ def attend(config, plan, q, k_layer, v_layer, kv_lengths, tree_mask, head_major:
   """One layer's verify attention. q [B, T, Hq, Dh] already scaled for the reference's
   Dh ** -0.5; wide_mask: windowed_tree_mask for sliding layers with explicit positions."""
   if wide_mask is not None:
-    return _attention(_attention_config(config.attention_impl, None), q, k_layer, v_layer, kv_lengths,
-                      wide_mask, head_major)
-  return _attention(_attention_config(config.attention_impl, plan.window), q, k_layer, v_layer, kv_lengths,
-                    tree_mask, head_major)
+    return attention(AttentionSpec(config.attention_impl), q, k_layer, v_layer, kv_lengths,
+                     wide_mask, head_major)
+  return attention(AttentionSpec(config.attention_impl, plan.window), q, k_layer, v_layer,
+                   kv_lengths, tree_mask, head_major)
 
 
 def q_scale(config, head_dim: int) -> float:
@@ -185,8 +173,8 @@ def decoder_layer(config, plan, lp, x, rope, k_bufs, v_bufs, offsets, tree_mask,
   q = project_q(config, plan, lp, h, rope)
   if not plan.kv_shared:
     k, v = project_kv(config, plan, lp, h, rope)
-    k_bufs = k_bufs[:g] + (_write_rows(k_bufs[g], slot, k, offsets, head_major),) + k_bufs[g + 1:]
-    v_bufs = v_bufs[:g] + (_write_rows(v_bufs[g], slot, v, offsets, head_major),) + v_bufs[g + 1:]
+    k_bufs = k_bufs[:g] + (write_rows(k_bufs[g], slot, k, offsets, head_major),) + k_bufs[g + 1:]
+    v_bufs = v_bufs[:g] + (write_rows(v_bufs[g], slot, v, offsets, head_major),) + v_bufs[g + 1:]
   attn = attend(config, plan, q, k_bufs[g][slot], v_bufs[g][slot], offsets + t, tree_mask,
                 head_major, wide_mask)
   o = dot(attn.reshape(b, t, config.num_heads * plan.head_dim), lp["wo"]).astype(dtype)
@@ -204,16 +192,16 @@ def decoder_layer(config, plan, lp, x, rope, k_bufs, v_bufs, offsets, tree_mask,
 
 def rope_by_type(config, positions) -> dict:
   """{layer_type: (cos, sin)} tables [B, T, 1, Dh_type], shared by the layers of a type."""
-  return {t: rope_tables(positions, gemma_layout.rope_inv_freq(config, t))
+  return {t: rope_tables(positions, gemma_plan.rope_inv_freq(config, t))
           for t in sorted(set(config.layer_types))}
 
 
-def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=None,
+def forward(params, config, tokens, cache: KVCache, offsets, *, positions=None,
             tree_mask=None, return_layers=(), logits_index=None):
-  """transformer.forward for Gemma configs (same arguments, same ForwardOutput; cache is a
-  GemmaKVCache). logits [B, T, V] float32 (soft-capped when the config says so); hidden
-  [B, T, D] after the final norm; logits_index int32 [B]: logits [B, 1, V] of that token only."""
-  if not isinstance(cache, GemmaKVCache):
+  """sj.forward for Gemma configs (same arguments, same ForwardOutput; cache from init_cache).
+  logits [B, T, V] float32 (soft-capped when the config says so); hidden [B, T, D] after the
+  final norm; logits_index int32 [B]: logits [B, 1, V] of that token only."""
+  if not (isinstance(cache, KVCache) and isinstance(cache.k, tuple)):
     raise ValueError(f"a {config.model_type} forward needs the Gemma KV cache "
                      f"(sj.KVCache.zeros(config, B, S)), got {type(cache).__name__}")
   b, t = tokens.shape
@@ -224,7 +212,7 @@ def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=N
   rope = rope_by_type(config, positions)
   x = embed_tokens(params, config, tokens)
   ple = per_layer_inputs(params, config, tokens, x) if config.per_layer_input_size else None
-  plans = gemma_layout.layout(config).layers
+  plans = gemma_plan.layout(config).layers
   wide = None
   if explicit_positions and SLIDING in config.layer_types:
     s = cache.capacity
@@ -246,14 +234,15 @@ def forward(params, config, tokens, cache: GemmaKVCache, offsets, *, positions=N
   hidden = hidden.astype(x.dtype)
   logits = lm_head(params, config, select_rows(hidden, logits_index))
   return ForwardOutput(logits, hidden, tuple(layer_hidden[i] for i in return_layers),
-                       GemmaKVCache(k=k_bufs, v=v_bufs, head_major=cache.head_major))
+                       KVCache(k=k_bufs, v=v_bufs, head_major=cache.head_major))
 
 
-def prepare_params(params, config, mesh=None):
-  """The execution layout: the canonical per-layer dicts as they are (already unstacked; the
-  projections stay separate because layers differ in shape)."""
-  del config, mesh
-  return params
+def init_cache(config, batch: int, capacity: int, head_major=None) -> KVCache:
+  """KVCache whose k, v are tuples over plan.layout(config).groups of [L_g, B, S, Hkv_g, Dh_g]
+  buffers (head_major: [L_g, B, Hkv_g, S, Dh_g]): layers of different KV shapes apart, the
+  KV-shared layers without buffers of their own."""
+  groups = [(g.num_layers, g.num_kv_heads, g.head_dim) for g in gemma_plan.layout(config).groups]
+  return KVCache.of_groups(config, batch, capacity, groups, head_major)
 
 
 # ----------------------------------------------------------------------------- init
@@ -270,7 +259,7 @@ def init_params(config, key) -> dict:
     return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
   layers = []
-  for p in gemma_layout.layout(c).layers:
+  for p in gemma_plan.layout(c).layers:
     q_width = c.num_heads * p.head_dim
     lp = {"attn_norm": unit((d,), dtype), "post_attn_norm": unit((d,), dtype),
           "mlp_norm": unit((d,), dtype), "post_mlp_norm": unit((d,), dtype),

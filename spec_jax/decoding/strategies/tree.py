@@ -1,4 +1,5 @@
-"""The tree round (the decode core's side of tree drafting) and its round strategy."""
+"""Tree: every round verifies a draft tree in one target forward (spec_jax.tree has the trees,
+their building and their lossless verification; this is the decode core's side of them)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
-from spec_jax.decoding.rounds import RoundStrategy, commit_step, update_stats
+from spec_jax.decoding.rounds import commit_step, update_stats
+from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import DraftContext, VerifyInfo
 from spec_jax.tree.build import ancestor_mask
-from spec_jax.tree.spec import TreeSpec
+from spec_jax.tree.spec import TreeSpec, check_tree
 from spec_jax.tree.verify import verify_tree, verify_tree_greedy
 
 
 def tree_round(env, st, *, spec: TreeSpec):
-  """One speculative round with a draft tree (module docstring): propose_tree -> one target
+  """One speculative round with a draft tree (spec_jax.tree's docstring): propose_tree -> one target
   forward over the N+1 nodes with the ancestor mask -> verify -> commit the path (tokens, KV
   move, drafter.commit_tree) -> statistics. env: decoding.state.LoopEnv; st: its DecodeState
   (accepted_at [B, D])."""
@@ -56,23 +58,28 @@ def tree_round(env, st, *, spec: TreeSpec):
   return update_stats(st, new, drafted, n_acc, n_emit)
 
 
+
 @dataclasses.dataclass(frozen=True)
-class TreeRounds(RoundStrategy):
+class Tree(Strategy):
   """Tree drafting: every round verifies a draft tree of spec.num_nodes nodes (tree_round)."""
   spec: TreeSpec
+  width = property(lambda self: self.spec.depth)
+  extent = property(lambda self: self.spec.cache_extent)
+  label = property(lambda self: self.spec.label())
 
-  @property
-  def width(self) -> int:
-    return self.spec.depth
-
-  @property
-  def extent(self) -> int:
-    return self.spec.cache_extent
-
-  def check_target(self, target) -> None:
-    if not target.tree_capable:
+  def bind(self, drafter, target) -> "Tree":
+    check_tree(self.spec, drafter)
+    if target is not None and not target.tree_capable:
       raise ValueError(f"tree drafting needs a target with move_kv (Target.tree_capable); "
                        f"{type(target).__name__} has none: pass tree=None for a chain")
+    return self
 
   def round(self, env, state):
     return tree_round(env, state, spec=self.spec)
+
+  def stats_fields(self, greedy: bool, drafter) -> dict:
+    """The tree with the candidate kind its rounds drew (deterministic drafters and greedy
+    decoding take the top-k)."""
+    spec = self.spec.resolved(greedy or getattr(drafter, "greedy_drafts", False) or
+                              not drafter.samples_tree_candidates)
+    return {"num_draft": spec.depth, "tree": spec, "strategy": spec.label()}

@@ -1,4 +1,4 @@
-"""Gemma 3 / Gemma 4 Hugging Face folders -> ModelConfig and gemma.py's param layout.
+"""The Gemma family's Hugging Face reading: config.json fields and tensors -> forward.py's layout.
 
 Read: config.json of model_type gemma3_text / gemma4_text (CausalLM checkpoints) or gemma3 /
 gemma4 (the multimodal ConditionalGeneration checkpoints the hub ships: the text config is used,
@@ -25,18 +25,13 @@ an unknown layer type or RoPE type.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
 from typing import Optional
 
-import jax
-import numpy as np
-
-from spec_jax.models import hf_files
-from spec_jax.models.config import ModelConfig
-from spec_jax.models.gemma_layout import layout
+from spec_jax.models import hf_reader
+from spec_jax.models.gemma.forward import init_params
+from spec_jax.models.gemma.plan import LAYER_TYPES, layout
+from spec_jax.models.hf_reader import Tensor, get, listing
 
 HF_MODEL_TYPES = {"gemma3": "gemma3", "gemma3_text": "gemma3", "gemma4": "gemma4",
                   "gemma4_text": "gemma4"}
@@ -44,44 +39,21 @@ _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 _SKIPPED_TOWERS = re.compile(r"^(model\.)?(vision_tower|audio_tower|embed_vision|embed_audio|"
                              r"multi_modal_projector)\.")
-_LAYER_NAMES = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("post_attn_norm", False),
-    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
-    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-    "per_layer_input_gate.weight": ("ple_gate", True),
-    "per_layer_projection.weight": ("ple_proj", True),
-    "post_per_layer_input_norm.weight": ("ple_norm", False),
-    "layer_scalar": ("layer_scalar", False),
-}
+LAYER_NAMES = hf_reader.layer_names(
+    rename={"post_attention_layernorm.weight": "post_attn_norm"},
+    add={"pre_feedforward_layernorm.weight": ("mlp_norm", False),        # the sandwich norms
+         "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+         "per_layer_input_gate.weight": ("ple_gate", True), "layer_scalar": ("layer_scalar", False),
+         "per_layer_projection.weight": ("ple_proj", True),                # per-layer embeddings
+         "post_per_layer_input_norm.weight": ("ple_norm", False)})
 _KV_ONLY = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight",
             "self_attn.v_norm.weight")
-_TOP_NAMES = {
-    "embed_tokens.weight": ("embed", False),
-    "norm.weight": ("final_norm", False),
-    "embed_tokens_per_layer.weight": ("embed_per_layer", False),
-    "per_layer_model_projection.weight": ("per_layer_proj", True),
-    "per_layer_projection_norm.weight": ("per_layer_proj_norm", False),
-}
+_TOP_NAMES = {"embed_tokens.weight": ("embed", False), "norm.weight": ("final_norm", False),
+              # per-layer embeddings (PLE)
+              "embed_tokens_per_layer.weight": ("embed_per_layer", False),
+              "per_layer_model_projection.weight": ("per_layer_proj", True),
+              "per_layer_projection_norm.weight": ("per_layer_proj_norm", False)}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def is_gemma_type(model_type) -> bool:
-  return model_type in HF_MODEL_TYPES
-
-
-def _get(cfg, name, default=None):
-  value = getattr(cfg, name, default)
-  return default if value is None else value
 
 
 def text_config(cfg):
@@ -99,8 +71,8 @@ def _kv_by_type(t, family: str, source: str) -> tuple:
   shapes = {}
   for i, kind in enumerate(t.layer_types):
     lc = t.per_layer_config[i]
-    shape = (int(_get(lc, "num_key_value_heads", t.num_attention_heads)),
-             int(_get(lc, "head_dim", t.hidden_size // t.num_attention_heads)))
+    shape = (int(get(lc, "num_key_value_heads", t.num_attention_heads)),
+             int(get(lc, "head_dim", t.hidden_size // t.num_attention_heads)))
     if shapes.setdefault(kind, shape) != shape:
       raise ValueError(f"{source}: {kind} layers differ in KV shape ({shapes[kind]} vs {shape} "
                        f"at layer {i}); spec_jax supports one (num_kv_heads, head_dim) per "
@@ -116,15 +88,13 @@ def _rope_by_type(t, source: str) -> tuple:
     if "rope_theta" not in p:
       raise ValueError(f"{source}: rope_parameters has no rope_theta for {kind} layers")
     theta = p.pop("rope_theta")
-    items = tuple(sorted((str(k), v) for k, v in p.items()
-                         if v is not None and not isinstance(v, (dict, list))))
-    out.append((kind, float(theta), items or None))
+    out.append((kind, float(theta), hf_reader.rope_items(p)))
   return tuple(out)
 
 
-def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json",
-                   tie_embeddings: Optional[bool] = None) -> ModelConfig:
-  """A transformers Gemma 3 / Gemma 4 config (text or multimodal) -> ModelConfig.
+def config_fields(cfg, source: str = "config.json",
+                  tie_embeddings: Optional[bool] = None) -> dict:
+  """A transformers Gemma 3 / Gemma 4 config (text or multimodal) -> ModelConfig fields.
   ValueError (one line) for what spec_jax does not run."""
   top = cfg
   t = text_config(cfg)
@@ -141,12 +111,11 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json",
   if getattr(t, "attention_bias", False):
     raise ValueError(f"{source}: attention_bias is true; Gemma models in spec_jax have no "
                      "attention biases")
-  act = _get(t, "hidden_activation", _get(t, "hidden_act", "gelu_pytorch_tanh"))
+  act = get(t, "hidden_activation", get(t, "hidden_act", "gelu_pytorch_tanh"))
   if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
     raise ValueError(f"{source}: unsupported hidden_activation {act!r}; supported: "
                      "gelu_pytorch_tanh")
   layer_types = tuple(str(x) for x in t.layer_types)
-  from spec_jax.models.gemma_layout import LAYER_TYPES
   unknown = sorted(set(layer_types) - set(LAYER_TYPES))
   if unknown:
     raise ValueError(f"{source}: unsupported layer type(s) {unknown}; supported: "
@@ -155,27 +124,27 @@ def config_from_hf(cfg, dtype: str = "float32", source: str = "config.json",
   first = dict((k, (h, d)) for k, h, d in kv)[layer_types[0]]
   gemma4 = family == "gemma4"
   if tie_embeddings is None:
-    tie_embeddings = bool(_get(top, "tie_word_embeddings", _get(t, "tie_word_embeddings", True)))
+    tie_embeddings = bool(get(top, "tie_word_embeddings", get(t, "tie_word_embeddings", True)))
   bos = getattr(t, "bos_token_id", None)
-  return ModelConfig(
+  return dict(
       vocab_size=int(t.vocab_size), hidden_size=int(t.hidden_size),
       intermediate_size=int(t.intermediate_size), num_layers=int(t.num_hidden_layers),
       num_heads=int(t.num_attention_heads), num_kv_heads=first[0], head_dim=first[1],
-      rms_norm_eps=float(_get(t, "rms_norm_eps", 1e-6)), tie_embeddings=tie_embeddings,
+      rms_norm_eps=float(get(t, "rms_norm_eps", 1e-6)), tie_embeddings=tie_embeddings,
       sliding_window=int(t.sliding_window) if "sliding_attention" in layer_types else None,
-      max_position_embeddings=int(_get(t, "max_position_embeddings", 8192)), model_type=family,
+      max_position_embeddings=int(get(t, "max_position_embeddings", 8192)), model_type=family,
       bos_token_id=None if bos is None else int(bos),
-      eos_token_ids=hf_files.token_ids(getattr(t, "eos_token_id", None)), dtype=dtype,
+      eos_token_ids=hf_reader.token_ids(getattr(t, "eos_token_id", None)),
       hidden_act="gelu_tanh", embed_scale=True, norm_plus_one=not gemma4,
-      attention_scale=1.0 if gemma4 else float(_get(t, "query_pre_attn_scalar", 256)) ** -0.5,
+      attention_scale=1.0 if gemma4 else float(get(t, "query_pre_attn_scalar", 256)) ** -0.5,
       final_logit_softcap=_softcap(top, t),
       layer_types=layer_types, rope_by_type=_rope_by_type(t, source), kv_by_type=kv,
       v_norm=gemma4, k_eq_v=bool(gemma4 and getattr(t, "attention_k_eq_v", False)),
-      layer_scalar=gemma4, num_kv_shared_layers=int(_get(t, "num_kv_shared_layers", 0)),
+      layer_scalar=gemma4, num_kv_shared_layers=int(get(t, "num_kv_shared_layers", 0)),
       double_wide_mlp=bool(gemma4 and getattr(t, "use_double_wide_mlp", False)),
-      per_layer_input_size=int(_get(t, "hidden_size_per_layer_input", 0)) if gemma4 else 0,
-      per_layer_vocab_size=(int(_get(t, "vocab_size_per_layer_input", 0)) if gemma4 and
-                            _get(t, "hidden_size_per_layer_input", 0) else 0))
+      per_layer_input_size=int(get(t, "hidden_size_per_layer_input", 0)) if gemma4 else 0,
+      per_layer_vocab_size=(int(get(t, "vocab_size_per_layer_input", 0)) if gemma4 and
+                            get(t, "hidden_size_per_layer_input", 0) else 0))
 
 
 def _softcap(top, t) -> Optional[float]:
@@ -188,22 +157,6 @@ def _softcap(top, t) -> Optional[float]:
   return float(cap)
 
 
-def read_config(folder: pathlib.Path):
-  """config.json through transformers.AutoConfig (ValueError when it cannot parse it)."""
-  import transformers
-  try:
-    return transformers.AutoConfig.from_pretrained(os.fspath(folder))
-  except Exception as e:  # noqa: BLE001 - surface any parse problem at the boundary
-    raise ValueError(f"{folder / 'config.json'}: transformers could not read this config: "
-                     f"{e}") from e
-
-
-def expected_shapes(config) -> dict:
-  from spec_jax.models.gemma import init_params
-  abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
-  return jax.tree.map(lambda s: tuple(s.shape), abstract)
-
-
 def _prefix(names) -> str:
   for p in _PREFIXES:
     if p + "embed_tokens.weight" in names:
@@ -212,99 +165,49 @@ def _prefix(names) -> str:
                    + ", ".join(p + "embed_tokens.weight" for p in _PREFIXES) + ")")
 
 
-def load_gemma(folder, dtype: Optional[str] = None) -> tuple:
-  """A Gemma Hugging Face folder -> (ModelConfig, numpy params, None)."""
-  folder = pathlib.Path(folder)
-  source = str(folder / "config.json")
-  config = config_from_hf(read_config(folder), source=source)
-  extra = tuple(x for x in hf_files.generation_eos(folder) if x not in config.eos_token_ids)
-  if extra:
-    config = config.replace(eos_token_ids=config.eos_token_ids + extra)
-  paths, _ = hf_files.tensor_files(folder)
-  where = {}
-  for p in paths:
-    f = hf_files.TensorFile(p)
-    for name in f.names:
-      where.setdefault(name, f)
+def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tuple:
+  """Gemma tensors (`where`: {name: file}, hf_reader.open_tensors) -> (config with dtype, numpy
+  params in forward.py's layout, None). Every shape is checked before any data is read."""
   prefix = _prefix(where)
-  if dtype is None:
-    dtype = hf_files.checkpoint_dtype(where[prefix + "embed_tokens.weight"].meta[
-        prefix + "embed_tokens.weight"][0])
-  config = config.replace(dtype=dtype)
-  shapes = expected_shapes(config)
+  embed = prefix + "embed_tokens.weight"
+  config = config.replace(dtype=dtype or hf_reader.checkpoint_dtype(where[embed].meta[embed][0]))
+  shapes = hf_reader.param_shapes(init_params, config)
   plans = layout(config).layers
 
-  plan, unknown = [], []          # (name, file, (leaf path), transpose)
+  plan, unknown = [], []
   for name, f in where.items():
     if _SKIPPED_TOWERS.match(name) or name.endswith("rotary_emb.inv_freq"):
       continue
     if name in _HEADS:
-      if config.tie_embeddings:
-        continue
-      plan.append((name, f, ("lm_head",), True))
+      if not config.tie_embeddings:
+        plan.append(Tensor(name, f, ("lm_head",), True))
       continue
-    if not name.startswith(prefix):
-      unknown.append(name)
-      continue
-    rel = name[len(prefix):]
-    m = _LAYER_RE.match(rel)
+    rel = name[len(prefix):] if name.startswith(prefix) else None
+    m = _LAYER_RE.match(rel or "")
     if m:
       i, suffix = int(m.group(1)), m.group(2)
       if i < config.num_layers and plans[i].kv_shared and suffix in _KV_ONLY:
         continue
-      if i >= config.num_layers or suffix not in _LAYER_NAMES or \
-          _LAYER_NAMES[suffix][0] not in shapes["layers"][i]:
+      if i >= config.num_layers or suffix not in LAYER_NAMES or \
+          LAYER_NAMES[suffix][0] not in shapes["layers"][i]:
         unknown.append(name)
         continue
-      leaf, transpose = _LAYER_NAMES[suffix]
-      plan.append((name, f, ("layers", i, leaf), transpose))
+      leaf, transpose = LAYER_NAMES[suffix]
+      plan.append(Tensor(name, f, ("layers", i, leaf), transpose))
     elif rel in _TOP_NAMES and _TOP_NAMES[rel][0] in shapes:
       leaf, transpose = _TOP_NAMES[rel]
-      plan.append((name, f, (leaf,), transpose))
+      plan.append(Tensor(name, f, (leaf,), transpose))
     else:
       unknown.append(name)
   if unknown:
-    shown = ", ".join(sorted(unknown)[:8]) + (" ..." if len(unknown) > 8 else "")
     raise ValueError(f"{folder}: {len(unknown)} tensor(s) this {config.model_type} config does "
-                     f"not use: {shown}")
-
-  def want(target):
-    node = shapes
-    for part in target:
-      node = node[part]
-    return node
-
-  filled = set()
-  for name, f, target, transpose in plan:
-    shape = want(target)
-    hf_shape = tuple(reversed(shape)) if transpose else tuple(shape)
-    if tuple(f.meta[name][1]) != hf_shape:
-      raise ValueError(f"{f.path}: tensor {name} has shape {tuple(f.meta[name][1])} but "
-                       f"config.json implies {hf_shape}")
-    filled.add(target)
+                     f"not use: {listing(sorted(unknown))}")
+  hf_reader.check_shapes(plan, shapes)
+  filled = {t.path for t in plan}
   needed = [("layers", i, leaf) for i, lp in enumerate(shapes["layers"]) for leaf in lp]
   needed += [(leaf,) for leaf in shapes if leaf != "layers"]
   missing = ["/".join(map(str, t)) for t in needed if t not in filled]
   if missing:
-    shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
     raise ValueError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) (spec_jax names): "
-                     f"{shown}")
-
-  np_dtype = hf_files.np_dtype(dtype)
-  params = {"layers": [dict() for _ in range(config.num_layers)]}
-  for name, f, target, transpose in plan:
-    value = f.read(name)
-    value = (value.T if transpose else value).astype(np_dtype, copy=False)
-    if target[0] == "layers":
-      params["layers"][target[1]][target[2]] = np.ascontiguousarray(value)
-    else:
-      params[target[0]] = np.ascontiguousarray(value)
-  return config, params, None
-
-
-def folder_model_type(folder: pathlib.Path):
-  """model_type of config.json, or None when unreadable (the generic loader reports that)."""
-  try:
-    return json.loads((folder / "config.json").read_text()).get("model_type")
-  except (OSError, json.JSONDecodeError, AttributeError):
-    return None
+                     f"{listing(missing)}")
+  return config, hf_reader.fill(shapes, plan, hf_reader.np_dtype(config.dtype)), None

@@ -9,8 +9,8 @@ time:
     (num_kv_shared_layers: the last N layers attend to the cache of the last non-shared layer
     of their type, the "store" layer), and its slot in the KV cache.
   cache groups: one stacked buffer per attention type that has layers with their own K/V,
-    [layers of that type, B, S, Hkv_type, Dh_type] (spec_jax.models.cache.GemmaKVCache): layers of
-    different KV shapes never share a buffer, so nothing is padded to the widest shape.
+    [layers of that type, B, S, Hkv_type, Dh_type] (KVCache buffers, forward.init_cache):
+    layers of different KV shapes never share a buffer, so nothing is padded to the widest one.
   RoPE per type: inverse frequencies for "default", "linear" (divided by factor) and
     "proportional" (Gemma 4's full layers: the first partial_rotary_factor * head_dim / 2
     frequencies with the exponent over the full head_dim, the rest 0, i.e. not rotated).
@@ -198,13 +198,12 @@ def llama_view(config):
   heads, the first layer type's KV shape and RoPE theta (its linear scaling kept), no window.
   What draft heads whose own layer is llama-style (EAGLE, EAGLE-3, MTP: feature_head.
   head_layer_config) build on for a Gemma target."""
-  import dataclasses as dc
   first = config.layer_types[0]
   theta, scaling = {t: (th, dict(sc or ())) for t, th, sc in config.rope_by_type}[first]
   heads, dh = {t: (h, d) for t, h, d in config.kv_by_type}[first]
   rope_scaling = (tuple(sorted(scaling.items())) if scaling.get("rope_type") == "linear"
                   else None)
-  return dc.replace(config, model_type="llama", num_kv_heads=heads, head_dim=dh,
+  return dataclasses.replace(config, model_type="llama", num_kv_heads=heads, head_dim=dh,
                     rope_theta=float(theta), rope_scaling=rope_scaling, sliding_window=None,
                     **GEMMA_ONLY)
 

@@ -1,11 +1,14 @@
-"""sj.calibrate: the governor's cost table, measured on the compiled decode and cached on disk.
+"""sj.calibrate: the governor's cost table, measured on the compiled decode and cached on disk
+(host side, beside generate, which calls it through `round_costs_for`).
 
 A table holds t(K), seconds per round at each candidate K, for one (device kind, target,
 drafter, batch B, capacity bucket, greedy or not), keyed by `fingerprint`, and cached as JSON
 under $XDG_CACHE_HOME/spec_jax/governor (default ~/.cache/spec_jax/governor). It times the very
 executable generate() then runs (compiled once, shared): decode(num_draft="auto") with K forced
 through the cost vector, two lengths per K, differenced so the prefill and per-call work cancel
-(measure_round_costs). spec_jax.governor's docstring has the cost model that reads it.
+(measure_round_costs). spec_jax.governor's docstring has the cost model that reads it. Any
+strategy that reads a table of per-round seconds at candidate K (Strategy.calibration_ks) gets
+it from here; tables depend on the K set, not on which strategy reads them.
 
     table = sj.calibrate(target, drafter, batch=16)   # cached; generate() does this itself
 """
@@ -23,12 +26,14 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from spec_jax import global_batch, sharding as sharding_lib
 from spec_jax.decoding.compiled import compiled_decode_call
 from spec_jax.files import atomic_write_json
-from spec_jax.governor import CostTable, Governor, resolve
+from spec_jax.decoding.strategies import Governed, Strategy
+from spec_jax.governor import CostTable, Governor
 from spec_jax.governor.options import is_int
 from spec_jax.models.chat import default_stop_ids
 from spec_jax.sampling import Sampling
@@ -106,7 +111,6 @@ def fingerprint(target, drafter, batch: int, capacity: int, greedy: bool, ks) ->
   flags, target config + weights checksum, drafter static key + params checksum, B, capacity
   bucket, greedy, the candidate K set and the cost-model version."""
   dev = jax.devices()[0]
-  import jaxlib
   key = {
       "version": COST_MODEL_VERSION,
       "platform": dev.platform, "device_kind": getattr(dev, "device_kind", ""),
@@ -132,11 +136,12 @@ CALIBRATION_PROMPT = 32          # real prompt tokens per row of the timed decod
 
 
 def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool, ks,
-                        repeats: int = 3, *, governor: Governor, prompt_len: int = 16,
+                        repeats: int = 3, *, strategy: Strategy, prompt_len: int = 16,
                         stop_count: int = 0, mesh=None) -> dict:
   """Seconds per loop iteration at each candidate K, timed on the compiled decode that
-  generate(num_draft="auto") runs for these shapes (the same executable: calibrating compiles
-  nothing extra). K is forced through the cost vector (cost 1 for it, 1e30 for the others).
+  generate() runs with `strategy` (bound, e.g. Governed: num_draft="auto") for these shapes
+  (the same executable: calibrating compiles nothing extra). K is forced through the cost
+  vector (cost 1 for it, 1e30 for the others).
   Per K, one call of n new tokens (text-like prompts of up to CALIBRATION_PROMPT tokens in a
   buffer of prompt_len; stop tokens that
   never occur, so every row runs to its limit); the smallest K >= 1, k1, also runs n/2 tokens,
@@ -170,8 +175,7 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
     costs[i] = 1.0
     compiled, args, kwargs = compiled_decode_call(
         target, drafter, prompts, lens, key, max_new_tokens=n, sampling=sampling, stop=stop,
-        capacity=capacity, greedy=greedy, mesh=mesh, num_draft="auto", governor=governor,
-        round_costs=costs)
+        capacity=capacity, greedy=greedy, mesh=mesh, strategy=strategy, round_costs=costs)
     t0 = time.perf_counter()
     packed = compiled(*args, **kwargs)
     jax.block_until_ready(packed)
@@ -205,7 +209,8 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
 def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
               greedy: bool = True, governor: Optional[Governor] = None, repeats: int = 3,
               cache: bool = True, refresh: bool = False, prompt_len: int = 16,
-              stop_count: Optional[int] = None, mesh=None) -> CostTable:
+              stop_count: Optional[int] = None, mesh=None,
+              strategy: Optional[Strategy] = None) -> CostTable:
   """The governor's cost table for (this device, target, drafter, batch, capacity bucket,
   greedy): seconds per round at each candidate K, timed once and cached as JSON under
   cache_dir() (written atomically; keyed by `fingerprint`); a second call reads it (or this
@@ -217,14 +222,19 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
       max_new_tokens + K + 1 rounded up to 64; default 256).
     greedy: time the greedy round (temperature 0: argmax verify) or the sampling round.
     governor: its candidate K set (default Governor()).
+    strategy: the bound strategy whose executable is timed, at its calibration_ks (generate
+      passes it); default Governed(governor) at the governor's candidates.
     repeats: timed rounds per K (round-robin).
     prompt_len, stop_count, mesh: the padded prompt length, the number of stop tokens and the
       mesh of the generate() call to come, so that the timed executable is the one it runs
       (generate passes them; only the compile is shared, the table does not depend on them).
   """
   t0 = time.perf_counter()
-  gov = resolve(governor, drafter)
-  ks = gov.candidates(drafter)
+  if strategy is None:
+    strategy = Governed(governor).bind(drafter, None)
+    ks = strategy.candidates
+  else:
+    ks = strategy.calibration_ks
   drafter.check_compatible(target)
   if not is_int(batch) or batch < 1:
     raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
@@ -254,8 +264,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
   if stop_count is None:
     stop_count = len(default_stop_ids(target))
   timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats,
-                              governor=gov, prompt_len=prompt_len, stop_count=stop_count,
-                              mesh=mesh)
+                              strategy=strategy, prompt_len=prompt_len,
+                              stop_count=stop_count, mesh=mesh)
   table = CostTable(ks=tuple(ks), seconds=tuple(timed[k]["per_iter_s"] for k in ks),
                     spread_pct=tuple(timed[k]["spread_pct"] for k in ks), key=key,
                     fingerprint=digest, path=str(path) if cache else None)
@@ -266,18 +276,19 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
   return table
 
 
-def round_costs_for(gov: Governor, target, drafter, batch: int, capacity: int, greedy: bool,
-                    max_new_tokens: int, prompt_len: int = 16, stop_count: int = 0, mesh=None):
-  """What generate() passes to decode: None when the governor has its own table or schedule;
-  ones when the loop cannot run (max_new_tokens == 1: the prefill's token is the only one);
-  else calibrate(...).round_costs (measured once on the executable generate runs, then
-  cached)."""
-  if not gov.needs_calibration():
+def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: int,
+                    greedy: bool, max_new_tokens: int, prompt_len: int = 16, stop_count: int = 0,
+                    mesh=None):
+  """What generate() passes to decode for a bound strategy: None unless it needs a measured
+  table (Strategy.calibration_ks: the governor without its own costs or schedule); ones when
+  the loop cannot run (max_new_tokens == 1: the prefill's token is the only one); else
+  calibrate(...).round_costs (measured once on the executable generate runs, then cached)."""
+  ks = strategy.calibration_ks
+  if ks is None:
     return None
-  ks = gov.candidates(drafter)
   if max_new_tokens <= 1:
     return np.ones((len(ks),), np.float32)
-  return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, governor=gov,
+  return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, strategy=strategy,
                    prompt_len=prompt_len, stop_count=stop_count, mesh=mesh).costs_for(ks)
 
 

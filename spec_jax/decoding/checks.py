@@ -1,0 +1,25 @@
+"""Checks of a decode call's static arguments, shared by decode, generate and the strategies so
+that their messages agree: each raises ValueError naming what was wrong and what is allowed,
+before anything is traced or compiled."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def is_static_int(x) -> bool:
+  return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
+
+
+def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -> None:
+  """Raises ValueError unless the KV cache holds prompt + max_new_tokens + a K+1 verify block."""
+  if not is_static_int(capacity) or capacity < 1:
+    raise ValueError(f"capacity must be a positive integer (the KV-cache length S), got "
+                     f"{capacity!r}")
+  needed = longest_prompt + max_new_tokens + k + 1
+  if capacity < needed:
+    raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "
+                     f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}; a tree's cache_extent "
+                     f"+ 1) needs {needed}")

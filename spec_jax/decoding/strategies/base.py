@@ -1,0 +1,93 @@
+"""Strategy: the interface of a way to run decode's rounds.
+
+A strategy is a static, hashable object (a jit static argument) with pure functions over the
+loop's state, in optax's style: `init` makes the state the strategy owns (it lives in
+DecodeState.strategy; the core never looks inside), `round` runs one round, `run` runs rounds
+until every row is done. Strategies call the core's round primitives (decoding.rounds) and
+never import the loop; the loop (decoding.loop.decode) calls them.
+
+Adding a strategy: a module in this package with a subclass, and its name in the package's
+__init__. A sketch, a chain whose rows each draft their own number of tokens (the chain round
+verifies [B, K+1] and masks each row's drafts past its budget):
+
+    @dataclasses.dataclass(frozen=True)
+    class Budgeted(Strategy):
+      k: int                                   # the static maximum
+      width = property(lambda self: self.k)
+      def init(self, env, state):              # its own state: each row's budget, int32 [B]
+        return jnp.full(state.lengths.shape, self.k, jnp.int32)
+      def round(self, env, state):
+        return chain_round(env, state, k=self.k, draft_rows=state.strategy)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from spec_jax.decoding.rounds import run_until_done
+from spec_jax.decoding.state import DecodeState, LoopEnv
+
+
+class Strategy:
+  """How a decode runs its rounds (static, hashable; subclasses are frozen dataclasses).
+
+  Attributes:
+    width: accepted_at columns, the most drafts a round can accept (K; a tree's depth D).
+    extent: cache slots past the last committed token a round may write (default: the width;
+      a tree's cache_extent); capacity must hold the prompt + max_new_tokens + extent + 1.
+    lazy_drafter: the drafter may skip plain rounds and catch up later (PrefillInfo.lazy).
+  """
+  width: int = 0
+  extent = property(lambda self: self.width)
+  lazy_drafter: bool = False
+
+  def bind(self, drafter, target) -> "Strategy":
+    """The strategy that runs with this drafter (None: no drafter) on this target (a Target, or
+    None to skip the target's checks), defaults resolved; ValueError when it cannot. decode and
+    generate call it once per call, before anything compiles; binding a bound strategy gives
+    an equal one."""
+    del drafter, target
+    return self
+
+  def round_costs(self, drafter, round_costs) -> Optional[Any]:
+    """The per-round cost table this strategy reads (LoopEnv.round_costs: float32 [N]),
+    checked; None for strategies that do not choose by cost (round_costs is then ignored)."""
+    del drafter, round_costs
+    return None
+
+  @property
+  def calibration_ks(self) -> Optional[tuple]:
+    """The K values whose per-round seconds generate() must measure for this strategy (the
+    order of its round_costs), or None when it needs no measured table."""
+    return None
+
+  def init(self, env: LoopEnv, state: DecodeState) -> Any:
+    """This strategy's own state after the prefill (DecodeState.strategy); () for none."""
+    del env, state
+    return ()
+
+  def round(self, env: LoopEnv, state: DecodeState) -> DecodeState:
+    """One round: the state after it, statistics included (decoding.rounds.update_stats)."""
+    raise NotImplementedError(f"{type(self).__name__} defines no round")
+
+  def run(self, env: LoopEnv, state: DecodeState) -> DecodeState:
+    """Rounds until every row is done (default: `round` in one while loop)."""
+    return run_until_done(functools.partial(self.round, env), state)
+
+  def k_rounds(self, final: DecodeState):
+    """int32 [width+1]: loop iterations per number of drafts (default: all at `width`)."""
+    return jnp.zeros((self.width + 1,), jnp.int32).at[self.width].set(final.iterations)
+
+  def stats_fields(self, greedy: bool, drafter) -> dict:
+    """SpecStats.from_result's description of the rounds: num_draft (accepted_at's width),
+    auto (several K), tree (a TreeSpec) and the label statistics print."""
+    del greedy, drafter
+    return {"num_draft": self.width, "strategy": self.label}
+
+  @property
+  def label(self) -> str:
+    """What statistics print for these rounds (SpecStats.strategy)."""
+    return type(self).__name__

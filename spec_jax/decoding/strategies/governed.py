@@ -1,0 +1,133 @@
+"""Governed (num_draft="auto"): every round the governor picks K among its candidates (0 = a
+plain step) from a cost table and the live acceptance. The choice and its cost model are pure
+functions of arrays in spec_jax.governor; this is the loop that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.decoding.rounds import chain_round
+from spec_jax.decoding.state import DecodeState, LoopEnv
+from spec_jax.decoding.strategies.base import Strategy
+from spec_jax.drafters.base import Drafter
+from spec_jax.governor import Governor, GovernorState, choose, observe, row_alpha
+
+
+def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
+                  until=None) -> DecodeState:
+  """The loop of num_draft="auto" (Governed.run; a chain runs one fixed-K while_loop instead).
+
+  costs: float32 [len(candidates)] seconds per round at each candidate K; state.strategy: the
+  GovernorState.
+
+  Every round runs the K the governor chose after the previous round (GovernorState.choice).
+  The rounds of each candidate K form their own inner `lax.while_loop` (body: chain_round at
+  that K, then the statistics and the next choice), which runs while the choice stays its K;
+  an outer `lax.while_loop` visits the inner loops in turn (K >= 1 first, K = 0 last) until
+  every row is done. Each round pays only for its K. (A `lax.switch` over per-K rounds in one
+  loop would be the obvious form, but XLA:CPU then copies the KV caches through the
+  conditional every round: +50% per round at B = 16 for stories260K. While loops keep their
+  carry in place.) A drafter that skipped plain rounds catches up once per outer iteration,
+  before the drafting loops (Drafter.catch_up; nothing to do when it is in sync).
+
+  until: optional int, stop after this many rounds (tests)."""
+  ks = gov.candidates(env.drafter)
+  gate = gov.gate_alpha > 0
+  env = env._replace(rolled=True)        # one draft-step body per K: a smaller program
+  lazy = type(env.drafter).catch_up is not Drafter.catch_up
+  drafts = jnp.asarray([k > 0 for k in ks])
+
+  def running(st):
+    go = ~jnp.all(st.done)
+    return go if until is None else go & (st.iterations < until)
+
+  def body(i, k):
+    def run(st):
+      rows = (row_alpha(st.strategy) >= gov.gate_alpha) if (gate and k) else None
+      new = chain_round(env, st, k=k, draft_rows=rows)
+      gs = observe(gov, st.strategy, ~st.done, new.counts.accepted - st.counts.accepted, k,
+                   rows)
+      gs = gs.replace(k_hist=gs.k_hist.at[i].add(1))
+      choice, _ = choose(gov, ks, gs, costs, ~new.done, new.iterations)
+      return new.replace(strategy=gs.replace(choice=choice))
+    return run
+
+  def outer(st):
+    if lazy:      # before a plain round the drafter is told lengths 0: nothing to do
+      st = st.replace(drafter_state=env.drafter.catch_up(
+          env.drafter_params, st.drafter_state, st.tokens,
+          jnp.where(drafts[st.strategy.choice], st.lengths, 0)))
+    for i in sorted(range(len(ks)), key=lambda j: ks[j] == 0):
+      st = jax.lax.while_loop(lambda s, i=i: running(s) & (s.strategy.choice == i),
+                              body(i, ks[i]), st)
+    return st
+
+  gs = state.strategy
+  choice, _ = choose(gov, ks, gs, costs, ~state.done, state.iterations)
+  state = state.replace(strategy=gs.replace(choice=choice))
+  return jax.lax.while_loop(running, outer, state)
+
+
+def resolve_governor(governor, drafter) -> Governor:
+  """The Governor for num_draft="auto" (None = defaults, a dict = its options), checked against
+  the drafter before anything compiles."""
+  if drafter is None:
+    raise ValueError("num_draft='auto' needs a drafter: the governor chooses how many of its "
+                     "drafts to verify (pass drafter=..., or an integer num_draft without one)")
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"drafter must be a spec_jax.drafters drafter, got "
+                     f"{type(drafter).__name__}")
+  if governor is None:
+    governor = Governor()
+  elif isinstance(governor, dict):
+    governor = Governor(**governor)
+  elif not isinstance(governor, Governor):
+    raise ValueError(f"governor must be a spec_jax.Governor, a dict of its options or None, "
+                     f"got {type(governor).__name__}")
+  governor.candidates(drafter)                 # ValueError: K above the drafter's max_draft
+  return governor
+
+
+@dataclasses.dataclass(frozen=True)
+class Governed(Strategy):
+  """num_draft="auto": every round the governor picks K among its candidates (0 = a plain
+  step) from the cost table (LoopEnv.round_costs) and the live acceptance; the drafter may skip
+  the plain rounds and catch up (lazy).
+
+  governor: a sj.Governor, a dict of its options, or None (the defaults); candidates: the
+  candidate K for the drafter, set by bind."""
+  governor: Any = None
+  candidates: tuple = ()
+  lazy_drafter = True
+  width = property(lambda self: max(self.candidates))
+  label = property(lambda self: f"K=auto(<={self.width})")
+
+  def bind(self, drafter, target) -> "Governed":
+    gov = resolve_governor(self.governor, drafter)
+    return Governed(gov, gov.candidates(drafter))
+
+  def round_costs(self, drafter, round_costs):
+    return self.governor.cost_array(drafter, round_costs)        # ValueError on a bad table
+
+  @property
+  def calibration_ks(self):
+    return self.candidates if self.governor.needs_calibration() else None
+
+  def init(self, env, state) -> GovernorState:
+    return self.governor.init_state(env.drafter, state.tokens.shape[0])
+
+  def run(self, env, state):
+    return governed_loop(env, self.governor, env.round_costs, state)
+
+  def k_rounds(self, final):
+    """int32 [max(candidates)+1]: loop iterations per K (index = K) from the governor's
+    histogram."""
+    return jnp.zeros((self.width + 1,), jnp.int32).at[jnp.asarray(self.candidates)].set(
+        final.strategy.k_hist)
+
+  def stats_fields(self, greedy: bool, drafter) -> dict:
+    return {"num_draft": self.width, "auto": True, "strategy": self.label}

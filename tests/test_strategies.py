@@ -1,0 +1,125 @@
+"""Round strategies (sj.strategies): strategy= on generate and decode gives what the sugar
+(num_draft=, tree=, governor=) gives, bad combinations are refused before compiling, and a
+strategy written outside the library plugs into the loop with its own state."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from spec_jax.decoding import compiled as compiled_lib
+from spec_jax.decoding.rounds import chain_round
+from spec_jax.decoding.strategies import strategy_for
+
+CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=256, eos_token_ids=())
+PROMPTS = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+GREEDY = sj.Sampling(temperature=0.0)
+NEW = 16
+
+
+@functools.lru_cache(None)
+def models():
+  target = sj.init_model(CFG, jax.random.key(1))
+  target.params["embed"] = target.params["embed"] * 40  # peaky logits: a non-trivial argmax path
+  draft = sj.init_model(CFG.replace(num_layers=1), jax.random.key(3))
+  draft.params["embed"] = draft.params["embed"] * 40
+  return target, sj.drafters.DraftModel(draft)
+
+
+def run(**kwargs):
+  target, drafter = models()
+  kwargs.setdefault("drafter", drafter)
+  return sj.generate(target, PROMPTS, max_new_tokens=NEW, sampling=GREEDY, stop_tokens=[],
+                     **kwargs)
+
+
+@functools.lru_cache(None)
+def plain():
+  return run(drafter=None).tokens
+
+
+def test_strategy_objects_equal_the_sugar():
+  chain = run(strategy=sj.Chain(3))
+  assert chain.tokens == run(num_draft=3).tokens == plain()
+  assert chain.stats.strategy == "K=3" and chain.stats.summary().startswith("K=3 ")
+  tree = run(strategy=sj.Tree(sj.TreeSpec(2, 2, 4)))
+  assert tree.tokens == plain() and tree.stats.tree == (2, 2, 4, "topk")
+  assert tree.stats.summary().startswith("tree D=2,k=2,N=4,topk ")
+  gov = sj.Governor(ks=(0, 1, 2), schedule=(0, 2, 1))
+  auto = run(strategy=sj.Governed(gov))
+  assert auto.tokens == run(num_draft="auto", governor=gov).tokens == plain()
+  assert auto.stats.auto and auto.stats.strategy == "K=auto(<=2)"
+  assert set(auto.stats.k_histogram) == {0, 1, 2}
+  assert sj.strategies.Chain is sj.Chain and run(drafter=None, strategy=sj.Chain(0)).tokens \
+      == plain()
+
+
+def test_bad_strategies_are_refused_before_compiling():
+  _, drafter = models()
+  compiled = len(compiled_lib._COMPILED)
+  spec = sj.TreeSpec(2, 2, 4)
+  for kwargs, message in [
+      (dict(strategy=sj.Chain(2), tree=spec), "give strategy= or the num_draft="),
+      (dict(strategy=sj.Chain(2), num_draft=3), "give strategy= or the num_draft="),
+      (dict(strategy="auto", governor=sj.Governor()), "give strategy= or"),
+      (dict(strategy="fast"), "strategy must be 'auto' or a spec_jax.strategies Strategy"),
+      (dict(strategy=sj.Chain(2), drafter=None), r"Chain\(2\) drafts: it needs a drafter"),
+      (dict(strategy=sj.Chain(0)), "num_draft .K. must be an integer >= 1"),
+      (dict(strategy=sj.Tree(spec), drafter=sj.drafters.Medusa.init(
+          models()[0], num_heads=2)), "Medusa cannot build draft trees"),
+      (dict(strategy="auto", drafter=None), "needs a drafter")]:
+    with pytest.raises(ValueError, match=message):
+      run(**kwargs)
+  with pytest.raises(ValueError, match=r"Chain\(K\): K \(num_draft\) must be an integer >= 0"):
+    sj.Chain(-1)
+  assert len(compiled_lib._COMPILED) == compiled
+  # Binding is idempotent: a bound strategy binds to an equal one (generate binds once, then
+  # decode checks it again inside the compiled call).
+  bound = strategy_for("auto", drafter)
+  assert bound == bound.bind(drafter, None) and hash(bound) == hash(bound.bind(drafter, None))
+  assert bound.candidates == (0, 1, 2, 4, 6, 8)
+
+
+def test_decode_takes_a_strategy_inside_a_user_jit():
+  target, drafter = models()
+  prompts, lens, capacity = sj.prepare_batch(target, PROMPTS, NEW, 3)
+
+  @functools.partial(jax.jit, static_argnames="strategy")
+  def go(params, dparams, prompts, lens, strategy):
+    return sj.decode(params, prompts, lens, jax.random.key(0), config=CFG, drafter=drafter,
+                     drafter_params=dparams, strategy=strategy, max_new_tokens=NEW,
+                     capacity=capacity, sampling=GREEDY)
+
+  res = go(target.params, drafter.params, jnp.asarray(prompts), jnp.asarray(lens), sj.Chain(3))
+  assert sj.new_tokens(res) == plain()
+  np.testing.assert_array_equal(res.k_rounds, [0, 0, 0, int(res.iterations)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgeted(sj.Strategy):
+  """A strategy from outside the library: a chain of at most k drafts whose rows each draft
+  their own budget (row b: b % (k + 1) drafts), kept in the strategy's own state."""
+  k: int
+
+  @property
+  def width(self):
+    return self.k
+
+  def init(self, env, state):
+    return jnp.arange(state.lengths.shape[0], dtype=jnp.int32) % (self.k + 1)
+
+  def round(self, env, state):
+    return chain_round(env, state, k=self.k, draft_rows=state.strategy)
+
+
+def test_a_strategy_of_our_own_with_per_row_draft_lengths():
+  out = run(strategy=Budgeted(3))
+  assert out.tokens == plain()
+  drafted, rounds = out.stats.row_counts["drafted"], out.stats.row_counts["rounds"]
+  assert drafted[0] == 0 and 0 < drafted[1] <= rounds[1] and rounds[2] < drafted[2] <= 2 * rounds[2]
+  assert out.stats.strategy == "Budgeted"
