@@ -32,6 +32,18 @@ def load_shared(name: str, **kwargs):
   return sj.load(need_shared("models", name), **kwargs)
 
 
+def peaky_models(cfg):
+  """A random target of `cfg` and a one-layer random draft model, their embeddings scaled by 40
+  (peaky logits: a non-trivial argmax path); keys 1 and 3."""
+  import jax
+  import spec_jax as sj
+  target = sj.init_model(cfg, jax.random.key(1))
+  target.params["embed"] = target.params["embed"] * 40
+  draft = sj.init_model(cfg.replace(num_layers=1), jax.random.key(3))
+  draft.params["embed"] = draft.params["embed"] * 40
+  return target, draft
+
+
 @pytest.fixture(scope="module")
 def stories260k():
   return load_shared("stories260K")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
+from tests.conftest import peaky_models
 from spec_jax.decoding import compiled as compiled_lib
 from spec_jax.decoding.compiled import execution_params
 from spec_jax.drafters.base import DraftContext
@@ -21,11 +22,7 @@ GREEDY = sj.Sampling(temperature=0.0)
 
 @functools.lru_cache(None)
 def models():
-  target = sj.init_model(CFG, jax.random.key(1))
-  target.params["embed"] = target.params["embed"] * 40  # peaky logits: a non-trivial argmax path
-  draft = sj.init_model(CFG.replace(num_layers=1), jax.random.key(3))
-  draft.params["embed"] = draft.params["embed"] * 40
-  return target, draft
+  return peaky_models(CFG)
 
 
 @functools.lru_cache(None)

@@ -14,6 +14,7 @@ import spec_jax as sj
 from spec_jax.decoding import compiled as compiled_lib
 from spec_jax.decoding.rounds import chain_round
 from spec_jax.decoding.strategies import strategy_for
+from tests.conftest import peaky_models
 
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, max_position_embeddings=256, eos_token_ids=())
@@ -24,10 +25,7 @@ NEW = 16
 
 @functools.lru_cache(None)
 def models():
-  target = sj.init_model(CFG, jax.random.key(1))
-  target.params["embed"] = target.params["embed"] * 40  # peaky logits: a non-trivial argmax path
-  draft = sj.init_model(CFG.replace(num_layers=1), jax.random.key(3))
-  draft.params["embed"] = draft.params["embed"] * 40
+  target, draft = peaky_models(CFG)
   return target, sj.drafters.DraftModel(draft)
 
 
