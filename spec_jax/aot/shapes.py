@@ -75,7 +75,7 @@ def abstract_model(config: ModelConfig) -> Model:
 
 def _abstract_drafter(make, target: Model):
   """Runs make(Model with traced params) -> drafter under eval_shape; returns the drafter
-  with ShapeDtypeStruct params in the target's dtype (what the loaders give: the formats'
+  with ShapeDtypeStruct params in the target's dtype (what the loaders give: drafters.base's
   in_target_dtype, load_dflash's default dtype)."""
   built = []
 

@@ -342,8 +342,3 @@ class DFlash(FrozenDrafter):
       params["mask_embed"] = jnp.zeros((d,), jnp.float32)
     return cls(params, tc, cfg, layers, block_size, layer_types, sliding_window, mask_token_id,
                greedy_drafts)
-
-
-def is_dflash(drafter) -> bool:
-  return getattr(drafter, "kind", None) == "dflash"
-

@@ -69,8 +69,6 @@ from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_in
 from spec_jax.models.cache import default_head_major
 from spec_jax.models.llama.forward import decoder_layer
 
-KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
-
 
 @flax.struct.dataclass
 class FeatureHeadState:
