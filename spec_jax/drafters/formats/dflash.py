@@ -38,7 +38,6 @@ here too and replaces the embedding of mask_token_id).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import types
@@ -51,7 +50,7 @@ import numpy as np
 from spec_jax.drafters import dflash_layers, dflash_shapes
 from spec_jax.drafters.dflash import DFlash
 from spec_jax.models import hf_reader
-from spec_jax.models.hf_export import atomic_folder
+from spec_jax.models.hf_export import layer_config_fields, write_folder
 from spec_jax.models.llama.hf import rope_from_hf
 
 ARCHITECTURES = ("DFlashDraftModel",)
@@ -260,36 +259,19 @@ def _read_mask_embedding_pt(path: pathlib.Path, d: int) -> np.ndarray:
 def dflash_config(drafter) -> dict:
   """The config.json of `drafter` (a DFlash) as a published DFlashDraftModel."""
   c, t = drafter.layer_config, drafter.target_config
-  eos = list(t.eos_token_ids)
   sliding = drafter.sliding_window is not None and "sliding_attention" in drafter.layer_types
   return {
       "architectures": ["DFlashDraftModel"],
       "model_type": "qwen3",
+      **layer_config_fields(c, t),
       "block_size": drafter.block_size,
       "dflash_config": {"mask_token_id": drafter.mask_token_id,
                         "target_layer_ids": list(drafter.target_layers)},
       "num_target_layers": t.num_layers,
-      "num_hidden_layers": c.num_layers,
       "layer_types": list(drafter.layer_types),
       "sliding_window": drafter.sliding_window if sliding else None,
       "use_sliding_window": bool(sliding),
-      "hidden_size": c.hidden_size,
-      "intermediate_size": c.intermediate_size,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_act": "silu",
-      "rms_norm_eps": c.rms_norm_eps,
-      "rope_theta": c.rope_theta,
-      "rope_scaling": c.rope_scaling_dict or None,
-      "max_position_embeddings": t.max_position_embeddings,
-      "vocab_size": t.vocab_size,
-      "attention_bias": False,
       "attention_dropout": 0.0,
-      "tie_word_embeddings": False,
-      "bos_token_id": t.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-      "torch_dtype": "float32",
   }
 
 
@@ -312,16 +294,7 @@ def dflash_tensors(drafter) -> dict:
 def export(drafter, out_dir, overwrite: bool = False) -> pathlib.Path:
   """Writes `drafter` (a DFlash) as a published DFlash folder (config.json + model.safetensors),
   atomically; `sj.drafters.load(out_dir, target)` reads it back."""
-  from safetensors.numpy import save_file
   if getattr(drafter, "kind", None) != "dflash":
     raise ValueError(f"export: format 'dflash' writes DFlash drafters; got a "
                      f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
-  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-    raise ValueError(f"export: {out_dir} already exists and is not empty; pass overwrite=True "
-                     f"or choose a new folder")
-  config, tensors = dflash_config(drafter), dflash_tensors(drafter)
-  with atomic_folder(out_dir) as tmp:
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
-  return out_dir
+  return write_folder(out_dir, dflash_config(drafter), dflash_tensors(drafter), overwrite)

@@ -38,7 +38,6 @@ when the head uses the default, and boundary ids otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import types
@@ -53,7 +52,7 @@ from spec_jax.drafters.eagle import (EAGLE3, check_draft_tokens, midlayer_params
                                      public_default_layers)
 from spec_jax.drafters.feature_head import head_layer_config
 from spec_jax.models import hf_reader
-from spec_jax.models.hf_export import atomic_folder
+from spec_jax.models.hf_export import layer_config_fields, write_folder
 from spec_jax.models.llama.hf import rope_from_hf
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -258,32 +257,15 @@ def eagle3_config(drafter) -> dict:
   if list(layers) != sorted(set(layers)):
     raise ValueError(f"export: target_layers {list(layers)} must be strictly increasing: vLLM "
                      f"and SGLang capture each layer once, in layer order")
-  scaling = c.rope_scaling_dict
-  eos = list(t.eos_token_ids)
   cfg = {
       "architectures": ["LlamaForCausalLMEagle3"],
       "model_type": "llama",
-      "hidden_size": c.hidden_size,
+      **layer_config_fields(c, t),
       "target_hidden_size": t.hidden_size,
-      "intermediate_size": c.intermediate_size,
       "num_hidden_layers": 1,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_act": "silu",
-      "rms_norm_eps": c.rms_norm_eps,
-      "rope_theta": c.rope_theta,
-      "rope_scaling": scaling or None,
-      "max_position_embeddings": t.max_position_embeddings,
-      "vocab_size": t.vocab_size,
       "draft_vocab_size": drafter.draft_vocab_size,
-      "tie_word_embeddings": False,
-      "attention_bias": False,
       "mlp_bias": False,
       "pretraining_tp": 1,
-      "bos_token_id": t.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-      "torch_dtype": "float32",
   }
   if layers != public_default_layers(t.num_layers):
     cfg["eagle_config"] = {"use_aux_hidden_state": True,
@@ -326,19 +308,9 @@ def export(drafter, out_dir, format: str = "eagle3", overwrite: bool = False) ->
 
   Returns the folder's path; `sj.drafters.load(out_dir, target)` reads it back.
   """
-  from safetensors.numpy import save_file
   if format not in FORMATS:
     raise ValueError(f"export: unknown format {format!r}; allowed: {', '.join(FORMATS)}")
   if getattr(drafter, "kind", None) != "eagle3":
     raise ValueError(f"export: format 'eagle3' writes EAGLE-3 heads; got a "
                      f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
-  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-    raise ValueError(f"export: {out_dir} already exists and is not empty; pass overwrite=True "
-                     f"or choose a new folder")
-  config = eagle3_config(drafter)
-  tensors = eagle3_tensors(drafter)
-  with atomic_folder(out_dir) as tmp:
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
-  return out_dir
+  return write_folder(out_dir, eagle3_config(drafter), eagle3_tensors(drafter), overwrite)
