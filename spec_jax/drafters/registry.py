@@ -17,8 +17,10 @@ imports the trainer): a new kind reuses a loss key whose function its class serv
 there.
 
 A new trainable head is its module (a FrozenDrafter with `kind`, `init(target, key=None,
-...)`, `hyper_params()` and, for its loss, the methods above), one line in KINDS and a YAML
-config with `head: {kind: NAME}`.
+...)`, `hyper_params()` and, for its loss, the methods above), one line in KINDS (with the
+import of its class) and a YAML config with `head: {kind: NAME}`. Its `init` must take back
+what `hyper_params()` saves (heads.json rebuilds the head with `from_hyper_params`; a
+FeatureHead's saves intermediate_size and num_heads, the rest it derives).
 
 Everything that names kinds reads this table: train.config (the `head:` schema and its
 checks), train.distill_heads (building heads, choosing the loss), the bench's drafter specs,
