@@ -50,7 +50,8 @@ def _generate(args) -> int:
           attention_impl=args.attention_impl))
     drafter = make_drafter(args.drafter, model)
     if args.attention_impl is not None and isinstance(drafter, sj.drafters.DraftModel):
-      drafter.config = drafter.config.replace(attention_impl=args.attention_impl)
+      drafter = drafter.replace(model=dataclasses.replace(
+          drafter.model, config=drafter.config.replace(attention_impl=args.attention_impl)))
     sampling = sj.Sampling(**{name: getattr(args, name) for name in sj.sampling.OPTIONS})
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
@@ -61,7 +62,7 @@ def _generate(args) -> int:
     else:
       inputs = dict(prompts=mine)
       ids = mine
-    model = _check_memory(model, drafter, ids, args, mesh)
+    model, drafter = _check_memory(model, drafter, ids, args, mesh)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
                       key=jax.random.key(args.seed), mesh=mesh)
@@ -90,7 +91,8 @@ def _check_memory(model, drafter, prompts, args, mesh):
   """Before anything is compiled: prints the memory per device (weights, KV cache, drafter
   and decode state; spec_jax.memory) to stderr and raises ValueError when it cannot fit the
   device. On an accelerator the weights then take their execution layout once, here, outside
-  the decode jit, the canonical buffers donated (models.layout.prepare_model)."""
+  the decode jit, the canonical buffers donated (models.layout.prepare_model). Returns
+  (model, drafter), both in that layout."""
   import jax
   import numpy as np
   import spec_jax as sj
@@ -116,9 +118,8 @@ def _check_memory(model, drafter, prompts, args, mesh):
   if not platform.is_cpu():
     model = prepare_model(model, mesh)
     if isinstance(drafter, sj.drafters.DraftModel):
-      drafter.model = prepare_model(drafter.model, mesh)
-      drafter.params = drafter.model.params
-  return model
+      drafter = drafter.replace(model=prepare_model(drafter.model, mesh))
+  return model, drafter
 
 
 def main(argv=None) -> int:

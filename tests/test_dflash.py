@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax.drafters import dflash as dflash_lib
-from spec_jax.drafters import heads_io
+from spec_jax.drafters import dflash_layers as dflash_lib
+from spec_jax.drafters.formats import heads_folder
 from spec_jax.drafters.base import DraftContext, PrefillInfo, VerifyInfo
 from spec_jax.drafters.dflash import DFlash
 from tests.conftest import SHARED, need_shared
@@ -365,7 +365,7 @@ def test_bf16_drafter_accumulates_every_dot_in_float32(public_folder, target):
 
 
 def dflash_lib_load(folder, target):
-  from spec_jax.drafters.dflash_format import load_dflash
+  from spec_jax.drafters.formats.dflash import load_dflash
   return load_dflash(folder, target)
 
 
@@ -639,7 +639,7 @@ def test_bench_spec_loads_dflash_drafters(trained):
   _, drafter, stories, tmp = trained
   assert specs.make_drafter(f"dflash:{tmp / 'run'}", stories) == drafter
   assert specs.drafter_label(f"dflash:{tmp / 'run' / 'heads'}") == "dflash:run"
-  heads_io.save(tmp / "medusa", sj.drafters.Medusa.init(stories, num_heads=2), stories, 2)
+  heads_folder.save(tmp / "medusa", sj.drafters.Medusa.init(stories, num_heads=2), stories, 2)
   with pytest.raises(ValueError, match="holds medusa heads, not a DFlash drafter"):
     specs.make_drafter(f"dflash:{tmp / 'medusa'}", stories)
   with pytest.raises(ValueError, match=r"dflash:PATH needs the DFlash drafter's directory"):

@@ -404,29 +404,29 @@ def test_export_refusals_and_atomic_overwrite(tmp_path, target):
 
 
 def test_orbax_save_of_a_loaded_public_head_keeps_its_own_shape(tmp_path, public_folder, target):
-  """A public head's own eps / RoPE / head shape survive heads_io.save -> load."""
-  from spec_jax.drafters import heads_io
+  """A public head's own eps / RoPE / head shape survive heads_folder.save -> load."""
+  from spec_jax.drafters.formats import heads_folder
   head = sj.drafters.load(public_folder, target)
-  heads_io.save(tmp_path / "h", head, target, num_draft=3)
+  heads_folder.save(tmp_path / "h", head, target, num_draft=3)
   back = sj.drafters.load(tmp_path / "h", target)
   assert back == head and back.layer_config.rope_theta == 5000.0
   assert back.layer_config.rms_norm_eps == 1e-6
 
 
 def test_export_cli(tmp_path, capsys):
-  from spec_jax.drafters import heads_io
+  from spec_jax.drafters.formats import heads_folder
   from spec_jax.tools import export_eagle3
   from tests.conftest import need_shared
   path = need_shared("models", "stories260K")
   stories = sj.load(path)
   head = EAGLE3.init(stories, init_std=0.1, target_layers=(1, 2, 4), draft_tokens=range(0, 512, 2))
-  heads_io.save(tmp_path / "run" / "heads", head, stories, num_draft=4)
+  heads_folder.save(tmp_path / "run" / "heads", head, stories, num_draft=4)
   rc = export_eagle3.main([str(path), str(tmp_path / "run"), str(tmp_path / "out")])
   printed = capsys.readouterr().out
   assert rc == 0, printed
   assert "draft_vocab_size 256 of 512" in printed and "inputs of layers [2, 3, 5]" in printed
   assert "max |draft logit diff| over 16 prompt tokens: 0" in printed
-  heads_io.save(tmp_path / "mtp", sj.drafters.MTP.init(stories), stories, num_draft=2)
+  heads_folder.save(tmp_path / "mtp", sj.drafters.MTP.init(stories), stories, num_draft=2)
   assert export_eagle3.main([str(path), str(tmp_path / "mtp"), str(tmp_path / "o2")]) == 2
   assert "writes EAGLE-3 heads; got a MTP" in capsys.readouterr().err
   assert not (tmp_path / "o2").exists()

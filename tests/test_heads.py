@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax.drafters import heads_io
+from spec_jax.drafters.formats import heads_folder
 from spec_jax.drafters.base import PrefillInfo
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.medusa import Medusa
@@ -333,7 +333,7 @@ def test_medusa_with_more_drafts_than_heads_is_refused():
 def test_feature_heads_save_and_reload(tmp_path, kind):
   target = greedy_target()
   head = make_head(kind, target)
-  heads_io.save(tmp_path / "heads", head, target, num_draft=3)
+  heads_folder.save(tmp_path / "heads", head, target, num_draft=3)
   back = sj.drafters.load(tmp_path / "heads", target)
   assert type(back) is type(head) and back == head       # same static config (hash / eq)
   for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
@@ -343,7 +343,7 @@ def test_feature_heads_save_and_reload(tmp_path, kind):
 def test_saved_heads_reload_and_refuse_another_target(tmp_path):
   target = greedy_target()
   head = make_head("medusa", target)
-  heads_io.save(tmp_path / "heads", head, target, num_draft=3)
+  heads_folder.save(tmp_path / "heads", head, target, num_draft=3)
   meta = json.loads((tmp_path / "heads" / "heads.json").read_text())
   assert meta["kind"] == "medusa" and meta["num_draft"] == 3
   assert meta["target"]["config"]["hidden_size"] == CFG.hidden_size
@@ -367,7 +367,7 @@ def test_heads_load_on_the_bf16_cast_of_their_target_and_nowhere_else(tmp_path):
   model's bf16 weights, or an older heads.json without the bf16 checksum, are refused."""
   target = greedy_target()
   head = make_head("medusa", target)
-  heads_io.save(tmp_path / "heads", head, target, num_draft=3)
+  heads_folder.save(tmp_path / "heads", head, target, num_draft=3)
   bf16 = target.astype("bfloat16")
   back = sj.drafters.load(tmp_path / "heads", bf16)
   # The heads follow the target's dtype: their weights rounded to bf16, nothing else changed.
@@ -400,7 +400,7 @@ def test_heads_load_on_the_bf16_cast_of_their_target_and_nowhere_else(tmp_path):
 
 def test_heads_saved_before_a_config_field_existed_load_when_it_holds_its_default(tmp_path):
   target = greedy_target()
-  heads_io.save(tmp_path / "heads", make_head("medusa", target), target, num_draft=3)
+  heads_folder.save(tmp_path / "heads", make_head("medusa", target), target, num_draft=3)
   meta_path = tmp_path / "heads" / "heads.json"
   meta = json.loads(meta_path.read_text())
   assert meta["target"]["config"]["norm_plus_one"] is False        # Gemma's field, default off
@@ -626,7 +626,7 @@ def test_model_without_mtp_weights_is_refused():
 def test_eagle3_heads_saved_before_the_public_architecture_load_as_eagle3_fused(tmp_path):
   target = greedy_target()
   head = make_head("eagle3_fused", target)
-  heads_io.save(tmp_path / "h", head, target, num_draft=3)
+  heads_folder.save(tmp_path / "h", head, target, num_draft=3)
   meta_path = tmp_path / "h" / "heads.json"
   meta = json.loads(meta_path.read_text())
   meta["kind"] = "eagle3"                       # what such a folder says

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from spec_jax.drafters import EAGLE, EAGLE3, EAGLE3Fused, MTP, Medusa, heads_io, widen_heads
+from spec_jax.drafters import EAGLE, EAGLE3, EAGLE3Fused, MTP, Medusa, widen_heads
+from spec_jax.drafters.formats import heads_folder
 from spec_jax.models import widen
 from spec_jax.models.hf_export import llama2c_tokenizer_json, save_hf
 from spec_jax.tools import widen as cli
@@ -377,7 +378,7 @@ def test_greedy_with_widened_heads_equals_plain_greedy(kind):
 
 def test_widened_heads_save_with_the_widened_fingerprint(tmp_path):
   heads, wide = heads_pair("eagle3")
-  heads_io.save(tmp_path / "h", wide, small(), num_draft=3)
+  heads_folder.save(tmp_path / "h", wide, small(), num_draft=3)
   back = sj.drafters.load(tmp_path / "h", small())
   assert back == wide
   with pytest.raises(ValueError, match="different target"):
@@ -405,7 +406,7 @@ def test_widen_heads_refusals():
 
 def test_cli_widens_a_model_and_its_heads(tmp_path, capsys):
   heads, _ = heads_pair("mtp")
-  heads_io.save(tmp_path / "run" / "heads", heads, source(), num_draft=4)
+  heads_folder.save(tmp_path / "run" / "heads", heads, source(), num_draft=4)
   out = tmp_path / "wide"
   rc = cli.main([str(need_shared("models", "stories260K")), str(out), "--hidden-size", "128",
                  "--intermediate-size", "256", "--num-layers", "7", "--head-dim", "16",

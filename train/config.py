@@ -4,6 +4,8 @@
 
 Every key must be one of DEFAULTS' (unknown keys raise ValueError naming the allowed ones);
 `target` and `out_dir` are required. Values given with --set are parsed as YAML scalars/lists.
+The `head:` section is the head kind's: its kind, K, and every option a registry kind's init
+takes (spec_jax.drafters.registry: a new kind's options appear here without an edit).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Optional, Sequence
 
 import yaml
 
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp", "dflash")
+from spec_jax.drafters import registry
+from spec_jax.tree import parse_tree_spec
+from train import losses
+
 
 DEFAULTS = {
     "target": None,            # path of the frozen target (sj.load)
@@ -25,22 +30,12 @@ DEFAULTS = {
         "model": None,         # the frozen target's heads / MLP / vocabulary over this many
     },                         # data x model = every device of every process
     "head": {
-        "kind": "eagle",       # medusa | eagle | eagle3 | eagle3_fused | mtp | dflash
+        **registry.option_defaults(),   # every kind's init options (registry.KINDS)
+        "kind": "eagle",       # a registry kind: medusa | eagle | eagle3 | eagle3_fused | mtp | dflash
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
                                # (DFlash: <= block_size - 1)
-        "intermediate_size": None,   # EAGLE/EAGLE-3/MTP layer MLP width (None: the target's)
-        "num_heads": None,     # attention heads of the head's layer (None: the target's)
-        "target_layers": None,  # EAGLE-3 / DFlash captured layers, as layer-output indices
-                               # (None: EAGLE-3's public default (1, L//2-1, L-4) = inputs of
-                               # (2, L//2, L-3); DFlash's spread from layer 1 to L-3)
         "draft_vocab_size": None,  # EAGLE-3 draft vocabulary: the N most frequent target tokens
                                    # of the training data (None: the whole vocabulary)
-        "init_std": 0.02,      # random init scale of the head's layer
-        "medusa_layers": 1,    # residual SiLU blocks per Medusa head
-        "block_size": 8,       # DFlash: b, the block (the last committed token + b-1 masks)
-        "num_layers": 1,       # DFlash: drafter decoder layers
-        "mask_token_id": None,  # DFlash: a reserved target id for the mask slots (None: a
-                                # learned mask embedding, for targets without a spare id)
     },
     "data": {
         "sources": ["generated"],   # generated (self-distillation) and/or text (dev.txt)
@@ -158,8 +153,10 @@ def validate(cfg: dict) -> dict:
     if not cfg.get(key):
       raise ValueError(f"config needs a top-level {key!r}")
   kind = cfg["head"]["kind"]
-  if kind not in HEAD_KINDS:
-    raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
+  head = registry.kind(kind)              # ValueError naming the known kinds
+  if head.loss not in losses.LOSSES:
+    raise ValueError(f"head kind {kind!r} trains with loss {head.loss!r}, which train.losses "
+                     f"does not have; known: {', '.join(losses.LOSSES)}")
   k = cfg["head"]["num_draft"]
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
     raise ValueError(f"head.num_draft must be an integer >= 1, got {k!r}")
@@ -180,7 +177,6 @@ def validate(cfg: dict) -> dict:
     trees = cfg["eval"]["trees"] = [trees]
   if not isinstance(trees, list):
     raise ValueError(f"eval.trees must be a list of 'D,k,N[,candidates]' strings, got {trees!r}")
-  from spec_jax.tree import parse_tree_spec
   for tree in trees:
     parse_tree_spec(tree)
   if "heldout" in pathlib.Path(str(cfg["data"]["dev_path"])).name:
@@ -198,14 +194,18 @@ def validate(cfg: dict) -> dict:
     raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
   n = cfg["head"]["draft_vocab_size"]
   if n is not None:
-    if kind != "eagle3":
-      raise ValueError(f"head.draft_vocab_size applies to EAGLE-3 heads, not {kind}")
+    if not head.draft_vocabulary:
+      takes = [k for k in registry.KINDS.values() if k.draft_vocabulary]
+      raise ValueError(f"head.draft_vocab_size applies to {registry.labels(takes)} heads, not "
+                       f"{kind}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(f"head.draft_vocab_size must be None or an integer >= 1, got {n!r}")
-  if kind == "dflash":
+  if head.loss == "dflash":
     _check_dflash(cfg)
-  if kind == "medusa" and t["ttt_steps"] != 1:
-    raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not Medusa")
+  if head.loss != "feature_head" and t["ttt_steps"] != 1:
+    raise ValueError(f"train.ttt_steps applies to "
+                     f"{registry.labels(registry.with_loss('feature_head'))} heads, not "
+                     f"{head.label}")
   _check_mesh(cfg)
   w = cfg["data"]["window"]
   if not isinstance(w, int) or w < cfg["head"]["num_draft"] + 3:
@@ -214,6 +214,7 @@ def validate(cfg: dict) -> dict:
 
 
 def _check_dflash(cfg: dict) -> None:
+  """The DFlash loss's options (and the block it drafts in): checked before anything runs."""
   h, t = cfg["head"], cfg["train"]
   for name, low in (("block_size", 2), ("num_layers", 1)):
     v = h[name]
@@ -228,8 +229,6 @@ def _check_dflash(cfg: dict) -> None:
   g = t["loss_gamma"]
   if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or g <= 0):
     raise ValueError(f"train.loss_gamma must be a positive number or null, got {g!r}")
-  if t["ttt_steps"] != 1:
-    raise ValueError("train.ttt_steps applies to EAGLE / EAGLE-3 / MTP heads, not DFlash")
 
 
 def _check_mesh(cfg: dict) -> None:

@@ -50,7 +50,8 @@ import optax
 import spec_jax as sj
 from spec_jax import distributed
 from spec_jax import sharding
-from spec_jax.drafters import heads_io
+from spec_jax.drafters import registry
+from spec_jax.drafters.formats import heads_folder
 from spec_jax.models.transformer import KVCache, forward
 from spec_jax.tree import parse_tree_spec
 from train import checkpoint as ckpt_lib
@@ -91,28 +92,14 @@ def host_copy(tree):
 
 
 def build_head(cfg: dict, target, draft_tokens=None):
-  """Fresh heads per cfg["head"]; draft_tokens: EAGLE-3's draft vocabulary (target ids)."""
+  """Fresh heads per cfg["head"] (the registry kind's init options); draft_tokens: EAGLE-3's
+  draft vocabulary (target ids) for kinds that take one."""
   h = cfg["head"]
-  key = jax.random.key(cfg["seed"])
-  if h["kind"] == "medusa":
-    return heads_io.build("medusa", target, {"num_heads": h["num_draft"],
-                                             "num_layers": h["medusa_layers"]}, key=key)
-  hp = {"init_std": h["init_std"]}
-  if h["intermediate_size"] is not None:
-    hp["intermediate_size"] = h["intermediate_size"]
-  if h["kind"] in ("eagle", "eagle3", "eagle3_fused") and h["num_heads"] is not None:
-    hp["num_heads"] = h["num_heads"]
-  if h["kind"] in ("eagle3", "eagle3_fused") and h["target_layers"] is not None:
-    hp["target_layers"] = tuple(h["target_layers"])
+  kind = registry.kind(h["kind"])
+  args = kind.init_args(h)
   if draft_tokens is not None:
-    hp["draft_tokens"] = [int(i) for i in draft_tokens]
-  if h["kind"] == "dflash":
-    hp.update(block_size=h["block_size"], num_layers=h["num_layers"],
-              mask_token_id=h["mask_token_id"])
-    for name in ("num_heads", "target_layers"):
-      if h[name] is not None:
-        hp[name] = tuple(h[name]) if name == "target_layers" else h[name]
-  return heads_io.build(h["kind"], target, hp, key=key)
+    args["draft_tokens"] = [int(i) for i in draft_tokens]
+  return registry.build(kind.name, target, args, key=jax.random.key(cfg["seed"]))
 
 
 def make_optimizer(tcfg: dict, params=None):
@@ -139,6 +126,7 @@ def make_optimizer(tcfg: dict, params=None):
 def make_loss_fn(head, target_config, tcfg: dict):
   """loss(params, target_params, tokens, key) -> (loss, metrics); the target is frozen."""
   layers = tuple(head.target_layers)
+  loss = losses.LOSSES[registry.kind(head.kind).loss]
   compute = jnp.bfloat16 if tcfg["dtype"] == "bfloat16" else jnp.float32
 
   def loss_fn(params, target_params, tokens, key):
@@ -149,13 +137,7 @@ def make_loss_fn(head, target_config, tcfg: dict):
     probs = jax.nn.softmax(out.logits.astype(jnp.float32), axis=-1)
     # bfloat16: the head computes with bf16-rounded weights; master weights stay float32.
     p = jax.tree.map(lambda x: x.astype(compute).astype(jnp.float32), params)
-    if head.kind == "medusa":
-      return losses.medusa_loss(p, out.hidden, probs, tcfg)
-    if head.kind == "dflash":
-      return losses.dflash_loss(head, p, target_params, tokens, out.layer_hidden, probs, tcfg,
-                                key)
-    return losses.feature_head_loss(head, p, target_params, tokens, out.hidden,
-                                    out.layer_hidden, probs, tcfg, key)
+    return loss(head, p, target_params, tokens, out, probs, tcfg, key)
 
   return loss_fn
 
@@ -170,7 +152,7 @@ def run(cfg: dict) -> dict:
   out_dir.mkdir(parents=True, exist_ok=True)
   tcfg, ecfg, hcfg = cfg["train"], cfg["eval"], cfg["head"]
   target = sj.load(cfg["target"])
-  fp = heads_io.fingerprint(target)
+  fp = heads_folder.fingerprint(target)
   windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
   draft_tokens = None
   if hcfg["draft_vocab_size"] is not None:
@@ -278,7 +260,7 @@ def run(cfg: dict) -> dict:
 
   trained = head.with_params(params)
   if main:
-    heads_dir = heads_io.save(out_dir / "heads", trained, target, num_draft=k_eval,
+    heads_dir = heads_folder.save(out_dir / "heads", trained, target, num_draft=k_eval,
                               extra={"train_steps": steps, "config": _jsonable(cfg)})
     log(f"heads saved to {heads_dir} (load: sj.drafters.load({str(out_dir)!r}, target))")
   if ecfg["enabled"] and main:
@@ -299,7 +281,7 @@ def run(cfg: dict) -> dict:
             "train_seconds": train_seconds, "total_seconds": total, "steps": steps,
             "initial": initial, "final": final}
   if main:
-    heads_io._write_json_atomic(out_dir / "eval.json", report)
+    heads_folder.write_json_atomic(out_dir / "eval.json", report)
   summary.update(eval=evals, total_seconds=total)
   return summary
 
@@ -314,7 +296,7 @@ def _write_losses(path: pathlib.Path, losses: dict) -> None:
       old = {}
   old.update({str(s): v for s, v in losses.items()})
   merged = dict(sorted(old.items(), key=lambda kv: int(kv[0])))
-  heads_io._write_json_atomic(path, {"losses": merged})
+  heads_folder.write_json_atomic(path, {"losses": merged})
 
 
 def _jsonable(obj):

@@ -21,7 +21,13 @@ the target would sample; greedy acceptance needs the argmax, which the soft labe
              (DFlash paper's position-decayed loss; SpecForge `OnlineDFlashModel.forward`)
 
 Each returns (loss, metrics) with metrics["agree"] [steps or heads] = top-1 agreement with the
-target's argmax per draft position.
+target's argmax per draft position. LOSSES maps the loss keys of the head kinds
+(spec_jax.drafters.registry, HeadKind.loss) to them, with one signature:
+
+    LOSSES[key](head, params, target_params, tokens, target_out, target_probs, cfg, key)
+
+target_out: the frozen target's forward over tokens [B, T] (hidden [B, T, D], layer_hidden:
+the head's target_layers); target_probs [B, T, V]; cfg: the config's train section.
 """
 
 from __future__ import annotations
@@ -141,3 +147,22 @@ def dflash_loss(head, params, target_params, tokens, layer_hidden, target_probs,
   same = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)).astype(jnp.float32)
   agree = jnp.sum(same * valid, axis=(0, 1)) / jnp.maximum(jnp.sum(valid, axis=(0, 1)), 1.0)
   return loss, {"agree": agree}
+
+
+def _medusa(head, params, target_params, tokens, out, target_probs, cfg, key):
+  del head, target_params, tokens, key
+  return medusa_loss(params, out.hidden, target_probs, cfg)
+
+
+def _feature_head(head, params, target_params, tokens, out, target_probs, cfg, key):
+  return feature_head_loss(head, params, target_params, tokens, out.hidden, out.layer_hidden,
+                           target_probs, cfg, key)
+
+
+def _dflash(head, params, target_params, tokens, out, target_probs, cfg, key):
+  return dflash_loss(head, params, target_params, tokens, out.layer_hidden, target_probs, cfg,
+                     key)
+
+
+# The registry's loss keys (HeadKind.loss) -> the loss, in the uniform signature above.
+LOSSES = {"medusa": _medusa, "feature_head": _feature_head, "dflash": _dflash}

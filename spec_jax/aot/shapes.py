@@ -75,7 +75,7 @@ def abstract_model(config: ModelConfig) -> Model:
 
 def _abstract_drafter(make, target: Model):
   """Runs make(Model with traced params) -> drafter under eval_shape; returns the drafter
-  with ShapeDtypeStruct params in the target's dtype (what the loaders give: heads_io's
+  with ShapeDtypeStruct params in the target's dtype (what the loaders give: drafters.base's
   in_target_dtype, load_dflash's default dtype)."""
   built = []
 
@@ -113,10 +113,10 @@ def drafter_from_spec(spec: str, target: Model):
     if not arg:
       vd = min(32000, tc.vocab_size)
       return _abstract_drafter(lambda t: EAGLE3.init(t, draft_tokens=np.arange(vd)), target)
-    from spec_jax.drafters import eagle3_format as fmt
+    from spec_jax.drafters.formats import eagle3 as fmt
     cfg = read_json(arg)
-    layer = fmt._layer_config(cfg, tc, str(resolve(arg)))
-    layers = fmt.target_layers_from_ids(fmt._layer_ids(cfg), tc.num_layers, arg)
+    layer = fmt.layer_config(cfg, tc, str(resolve(arg)))
+    layers = fmt.target_layers_from_ids(fmt.layer_ids(cfg), tc.num_layers, arg)
     vd = int(cfg.get("draft_vocab_size") or tc.vocab_size)
     ids = None if vd == tc.vocab_size else np.arange(vd)
     return _abstract_drafter(lambda t: EAGLE3.init(
@@ -126,7 +126,7 @@ def drafter_from_spec(spec: str, target: Model):
         rope_scaling=layer.rope_scaling), target)
   if kind == "dflash":
     from spec_jax.drafters.dflash import DFlash
-    from spec_jax.drafters.dflash_format import read_config
+    from spec_jax.drafters.formats.dflash import read_config
     if not arg:
       raise ValueError("dflash needs a config: --drafter dflash:CONFIG")
     a = read_config(read_json(arg), tc, str(resolve(arg)))

@@ -5,10 +5,12 @@ Models: a Hugging Face folder, a llama2.c folder or .bin (anything `sj.load` rea
 tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.models.widen` to
 hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
 exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
-heads of MODEL (`heads:PATH`, `dflash:PATH`) are widened with it. Drafters: `none`, `ngram`,
-`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `heads:PATH` (trained heads), `dflash:PATH` (a
-DFlash block drafter: trained here or a published DFlash folder). A pair is `TARGET@DRAFTER`;
-`default` is DEFAULT_PAIRS.
+heads of MODEL (`heads:PATH`, `KIND:PATH`) are widened with it. Drafters: `none`, `ngram`,
+`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `heads:PATH` (trained heads of any kind, or
+any folder `sj.drafters.load` reads), `KIND:PATH` for a head kind of the registry
+(spec_jax.drafters.registry: `dflash:PATH` a DFlash block drafter, trained here or a published
+DFlash folder; `eagle3:PATH`, `medusa:PATH`, ...: the same, refused unless the folder holds
+that kind). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import pathlib
 
 from spec_jax.bench.results import ROOT
+from spec_jax.drafters import registry
 
 SHARED = pathlib.Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))
 
@@ -39,7 +42,8 @@ RANDOM_MODELS = {
                        max_position_embeddings=512, rms_norm_eps=1e-5),
 }
 
-DRAFTER_SPECS = "none, ngram, ngram:MAX[:MIN], draft:MODEL, heads:PATH or dflash:PATH"
+DRAFTER_SPECS = ("none, ngram, ngram:MAX[:MIN], draft:MODEL, heads:PATH or KIND:PATH (KIND: "
+                 + ", ".join(registry.HEAD_KINDS) + ")")
 WIDENED_DEFAULT = (768, 2048, 12)
 _WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
 
@@ -75,7 +79,7 @@ def drafter_label(spec: str) -> str:
   if spec in ("none", "", None):
     return "none"
   kind, _, arg = spec.partition(":")
-  if kind in ("heads", "dflash") and arg:
+  if (kind == "heads" or kind in registry.KINDS) and arg:
     # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
     path = pathlib.Path(arg.rstrip("/"))
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
@@ -155,10 +159,10 @@ def check_drafter_spec(spec: str) -> None:
     except ValueError:
       raise ValueError(f"bad drafter {spec!r}: ngram takes integers, ngram:MAX[:MIN]") from None
     return
-  if kind in ("draft", "heads", "dflash"):
+  if kind in ("draft", "heads") or kind in registry.KINDS:
     if not arg:
-      what = {"draft": "draft model (path or random:NAME)", "heads": "trained heads' directory",
-              "dflash": "DFlash drafter's directory"}[kind]
+      what = {"draft": "draft model (path or random:NAME)", "heads": "trained heads' directory"}
+      what = what.get(kind) or f"{registry.kind(kind).label} drafter's directory"
       raise ValueError(f"drafter {kind}:{'MODEL' if kind == 'draft' else 'PATH'} needs the {what}")
     return
   raise ValueError(f"unknown drafter {spec!r}; use {DRAFTER_SPECS}")
@@ -188,9 +192,9 @@ def make_drafter(spec: str, target, seed: int = 0):
                                       target)
   else:
     drafter = sj.drafters.load(str(resolve_path(arg)), target)
-  if kind == "dflash" and getattr(drafter, "kind", None) != "dflash":
+  if kind in registry.KINDS and getattr(drafter, "kind", None) != kind:
     raise ValueError(f"drafter {spec!r}: {arg} holds {getattr(drafter, 'kind', '?')} heads, not "
-                     f"a DFlash drafter; use heads:{arg}")
+                     f"a {registry.kind(kind).label} drafter; use heads:{arg}")
   return drafter
 
 

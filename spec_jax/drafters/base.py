@@ -26,16 +26,23 @@ Tree drafting (spec_jax.tree; drafters with `supports_tree`):
   static in commit as tokens.shape[1] - 1).
 
 Drafter objects are static arguments of the jitted engine: they must be hashable by their
-static configuration (not by their params, which travel separately as `drafter.params`).
+static configuration (not by their params, which travel separately as `drafter.params` and are
+traced). The library's drafters are frozen dataclasses (`FrozenDrafter`, `frozen_drafter`):
+every field is static configuration and part of the hash except the ones declared with
+`compare=False` (the params, `params_field()`, and what a loader records of the drafter's
+origin), so a field cannot be left out of the compile-cache key by mistake; `with_params`
+swaps the params (and greedy_drafts) for a new drafter of the same configuration.
 Adding a draft source is one new module implementing this; the engine does not change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from spec_jax.sampling import Sampling
 
@@ -159,8 +166,9 @@ class Drafter:
   def propose_tree(self, params, state, ctx: DraftContext, spec):
     """A draft tree for tree drafting -> (spec_jax.tree.DraftTree with spec.num_nodes + 1
     nodes, state). ctx.num_draft is spec.depth. Drafters that cannot build trees refuse."""
-    raise ValueError(f"{type(self).__name__} cannot build draft trees; drafters that can: "
-                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a chain)")
+    raise ValueError(f"{type(self).__name__} cannot build draft trees (its supports_tree is "
+                     "False); the drafters that can are spec_jax.drafters.TREE_DRAFTERS (the "
+                     "registry's, spec_jax.drafters.registry), or pass tree=None for a chain")
 
   def commit_tree(self, params, state, tokens, n_accepted, verify: VerifyInfo):
     """After a tree round: `verify` is the target's verify output gathered along the accepted
@@ -174,8 +182,12 @@ class Drafter:
     outside its per-K rounds). Default: nothing to do (commit already kept the state)."""
     return state
 
-  # Static identity: subclasses override with their static configuration.
+  # Static identity: a dataclass drafter's compared fields (FrozenDrafter); a hand-written
+  # drafter may override it with its own static configuration.
   def _static_key(self):
+    if dataclasses.is_dataclass(self):
+      return (type(self).__name__,) + tuple(getattr(self, f.name)
+                                            for f in dataclasses.fields(self) if f.compare)
     return (type(self).__name__,)
 
   def __hash__(self):
@@ -183,3 +195,66 @@ class Drafter:
 
   def __eq__(self, other):
     return type(self) is type(other) and self._static_key() == other._static_key()
+
+
+def params_field():
+  """The `params` field of a frozen drafter: traced, so not compared, hashed or printed."""
+  return dataclasses.field(compare=False, repr=False)
+
+
+def derived_field(compare: bool = True):
+  """A field __post_init__ computes from the others (not a constructor argument)."""
+  return dataclasses.field(init=False, compare=compare, repr=False)
+
+
+def frozen_drafter(cls):
+  """Class decorator: `cls` as a frozen dataclass whose equality and hash are Drafter's (the
+  compared fields, by `_static_key`), not the dataclass's own (which would compare params)."""
+  return dataclasses.dataclass(frozen=True, eq=False)(cls)
+
+
+@frozen_drafter
+class FrozenDrafter(Drafter):
+  """A Drafter that is a frozen dataclass (module docstring). Subclasses declare their fields
+  (`params: Any = params_field()` first where they have params; a field that shadows a Drafter
+  class attribute without a default is declared with `dataclasses.field()`), normalise and
+  check them in `__post_init__` (object.__setattr__ for normalised values), and are decorated
+  with `frozen_drafter` when they add fields.
+
+  trained_num_draft: the K the drafter was trained or published for (0: unknown); source: the
+  folder it was loaded from. Both describe its origin: not compared, keyword-only.
+  """
+  trained_num_draft: int = dataclasses.field(default=0, compare=False, repr=False, kw_only=True)
+  source: Optional[str] = dataclasses.field(default=None, compare=False, repr=False,
+                                            kw_only=True)
+
+  @classmethod
+  def from_hyper_params(cls, target, hyper_params: dict, key=None, **options):
+    """A fresh drafter for `target` (a Model) of the shape `hyper_params()` described (what
+    heads.json saves; the trainer's options): `cls.init(target, key=key, **hyper_params,
+    **options)` unless a kind derives some of them."""
+    return cls.init(target, key=key, **hyper_params, **options)
+
+  def replace(self, **changes):
+    """A copy with `changes` applied to its fields (checked again by __post_init__)."""
+    return dataclasses.replace(self, **changes)
+
+  def with_params(self, params, greedy_drafts: Optional[bool] = None):
+    """The same static configuration with other params (e.g. trained ones, or another dtype),
+    and greedy_drafts changed when given."""
+    changes = {"params": params}
+    if greedy_drafts is not None:
+      changes["greedy_drafts"] = bool(greedy_drafts)
+    return dataclasses.replace(self, **changes)
+
+
+def in_target_dtype(drafter, target):
+  """The drafter with its floating params in the target's dtype when that is low-precision
+  (heads trained in float32 decode in bf16 beside a bf16 target: half the bytes a draft step
+  reads, bf16 operands with f32 accumulation like every dot); as it is otherwise. Activations
+  stay as the drafter computes them (float32): only the weights are rounded."""
+  dtype = target.config.dtype
+  if dtype == "float32":
+    return drafter
+  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+  return drafter.with_params(jax.tree.map(cast, drafter.params))

@@ -44,24 +44,25 @@ context j < a and its own block only (`training_visibility`); slot k learns toke
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Any, Optional, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.drafters import dflash_layers as layers_lib
+from spec_jax.drafters import head_layer
+from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
+                                   frozen_drafter, params_field)
+from spec_jax.drafters.dflash_layers import (FULL, SLIDING, context_features, context_kv,
+                                             decoder_layer, layer_params)
+from spec_jax.drafters.dflash_shapes import (check_shape, default_target_layers, init_layers,
+                                             layer_config)
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)
-_HIDDEN = -1e30          # score of a key a query may not see (every query sees >= 1 key)
-
+from spec_jax.models.blocks import embed, lm_head, rms_norm, rope_inv_freq
 
 # ----------------------------------------------------------------------------- state
 
@@ -76,135 +77,10 @@ class DFlashState:
   v: jax.Array
 
 
-# ----------------------------------------------------------------------------- the math
-
-def _dense(x, w):
-  """x [..., in] @ w [in, out], accumulated in float32 (bf16 weights: bf16 operands)."""
-  return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-
-
-def default_target_layers(num_target_layers: int, num_draft_layers: int) -> tuple:
-  """The published default (z-lab `build_target_layer_ids`): the middle layer for a one-layer
-  drafter, else num_draft_layers ids spread evenly from layer 1 to L - 3."""
-  if num_draft_layers == 1:
-    return (num_target_layers // 2,)
-  start, end = 1, num_target_layers - 3
-  return tuple(int(round(start + i * (end - start) / (num_draft_layers - 1)))
-               for i in range(num_draft_layers))
-
-
-def context_features(params, layer_hidden, eps: float):
-  """c [B, T, D] float32 from the captured target layers (tuple of [B, T, D_target])."""
-  cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-  return rms_norm(_dense(cat, params["fc"]), params["hidden_norm"], eps)
-
-
-def layer_params(layers, i: int) -> dict:
-  """Layer i's params from the stacked ([N, ...] leaves) or unstacked (a list) layout."""
-  if isinstance(layers, (list, tuple)):
-    return layers[i]
-  return jax.tree.map(lambda w: w[i], layers)
-
-
-def context_kv(cfg: ModelConfig, layers, feats, positions, inv_freq):
-  """Every layer's context keys and values -> (k, v) float32 [N, B, Hkv, T, Dh].
-
-  layers: the layer params (`layer_params`); feats [B, T, D]; positions int32 [B, T]."""
-  b, t, _ = feats.shape
-  hkv, dh = cfg.num_kv_heads, cfg.head_dim
-  ks, vs = [], []
-  for i in range(cfg.num_layers):
-    lp = layer_params(layers, i)
-    k = _dense(feats, lp["wk"]).reshape(b, t, hkv, dh)
-    k = apply_rope(rms_norm(k, lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-    ks.append(jnp.swapaxes(k, 1, 2))
-    vs.append(jnp.swapaxes(_dense(feats, lp["wv"]).reshape(b, t, hkv, dh), 1, 2))
-  return jnp.stack(ks), jnp.stack(vs)
-
-
-def block_keys(x, num_blocks: int):
-  """[B, A*b, ...] block keys / values -> [B, A, b, ...]: the keys each block attends to (its
-  own; blocks never see each other's)."""
-  return x.reshape((x.shape[0], num_blocks, x.shape[1] // num_blocks) + x.shape[2:])
-
-
-def _attend(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v, blk_visible):
-  """Softmax attention of A blocks of b queries over [context keys ; own block's keys] jointly.
-
-  q [B, A*b, Hq, Dh]; ctx_k, ctx_v [B, Hkv, S, Dh]; blk_k, blk_v [B, A*b, Hkv, Dh];
-  ctx_visible bool [B, A*b, S]; blk_visible bool [B, A, b, b] (within each block)
-  -> [B, A*b, Hq * Dh]."""
-  b, nq, hq, dh = q.shape
-  hkv, s = ctx_k.shape[1], ctx_k.shape[2]
-  a, bs = blk_visible.shape[1], blk_visible.shape[2]
-  q = q.reshape(b, nq, hkv, hq // hkv, dh) * dh ** -0.5
-  s_ctx = jnp.einsum("bqhgd,bhsd->bhgqs", q, ctx_k, preferred_element_type=jnp.float32)
-  s_ctx = jnp.where(ctx_visible[:, None, None], s_ctx, _HIDDEN)
-  qb = q.reshape(b, a, bs, hkv, hq // hkv, dh)
-  kb, vb = block_keys(blk_k, a), block_keys(blk_v, a)                  # [B, A, b, Hkv, Dh]
-  s_blk = jnp.einsum("bajhgd,bakhd->bhgajk", qb, kb, preferred_element_type=jnp.float32)
-  s_blk = jnp.where(blk_visible[:, None, None], s_blk, _HIDDEN)
-  scores = jnp.concatenate([s_ctx.reshape(b, hkv, hq // hkv, a, bs, s), s_blk], axis=-1)
-  w = jax.nn.softmax(scores, axis=-1)
-  out = (jnp.einsum("bhgajs,bhsd->bajhgd", w[..., :s], ctx_v, preferred_element_type=jnp.float32)
-         + jnp.einsum("bhgajk,bakhd->bajhgd", w[..., s:], vb, preferred_element_type=jnp.float32))
-  return out.reshape(b, nq, hq * dh)
-
-
-def decoder_layer(cfg: ModelConfig, lp, x, positions, ctx_k, ctx_v, ctx_visible, blk_visible,
-                  inv_freq):
-  """One DFlash layer over the block tokens x [B, A*b, D] at positions int32 [B, A*b],
-  attending to this layer's context cache (ctx_k, ctx_v [B, Hkv, S, Dh]) and each token's own
-  block (masks: `visibility`) -> [B, A*b, D]."""
-  b, nq, _ = x.shape
-  hq, hkv, dh, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-  h = rms_norm(x, lp["attn_norm"], eps)
-  q = rms_norm(_dense(h, lp["wq"]).reshape(b, nq, hq, dh), lp["q_norm"], eps)
-  k = rms_norm(_dense(h, lp["wk"]).reshape(b, nq, hkv, dh), lp["k_norm"], eps)
-  v = _dense(h, lp["wv"]).reshape(b, nq, hkv, dh)
-  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-  attn = _attend(q, ctx_k, ctx_v, ctx_visible, k, v, blk_visible)
-  x = x + _dense(attn, lp["wo"])
-  h = rms_norm(x, lp["mlp_norm"], eps)
-  return x + _dense(jax.nn.silu(_dense(h, lp["w_gate"])) * _dense(h, lp["w_up"]), lp["w_down"])
-
-
-def visibility(anchors, ctx_len: int, block_size: int, window: Optional[int]):
-  """Which keys the queries of A blocks see -> (ctx_visible [B, A*b, S], blk_visible
-  [B, A, b, b]).
-
-  anchors int32 [B, A]: block i's start a, its queries at positions a .. a + b - 1, its context
-  the positions j < a (slot j = position j, S = ctx_len slots). window None: a full-attention
-  layer (all context before the anchor, the whole own block, bidirectional); an int: a sliding
-  layer (keys within `window` positions of the query, causal inside the block). A block never
-  sees another block (`block_keys`)."""
-  b, a = anchors.shape
-  offs = jnp.arange(block_size, dtype=jnp.int32)
-  qpos = anchors[:, :, None] + offs[None, None]                          # [B, A, b]
-  j = jnp.arange(ctx_len, dtype=jnp.int32)[None, None, None]
-  ctx = jnp.broadcast_to(j < anchors[:, :, None, None], (b, a, block_size, ctx_len))
-  blk = jnp.ones((b, a, block_size, block_size), bool)
-  if window is not None:
-    ctx &= j > qpos[..., None] - window
-    blk = (offs[None, :] <= offs[:, None]) & (offs[None, :] > offs[:, None] - window)
-    blk = jnp.broadcast_to(blk, (b, a, block_size, block_size))
-  return ctx.reshape(b, a * block_size, ctx_len), blk
-
-
-def training_visibility(anchors, seq_len: int, block_size: int, window: Optional[int]):
-  """The mask of multi-anchor training: A blocks per row in one pass over a window of T tokens.
-
-  anchors int32 [B, A]. Block i sees context j < anchors[:, i] (never its anchor's own hidden
-  state, which inference does not have yet) and its own block only (SpecForge
-  `create_dflash_block_mask`): exactly what each block sees alone at inference.
-  Returns (ctx_visible [B, A*b, T], blk_visible [B, A, b, b])."""
-  return visibility(anchors, seq_len, block_size, window)
-
-
 # ----------------------------------------------------------------------------- the drafter
 
-class DFlash(Drafter):
+@frozen_drafter
+class DFlash(FrozenDrafter):
   """A DFlash block drafter (module docstring) for one target shape.
 
   Params: fc [n D_target, D]; hidden_norm, norm [D]; layers {attn_norm, mlp_norm [N, D];
@@ -228,29 +104,33 @@ class DFlash(Drafter):
   kind = "dflash"
   supports_tree = True
 
-  def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
-               target_layers: Sequence[int], block_size: int, layer_types=None,
-               sliding_window: Optional[int] = None, mask_token_id: Optional[int] = None,
-               greedy_drafts: bool = False):
-    self.params = params
-    self.target_config = target_config
-    self.layer_config = layer_config
-    self.target_layers = tuple(int(i) for i in target_layers)
-    self.block_size = int(block_size)
-    n = layer_config.num_layers
-    self.layer_types = tuple(layer_types) if layer_types is not None else (FULL,) * n
-    self.sliding_window = None if sliding_window is None else int(sliding_window)
-    self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
-    self.greedy_drafts = bool(greedy_drafts)
-    self.max_draft = self.block_size - 1
-    check_shape(self, params)
+  params: Any = params_field()
+  target_config: ModelConfig = dataclasses.field()
+  layer_config: ModelConfig = dataclasses.field()
+  target_layers: Sequence[int] = dataclasses.field()
+  block_size: int = dataclasses.field()
+  layer_types: Optional[tuple] = None          # None: every layer full_attention
+  sliding_window: Optional[int] = None
+  mask_token_id: Optional[int] = None
+  greedy_drafts: bool = False
+
+  def __post_init__(self):
+    n = self.layer_config.num_layers
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("target_layers", tuple(int(i) for i in self.target_layers))
+    if not isinstance(self.block_size, bool):
+      set_("block_size", int(self.block_size))
+    set_("layer_types", tuple(self.layer_types) if self.layer_types is not None else (FULL,) * n)
+    set_("sliding_window", None if self.sliding_window is None else int(self.sliding_window))
+    set_("mask_token_id", None if self.mask_token_id is None else int(self.mask_token_id))
+    set_("greedy_drafts", bool(self.greedy_drafts))
+    check_shape(self, self.params)
+
+  @property
+  def max_draft(self) -> int:
+    return self.block_size - 1
 
   # ----------------------------------------------------------------------- identity / io
-
-  def _static_key(self):
-    return (type(self).__name__, self.target_config, self.layer_config, self.target_layers,
-            self.block_size, self.layer_types, self.sliding_window, self.mask_token_id,
-            self.greedy_drafts)
 
   def hyper_params(self) -> dict:
     c, t = self.layer_config, self.target_config
@@ -265,18 +145,8 @@ class DFlash(Drafter):
                 rope_scaling=None if c.rope_scaling is None else [list(x) for x in c.rope_scaling])
     return hp
 
-  def with_params(self, params, greedy_drafts=None):
-    return type(self)(params, self.target_config, self.layer_config, self.target_layers,
-                      self.block_size, self.layer_types, self.sliding_window,
-                      self.mask_token_id,
-                      self.greedy_drafts if greedy_drafts is None else greedy_drafts)
-
   def check_compatible(self, target) -> None:
-    c, t = target.config, self.target_config
-    for name in ("hidden_size", "vocab_size", "num_layers", "tie_embeddings"):
-      if getattr(c, name) != getattr(t, name):
-        raise ValueError(f"this DFlash drafter was built for a target with {name}="
-                         f"{getattr(t, name)}; this target has {getattr(c, name)}")
+    head_layer.check_target_shape("this DFlash drafter", self.target_config, target.config)
 
   # ----------------------------------------------------------------------- the forward
 
@@ -318,7 +188,8 @@ class DFlash(Drafter):
     x = self.block_embeddings(params, target_params, last)
     positions = p[:, None] + jnp.arange(self.block_size, dtype=jnp.int32)[None]
     s = state.k.shape[3]
-    by_window = {w: visibility(p[:, None], s, self.block_size, w) for w in set(self._windows())}
+    by_window = {w: layers_lib.visibility(p[:, None], s, self.block_size, w)
+                 for w in set(self._windows())}
     return self._layers(params, x, positions, state.k, state.v,
                         [by_window[w] for w in self._windows()])
 
@@ -344,7 +215,7 @@ class DFlash(Drafter):
     x = self.block_embeddings(params, target_params, first)
     positions = (anchors[:, :, None] +
                  jnp.arange(self.block_size, dtype=jnp.int32)[None, None]).reshape(bsz, -1)
-    by_window = {w: training_visibility(anchors, t, self.block_size, w)
+    by_window = {w: layers_lib.training_visibility(anchors, t, self.block_size, w)
                  for w in set(self._windows())}
     out = self._layers(params, x, positions, ctx_k, ctx_v,
                        [by_window[w] for w in self._windows()])
@@ -471,99 +342,3 @@ class DFlash(Drafter):
       params["mask_embed"] = jnp.zeros((d,), jnp.float32)
     return cls(params, tc, cfg, layers, block_size, layer_types, sliding_window, mask_token_id,
                greedy_drafts)
-
-
-def layer_config(target_config: ModelConfig, num_layers: int,
-                 intermediate_size: Optional[int] = None, num_heads: Optional[int] = None,
-                 num_kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
-                 rms_norm_eps: Optional[float] = None, rope_theta: Optional[float] = None,
-                 rope_scaling=None) -> ModelConfig:
-  """The drafter layers' ModelConfig (float32, q/k norms): the target's width; heads, MLP, eps
-  and RoPE default to the target's."""
-  c = target_config
-  heads = int(num_heads or c.num_heads)
-  kv = int(num_kv_heads or (c.num_kv_heads if heads == c.num_heads else heads))
-  dh = int(head_dim or (c.head_dim if heads == c.num_heads else c.hidden_size // heads))
-  out = c.replace(num_layers=int(num_layers), num_heads=heads, num_kv_heads=kv, head_dim=dh,
-                  intermediate_size=int(intermediate_size or c.intermediate_size),
-                  qk_norm=True, qkv_bias=False, sliding_window=None, dtype="float32",
-                  num_mtp_layers=0)
-  if rms_norm_eps is not None:
-    out = out.replace(rms_norm_eps=float(rms_norm_eps))
-  if rope_theta is not None:
-    scaling = None if rope_scaling is None else tuple(tuple(x) for x in rope_scaling)
-    out = out.replace(rope_theta=float(rope_theta), rope_scaling=scaling)
-  return out
-
-
-def init_layers(cfg: ModelConfig, key, std: float) -> dict:
-  """Stacked [N, ...] layer params in the llama family's names (models.llama.forward), plus q_norm / k_norm."""
-  n, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-  hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  ks = iter(jax.random.split(key, 7))
-  normal = lambda *shape: std * jax.random.normal(next(ks), (n,) + shape, jnp.float32)
-  return {"attn_norm": jnp.ones((n, d)), "mlp_norm": jnp.ones((n, d)),
-          "wq": normal(d, hq * dh), "wk": normal(d, hkv * dh), "wv": normal(d, hkv * dh),
-          "wo": normal(hq * dh, d), "q_norm": jnp.ones((n, dh)), "k_norm": jnp.ones((n, dh)),
-          "w_gate": normal(d, f), "w_up": normal(d, f), "w_down": normal(f, d)}
-
-
-def expected_shapes(drafter: DFlash) -> dict:
-  """The shape of every param leaf of `drafter`'s configuration."""
-  c, t = drafter.layer_config, drafter.target_config
-  n, d, f = c.num_layers, c.hidden_size, c.intermediate_size
-  hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-  shapes = {"fc": (len(drafter.target_layers) * t.hidden_size, d), "hidden_norm": (d,),
-            "norm": (d,),
-            "layers": {"attn_norm": (n, d), "mlp_norm": (n, d), "wq": (n, d, hq * dh),
-                       "wk": (n, d, hkv * dh), "wv": (n, d, hkv * dh), "wo": (n, hq * dh, d),
-                       "q_norm": (n, dh), "k_norm": (n, dh), "w_gate": (n, d, f),
-                       "w_up": (n, d, f), "w_down": (n, f, d)}}
-  if drafter.mask_token_id is None:
-    shapes["mask_embed"] = (d,)
-  return shapes
-
-
-def check_shape(drafter: DFlash, params) -> None:
-  """Raises ValueError naming what does not fit: the static configuration or a param shape."""
-  t, c = drafter.target_config, drafter.layer_config
-  if isinstance(drafter.block_size, bool) or drafter.block_size < 2:
-    raise ValueError(f"dflash: block_size must be an integer >= 2 (the last committed token and "
-                     f"at least one mask slot), got {drafter.block_size}")
-  if not drafter.target_layers:
-    raise ValueError("dflash: target_layers must name at least one target layer")
-  bad = [i for i in drafter.target_layers if not 0 <= i < t.num_layers]
-  if bad:
-    raise ValueError(f"dflash: target_layers {bad} outside the target's {t.num_layers} layers; "
-                     f"allowed: 0 <= id < {t.num_layers} (id = the output of decoder layer id)")
-  if c.hidden_size != t.hidden_size:
-    raise ValueError(f"dflash: the drafter's hidden_size {c.hidden_size} must be the target's "
-                     f"{t.hidden_size} (it reads the target's embedding and LM head)")
-  if len(drafter.layer_types) != c.num_layers:
-    raise ValueError(f"dflash: layer_types has {len(drafter.layer_types)} entries for "
-                     f"{c.num_layers} drafter layers; allowed: one per layer")
-  unknown = sorted(set(drafter.layer_types) - set(LAYER_TYPES))
-  if unknown:
-    raise ValueError(f"dflash: layer_types {unknown}; allowed: {', '.join(LAYER_TYPES)}")
-  if SLIDING in drafter.layer_types and (drafter.sliding_window is None or
-                                         drafter.sliding_window < 1):
-    raise ValueError(f"dflash: sliding_attention layers need a sliding_window >= 1, got "
-                     f"{drafter.sliding_window}")
-  m = drafter.mask_token_id
-  if m is not None and not 0 <= m < t.vocab_size:
-    raise ValueError(f"dflash: mask_token_id={m} outside the target's vocabulary [0, "
-                     f"{t.vocab_size}); allowed: a reserved id of the vocabulary, or None for a "
-                     f"learned mask embedding")
-  want = expected_shapes(drafter)
-  got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
-  if got != want:
-    raise ValueError(f"dflash: params have shapes {got}; this configuration needs {want}")
-
-
-def is_dflash(drafter) -> bool:
-  return getattr(drafter, "kind", None) == "dflash"
-
-
-__all__ = ["DFlash", "DFlashState", "default_target_layers", "context_features", "context_kv",
-           "decoder_layer", "visibility", "training_visibility", "block_keys", "layer_config", "init_layers",
-           "expected_shapes"]

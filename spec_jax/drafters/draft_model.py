@@ -31,7 +31,9 @@ rounds, no catch_up).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from typing import Any
 
 import flax.struct
 import jax
@@ -39,7 +41,8 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
+                                   derived_field, frozen_drafter)
 from spec_jax.models.prefill import chunked_prefill
 from spec_jax.models.layout import prepare_params
 from spec_jax.models.transformer import KVCache, forward
@@ -96,31 +99,41 @@ def check_same_vocabulary(draft, target, what="draft model"):
           "vocabulary, token for token")
 
 
-class DraftModel(Drafter):
+@frozen_drafter
+class DraftModel(FrozenDrafter):
   """Drafts K tokens autoregressively from a small model.
 
   By default each draft is sampled from the same `sampling.probs` transform as the target, so
   draft_probs are the real q. With greedy_drafts=True the drafts are the draft model's argmax,
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
   catch_up_chunk: tokens per forward when the cache catches up after plain (K = 0) rounds.
+  The static configuration is the model's config (`config`) with these two; its params are
+  the model's (`params`, traced). Another model: `drafter.replace(model=...)`.
   """
 
   supports_tree = True
   reads_prompt_hidden = False
 
-  def __init__(self, model, greedy_drafts: bool = False, catch_up_chunk: int = 16):
-    if isinstance(catch_up_chunk, bool) or not isinstance(catch_up_chunk, int) \
-        or catch_up_chunk < 1:
-      raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got "
-                       f"{catch_up_chunk!r}")
-    self.model = model
-    self.config = model.config
-    self.params = model.params
-    self.greedy_drafts = bool(greedy_drafts)
-    self.catch_up_chunk = catch_up_chunk
+  model: Any = dataclasses.field(compare=False, repr=False)
+  greedy_drafts: bool = False
+  catch_up_chunk: int = 16
+  config: Any = derived_field()
+  params: Any = derived_field(compare=False)
 
-  def _static_key(self):
-    return ("DraftModel", self.config, self.greedy_drafts, self.catch_up_chunk)
+  def __post_init__(self):
+    chunk = self.catch_up_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+      raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got {chunk!r}")
+    object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
+    object.__setattr__(self, "config", self.model.config)
+    object.__setattr__(self, "params", self.model.params)
+
+  def with_params(self, params, greedy_drafts=None):
+    """The same draft model (configuration) with other weights."""
+    changes = {"model": dataclasses.replace(self.model, params=params)}
+    if greedy_drafts is not None:
+      changes["greedy_drafts"] = bool(greedy_drafts)
+    return dataclasses.replace(self, **changes)
 
   def check_compatible(self, target) -> None:
     check_same_vocabulary(self.model, target)

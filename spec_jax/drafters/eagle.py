@@ -10,7 +10,7 @@ features plus soft cross-entropy against the target (train/losses.py).
 EAGLE-3 is the public architecture, the one vLLM and SGLang run (`LlamaForCausalLMEagle3`:
 SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, SGLang `python/sglang/srt/models/llama_eagle3.py`,
 vLLM `vllm/model_executor/models/llama_eagle3.py`), so its checkpoints load and export
-(`spec_jax.drafters.eagle3_format`). With g = the three captured target states at position j,
+(`spec_jax.drafters.formats.eagle3`). With g = the three captured target states at position j,
 e = the target's embedding of token j+1, D the head's width:
 
     f_j  = fc(concat(g_low, g_mid, g_high))            fc [3 D_target, D], no bias
@@ -45,14 +45,17 @@ target hidden i with input token i+1 at position i in the same way).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
+from spec_jax.drafters.base import derived_field, frozen_drafter
+from spec_jax.drafters.feature_head import FeatureHead, head_layer_config
+from spec_jax.drafters.head_layer import init_layer_params
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.blocks import (attention, out_projection, qkv_projections, swiglu_mlp,
@@ -122,6 +125,7 @@ class EAGLE3Fused(FeatureHead):
   """
 
   kind = "eagle3_fused"
+  _DERIVED = ("head_dim", "qkv_bias", "qk_norm", "num_kv_heads")    # target_layers are taken
 
   def target_feature(self, params, hidden, layer_hidden):
     cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
@@ -180,6 +184,17 @@ def check_draft_tokens(draft_tokens, vocab_size: int, what: str = "draft_tokens"
   return ids.astype(np.int32)
 
 
+def midlayer_params(cfg: ModelConfig, key_qkv, key_rest, std: float = 0.02) -> dict:
+  """Fresh params of EAGLE-3's decoder layer (`midlayer`; its input norms live outside):
+  wq [2D, Hq Dh], wk, wv [2D, Hkv Dh] (they read concat(embedding, feature)), wo, mlp_norm and
+  the MLP in D; normal(std) weights, a unit norm."""
+  qkv = init_layer_params(cfg.replace(hidden_size=2 * cfg.hidden_size), key_qkv, std)
+  ref = init_layer_params(cfg, key_rest, std)
+  return {"wq": qkv["wq"], "wk": qkv["wk"], "wv": qkv["wv"], "wo": ref["wo"],
+          "mlp_norm": ref["mlp_norm"], "w_gate": ref["w_gate"], "w_up": ref["w_up"],
+          "w_down": ref["w_down"]}
+
+
 def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, offsets, inv_freq,
              tree_mask=None, head_major: bool = False):
   """EAGLE-3's decoder layer over T new slots with a one-layer cache.
@@ -210,6 +225,7 @@ def midlayer(cfg: ModelConfig, lp, residual, h, positions, k_cache, v_cache, off
   return x, k_cache, v_cache
 
 
+@frozen_drafter
 class EAGLE3(FeatureHead):
   """EAGLE-3 head in the public architecture (module docstring).
 
@@ -224,16 +240,19 @@ class EAGLE3(FeatureHead):
 
   kind = "eagle3"
 
-  def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
-               target_layers: tuple = (), greedy_drafts: bool = False, draft_tokens=None):
-    super().__init__(params, target_config, layer_config, target_layers, greedy_drafts)
+  draft_tokens: Any = dataclasses.field(default=None, compare=False, repr=False)
+  vocab_key: Optional[tuple] = derived_field()      # draft_tokens' static identity
+
+  def __post_init__(self):
+    super().__post_init__()
     if len(self.target_layers) != 3:
       raise ValueError(f"eagle3: fc reads exactly three captured target layers (low, middle, "
                        f"high); got target_layers {list(self.target_layers)}")
-    self.draft_tokens = check_draft_tokens(draft_tokens, target_config.vocab_size)
-    self._vocab = _vocab_key(self.draft_tokens)
-    want = (layer_config.hidden_size, self.draft_vocab_size)
-    got = tuple(np.shape(params["lm_head"]))
+    ids = check_draft_tokens(self.draft_tokens, self.target_config.vocab_size)
+    object.__setattr__(self, "draft_tokens", ids)
+    object.__setattr__(self, "vocab_key", _vocab_key(ids))
+    want = (self.layer_config.hidden_size, self.draft_vocab_size)
+    got = tuple(np.shape(self.params["lm_head"]))
     if got != want:
       raise ValueError(f"eagle3: lm_head has shape {got}; a draft vocabulary of "
                        f"{self.draft_vocab_size} needs {want}")
@@ -242,8 +261,10 @@ class EAGLE3(FeatureHead):
   def draft_vocab_size(self) -> int:
     return self.target_config.vocab_size if self.draft_tokens is None else len(self.draft_tokens)
 
-  def _static_key(self):
-    return super()._static_key() + (self._vocab,)
+  @classmethod
+  def from_hyper_params(cls, target, hyper_params: dict, key=None, **options):
+    """Every saved shape option is an init argument (init checks them)."""
+    return cls.init(target, key=key, **hyper_params, **options)
 
   def hyper_params(self) -> dict:
     hp = super().hyper_params()
@@ -256,11 +277,6 @@ class EAGLE3(FeatureHead):
     if "embed" in self.params:
       hp["own_embedding"] = True
     return hp
-
-  def with_params(self, params, greedy_drafts=None):
-    return type(self)(params, self.target_config, self.layer_config, self.target_layers,
-                      self.greedy_drafts if greedy_drafts is None else greedy_drafts,
-                      self.draft_tokens)
 
   # ----------------------------------------------------------------------- the math
 
@@ -342,12 +358,7 @@ class EAGLE3(FeatureHead):
     ids = check_draft_tokens(draft_tokens, tc.vocab_size)
     d, dt = cfg.hidden_size, tc.hidden_size
     k1, k2, k3 = jax.random.split(key, 3)
-    layer = init_layer_params(cfg.replace(hidden_size=2 * d), k2, init_std)
-    # The layer's q/k/v read 2D; its output projection and MLP live in D.
-    ref = init_layer_params(cfg, k3, init_std)
-    layer = {"wq": layer["wq"], "wk": layer["wk"], "wv": layer["wv"], "wo": ref["wo"],
-             "mlp_norm": ref["mlp_norm"], "w_gate": ref["w_gate"], "w_up": ref["w_up"],
-             "w_down": ref["w_down"]}
+    layer = midlayer_params(cfg, k2, k3, init_std)
     tp = target.params    # a Model's params are canonical (embed [V, D], lm_head [D, V])
     head_w = jnp.asarray(tp["embed"]).T if tc.tie_embeddings else jnp.asarray(tp["lm_head"])
     head_w = head_w.astype(jnp.float32)

@@ -51,7 +51,8 @@ prefix up to slot j-s+1 plus the s-1 drafted slots j-s+2..j).
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -59,14 +60,14 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.drafters import head_layer
+from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
+                                   frozen_drafter, params_field)
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
 from spec_jax.models.cache import default_head_major
 from spec_jax.models.llama.forward import decoder_layer
-
-KINDS = ("eagle", "eagle3", "eagle3_fused", "mtp")
 
 
 @flax.struct.dataclass
@@ -84,39 +85,13 @@ def head_layer_config(target_config: ModelConfig, intermediate_size: Optional[in
   """The head's one-layer ModelConfig (float32): the target's width and RoPE, its own MLP (a
   llama-style layer whatever the target's family: its family's llama_view)."""
   c = target_config.family.llama_view(target_config)
-  heads = num_heads or c.num_heads
-  kv = num_kv_heads or (c.num_kv_heads if heads == c.num_heads else heads)
-  return c.replace(
-      num_layers=1, intermediate_size=int(intermediate_size or c.intermediate_size),
-      num_heads=heads, num_kv_heads=kv,
-      head_dim=c.head_dim if heads == c.num_heads else c.hidden_size // heads,
-      qkv_bias=c.qkv_bias if copy_attention_flags else False,
-      qk_norm=c.qk_norm if copy_attention_flags else False,
-      sliding_window=None, dtype="float32", num_mtp_layers=0)
+  return head_layer.layer_config(c, 1, intermediate_size, num_heads, num_kv_heads,
+                                 qkv_bias=c.qkv_bias and copy_attention_flags,
+                                 qk_norm=c.qk_norm and copy_attention_flags)
 
 
-def init_layer_params(cfg: ModelConfig, key, std: float = 0.02) -> dict:
-  """One decoder layer's params (no [L] axis) in the llama family's layout
-  (models.llama.forward): normal(std) weights, unit norms, zero biases."""
-  d, f, hq, hkv, dh = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                       cfg.head_dim)
-  ks = iter(jax.random.split(key, 8))
-
-  def normal(shape):
-    return std * jax.random.normal(next(ks), shape, jnp.float32)
-
-  p = {"attn_norm": jnp.ones((d,)), "mlp_norm": jnp.ones((d,)),
-       "wq": normal((d, hq * dh)), "wk": normal((d, hkv * dh)), "wv": normal((d, hkv * dh)),
-       "wo": normal((hq * dh, d)), "w_gate": normal((d, f)), "w_up": normal((d, f)),
-       "w_down": normal((f, d))}
-  if cfg.qkv_bias:
-    p.update(bq=jnp.zeros((hq * dh,)), bk=jnp.zeros((hkv * dh,)), bv=jnp.zeros((hkv * dh,)))
-  if cfg.qk_norm:
-    p.update(q_norm=jnp.ones((dh,)), k_norm=jnp.ones((dh,)))
-  return p
-
-
-class FeatureHead(Drafter):
+@frozen_drafter
+class FeatureHead(FrozenDrafter):
   """EAGLE / EAGLE-3 / MTP drafter (see the module docstring). Subclasses fix `kind`.
 
   Args:
@@ -130,24 +105,36 @@ class FeatureHead(Drafter):
   kind = "eagle"
   supports_tree = True
 
-  def __init__(self, params, target_config: ModelConfig, layer_config: ModelConfig,
-               target_layers: tuple = (), greedy_drafts: bool = False):
-    self.params = params
-    self.target_config = target_config
-    self.layer_config = layer_config
-    self.target_layers = tuple(int(i) for i in target_layers)
-    self.greedy_drafts = bool(greedy_drafts)
-    self.max_draft = None
-    bad = [i for i in self.target_layers if not 0 <= i < target_config.num_layers]
+  params: Any = params_field()
+  target_config: ModelConfig = dataclasses.field()
+  layer_config: ModelConfig = dataclasses.field()
+  target_layers: tuple = ()
+  greedy_drafts: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+    object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
+    bad = [i for i in self.target_layers if not 0 <= i < self.target_config.num_layers]
     if bad:
       raise ValueError(f"{self.kind}: target_layers {bad} outside the target's "
-                       f"{target_config.num_layers} layers")
+                       f"{self.target_config.num_layers} layers")
 
   # ----------------------------------------------------------------------- identity / io
 
-  def _static_key(self):
-    return (type(self).__name__, self.kind, self.target_config, self.layer_config,
-            self.target_layers, self.greedy_drafts)
+  # Saved hyper-parameters that a rebuild derives (head_layer_config) instead of taking.
+  _DERIVED = ("head_dim", "qkv_bias", "qk_norm", "num_kv_heads", "target_layers")
+
+  @classmethod
+  def from_hyper_params(cls, target, hyper_params: dict, key=None, **options):
+    """A fresh head of the shape `hyper_params()` saved: the derived entries are dropped (the
+    kv heads checked against the rebuilt layer's)."""
+    hp = {k: v for k, v in hyper_params.items() if k not in cls._DERIVED}
+    drafter = cls.init(target, key=key, **hp, **options)
+    kv = hyper_params.get("num_kv_heads")
+    if kv is not None and drafter.layer_config.num_kv_heads != kv:
+      raise ValueError(f"saved head has {kv} kv heads but the rebuilt one has "
+                       f"{drafter.layer_config.num_kv_heads}")
+    return drafter
 
   def hyper_params(self) -> dict:
     c = self.layer_config
@@ -155,16 +142,8 @@ class FeatureHead(Drafter):
             "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "qkv_bias": c.qkv_bias,
             "qk_norm": c.qk_norm, "target_layers": list(self.target_layers)}
 
-  def with_params(self, params, greedy_drafts=None):
-    return type(self)(params, self.target_config, self.layer_config, self.target_layers,
-                      self.greedy_drafts if greedy_drafts is None else greedy_drafts)
-
   def check_compatible(self, target) -> None:
-    c, t = target.config, self.target_config
-    for name in ("hidden_size", "vocab_size", "num_layers", "tie_embeddings"):
-      if getattr(c, name) != getattr(t, name):
-        raise ValueError(f"these {self.kind} heads were built for a target with {name}="
-                         f"{getattr(t, name)}; this target has {getattr(c, name)}")
+    head_layer.check_target_shape(f"these {self.kind} heads", self.target_config, target.config)
 
   # ----------------------------------------------------------------------- the math
 

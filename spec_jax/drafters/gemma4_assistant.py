@@ -37,6 +37,7 @@ depth's frontier is one batched step with the frontier folded into the query hea
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -44,7 +45,8 @@ import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo, VerifyInfo
+from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
+                                   frozen_drafter, params_field)
 from spec_jax.models.blocks import AttentionSpec, attention
 from spec_jax.models.cache import KVCache
 from spec_jax.models.gemma import forward as gemma, plan as gemma_layout
@@ -169,9 +171,10 @@ def head_logits(params, decoder_config, head: AssistantHead, normed):
   return jnp.full((b, f, v), -jnp.inf, jnp.float32).at[bi, fi, selected].set(picked)
 
 
-class Gemma4Assistant(Drafter):
+@frozen_drafter
+class Gemma4Assistant(FrozenDrafter):
   """Drafts with a Gemma 4 assistant checkpoint (module docstring). Build it with
-  `sj.drafters.load(folder, target)` (spec_jax.drafters.gemma4_assistant_hf).
+  `sj.drafters.load(folder, target)` (spec_jax.drafters.formats.gemma4_assistant).
 
   Args:
     params: the assistant's pytree (pre_projection [2 D_t, D_a], post_projection [D_a, D_t],
@@ -184,18 +187,15 @@ class Gemma4Assistant(Drafter):
 
   supports_tree = True
 
-  def __init__(self, params, decoder_config, head: AssistantHead, target_config,
-               greedy_drafts: bool = False):
-    check_pair(decoder_config, head, target_config)
-    self.params = params
-    self.decoder_config = decoder_config
-    self.head = head
-    self.target_config = target_config
-    self.greedy_drafts = bool(greedy_drafts)
+  params: Any = params_field()
+  decoder_config: Any = dataclasses.field()
+  head: AssistantHead = dataclasses.field()
+  target_config: Any = dataclasses.field()
+  greedy_drafts: bool = False
 
-  def _static_key(self):
-    return ("Gemma4Assistant", self.decoder_config, self.head, self.target_config,
-            self.greedy_drafts)
+  def __post_init__(self):
+    check_pair(self.decoder_config, self.head, self.target_config)
+    object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
 
   def check_compatible(self, target) -> None:
     check_pair(self.decoder_config, self.head, target.config)

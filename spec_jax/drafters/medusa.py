@@ -26,13 +26,15 @@ under the row's Sampling); with greedy_drafts=True the argmax is proposed determ
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
-from spec_jax.drafters.base import DraftContext, Drafter, PrefillInfo
+from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, derived_field,
+                                   frozen_drafter, params_field)
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
 
@@ -68,26 +70,37 @@ def medusa_logits(params, hidden):
   return matmul.einsum("...kd,kdv->...kv", r, params["lm_head"])
 
 
-class Medusa(Drafter):
-  """K = num_heads Medusa heads (max_draft = num_heads). See the module docstring."""
+@frozen_drafter
+class Medusa(FrozenDrafter):
+  """K = num_heads Medusa heads (max_draft = num_heads). See the module docstring.
+
+  params: w [K, N, D, D], b [K, N, D], lm_head [K, D, V]; num_heads (K) and num_layers (N) are
+  read from them (num_heads, when given, must agree)."""
 
   kind = "medusa"
 
-  def __init__(self, params, target_config: ModelConfig, num_heads: Optional[int] = None,
-               greedy_drafts: bool = False):
+  params: Any = params_field()
+  target_config: ModelConfig = dataclasses.field()
+  num_heads: Optional[int] = None
+  greedy_drafts: bool = False
+  num_layers: int = derived_field()
+
+  def __post_init__(self):
+    params, target_config = self.params, self.target_config
     k = int(params["w"].shape[0])
-    if num_heads is not None and num_heads != k:
-      raise ValueError(f"Medusa params have {k} heads but num_heads={num_heads}")
+    if self.num_heads is not None and self.num_heads != k:
+      raise ValueError(f"Medusa params have {k} heads but num_heads={self.num_heads}")
     d, v = target_config.hidden_size, target_config.vocab_size
     if params["lm_head"].shape != (k, d, v):
       raise ValueError(f"Medusa lm_head has shape {params['lm_head'].shape}; the target needs "
                        f"({k}, {d}, {v})")
-    self.params = params
-    self.target_config = target_config
-    self.num_heads = k
-    self.num_layers = int(params["w"].shape[1])
-    self.max_draft = k
-    self.greedy_drafts = bool(greedy_drafts)
+    object.__setattr__(self, "num_heads", k)
+    object.__setattr__(self, "num_layers", int(params["w"].shape[1]))
+    object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
+
+  @property
+  def max_draft(self) -> int:
+    return self.num_heads
 
   @classmethod
   def init(cls, target, num_heads: int = 4, key=None, init_scale: float = 0.0,
@@ -102,15 +115,15 @@ class Medusa(Drafter):
                                 num_layers)
     return cls(params, target.config, greedy_drafts=greedy_drafts)
 
+  @classmethod
+  def from_hyper_params(cls, target, hyper_params: dict, key=None, **options) -> "Medusa":
+    """A fresh drafter of the shape `hyper_params()` saved."""
+    hp = dict(hyper_params)
+    return cls.init(target, num_heads=int(hp.pop("num_heads")),
+                    num_layers=int(hp.pop("num_layers", 1)), key=key, **options)
+
   def hyper_params(self) -> dict:
     return {"num_heads": self.num_heads, "num_layers": self.num_layers}
-
-  def with_params(self, params, greedy_drafts=None) -> "Medusa":
-    return Medusa(params, self.target_config,
-                  greedy_drafts=self.greedy_drafts if greedy_drafts is None else greedy_drafts)
-
-  def _static_key(self):
-    return ("Medusa", self.target_config, self.num_heads, self.num_layers, self.greedy_drafts)
 
   def check_compatible(self, target) -> None:
     c = target.config

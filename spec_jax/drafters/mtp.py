@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.drafters.feature_head import FeatureHead, head_layer_config, init_layer_params
+from spec_jax.drafters.feature_head import FeatureHead, head_layer_config
+from spec_jax.drafters.head_layer import init_layer_params
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.llama import hf as llama_hf
 

@@ -19,27 +19,29 @@ import jax.numpy as jnp
 import jax
 
 from spec_jax import tree as tree_lib
-from spec_jax.drafters.base import DraftContext, Drafter
+from spec_jax.drafters.base import DraftContext, FrozenDrafter, frozen_drafter
 
 
-class NGram(Drafter):
-  """Deterministic drafts (draft_probs None): lossless through the rejection sampler."""
+@frozen_drafter
+class NGram(FrozenDrafter):
+  """Deterministic drafts (draft_probs None): lossless through the rejection sampler.
+  No params; static configuration max_ngram >= min_ngram >= 1."""
 
   params = None
   supports_tree = True
   samples_tree_candidates = False        # its trees are tries of matches
   reads_prompt_hidden = False
 
-  def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-    for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+  def __post_init__(self):
+    for name, v in (("max_ngram", self.max_ngram), ("min_ngram", self.min_ngram)):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"NGram {name} must be an integer >= 1, got {v!r}")
-    if min_ngram > max_ngram:
-      raise ValueError(f"NGram min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-    self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-  def _static_key(self):
-    return ("NGram", self.max_ngram, self.min_ngram)
+    if self.min_ngram > self.max_ngram:
+      raise ValueError(f"NGram min_ngram ({self.min_ngram}) must be <= max_ngram "
+                       f"({self.max_ngram})")
 
   def propose(self, params, state, ctx: DraftContext):
     tokens, lengths, k = ctx.tokens, ctx.lengths, ctx.num_draft

@@ -3,7 +3,7 @@
     wide = spec_jax.models.widen(target, 768, 2048, 12)
     heads = sj.drafters.load("runs/eagle3", target)
     wide_heads = sj.drafters.widen_heads(heads, target, wide)   # the same drafts on `wide`
-    heads_io.save("runs/eagle3-wide", wide_heads, wide, num_draft=6)
+    heads_folder.save("runs/eagle3-wide", wide_heads, wide, num_draft=6)
 
 The widened target's features are the source's zero-padded ([f, 0]: hidden states, layer
 outputs, embeddings), so a head computes the same thing once every weight that reads a
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.drafters import heads_io
+from spec_jax.drafters import registry
+from spec_jax.drafters.base import in_target_dtype
 from spec_jax.models.widen import LAYER_AXES, NORM, Rule, place, plan
 
 # [n*D, D]: reads a concatenation of n residual-width vectors, writes one.
@@ -140,7 +141,8 @@ def widen_heads(drafter, source, widened):
   Returns:
     A drafter of the same kind for `widened` whose draft logits on `widened` equal the source
     drafter's on `source` (float rounding aside); save it with
-    `heads_io.save(dir, drafter, widened, num_draft)` to bind it to the widened target.
+    `formats.heads_folder.save(dir, drafter, widened, num_draft)` to bind it to the widened
+    target.
 
   Raises:
     ValueError: a kind without rules, a drafter not built for `source`, or a head layer whose
@@ -152,7 +154,7 @@ def widen_heads(drafter, source, widened):
                      f"allowed kinds: {', '.join(HEAD_RULES)}")
   drafter.check_compatible(source)
   target_plan = plan(source.config, widened.config)
-  skeleton = heads_io.build(kind, widened, _wide_hyper_params(drafter, source, widened))
+  skeleton = registry.build(kind, widened, _wide_hyper_params(drafter, source, widened))
   layer_plan = None
   if hasattr(drafter, "layer_config"):
     try:
@@ -167,7 +169,6 @@ def widen_heads(drafter, source, widened):
                      f"widened target's {kind} head needs: {got} vs {want}")
   params = jax.tree.map(lambda x, ref: jnp.asarray(x, jnp.asarray(ref).dtype), wide,
                         skeleton.params)
-  out = heads_io.in_target_dtype(skeleton.with_params(params, greedy_drafts=drafter.greedy_drafts),
-                                 widened)
-  out.trained_num_draft = int(getattr(drafter, "trained_num_draft", 0) or 0)
-  return out
+  out = skeleton.replace(params=params, greedy_drafts=drafter.greedy_drafts,
+                         trained_num_draft=int(getattr(drafter, "trained_num_draft", 0) or 0))
+  return in_target_dtype(out, widened)

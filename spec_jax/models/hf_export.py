@@ -155,6 +155,44 @@ def hf_config_and_tensors(model: Model) -> tuple:
   return family.hf_export(model.config, model.params)
 
 
+# config.json name -> ModelConfig field, of a drafter's layers (layer_config_fields).
+_LAYER_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+                 "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                 "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                 "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
+# ... and of its target's.
+_TARGET_FIELDS = {"max_position_embeddings": "max_position_embeddings",
+                  "vocab_size": "vocab_size", "bos_token_id": "bos_token_id"}
+
+
+def layer_config_fields(layer_config, target_config) -> dict:
+  """The config.json fields a published drafter folder shares with a llama-style decoder:
+  its layers' sizes, activation, eps and RoPE (layer_config), the target's vocabulary,
+  positions and special tokens; float32 weights, no biases, no tied embeddings."""
+  eos = list(target_config.eos_token_ids)
+  return {**{k: getattr(layer_config, f) for k, f in _LAYER_FIELDS.items()},
+          **{k: getattr(target_config, f) for k, f in _TARGET_FIELDS.items()},
+          "hidden_act": "silu", "rope_scaling": layer_config.rope_scaling_dict or None,
+          "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+          "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float32"}
+
+
+def write_folder(out_dir, config: dict, tensors: dict, overwrite: bool = False,
+                 who: str = "export") -> pathlib.Path:
+  """Writes config.json and model.safetensors ({name: numpy array}, torch metadata) into a new
+  folder `out_dir`, atomically (atomic_folder). An existing non-empty out_dir is a ValueError
+  (naming `who`) unless overwrite. Returns the folder's absolute path."""
+  from safetensors.numpy import save_file
+  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
+  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+    raise ValueError(f"{who}: {out_dir} already exists and is not empty; pass overwrite=True "
+                     f"or choose a new folder")
+  with atomic_folder(out_dir) as tmp:
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
+  return out_dir
+
+
 @contextlib.contextmanager
 def atomic_folder(out_dir: pathlib.Path):
   """Yields a fresh temporary folder beside out_dir; when the block ends without an error it

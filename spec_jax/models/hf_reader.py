@@ -5,10 +5,15 @@ A folder is config.json (+ generation_config.json) and safetensors weights, sing
 them and knows nothing of any architecture:
 
   read_json_config(folder)     config.json as a dict (ValueError when unreadable)
+  is_architecture(folder, ..)  whether config.json names one of some architectures
   auto_config(folder)          config.json through transformers.AutoConfig
   open_tensors(folder)         {tensor name: TensorFile} over every safetensors file
+  open_weights(folder)         the same over safetensors or a pytorch_model.bin (TorchFile)
+  match_tensors(...)           stored names -> the names a format expects, every shape, unknown
+                               and missing tensor checked before any data is read
   layer_names(...)             the per-layer name map {HF suffix: (our leaf, transpose)},
                                built from the standard decoder layer (DECODER_LAYER)
+  hf_shapes(names, shapes)     what a folder stores for our leaves' shapes, by that map
   Tensor, check_shapes, fill   plan a copy of every tensor into a params tree, check every
                                shape before any data is read, then read
   rope_items, get, token_ids, generation_eos, np_dtype, checkpoint_dtype, listing
@@ -21,7 +26,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, NamedTuple, Optional
+import re
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -42,6 +48,10 @@ DECODER_LAYER = {
 }
 
 
+# Buffers some checkpoints carry that no reader uses (rotary tables are recomputed).
+IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
 def layer_names(rename: Optional[dict] = None, add: Optional[dict] = None,
                 drop=()) -> dict:
   """A per-layer name map: DECODER_LAYER with some suffixes' leaves renamed ({suffix: leaf}),
@@ -50,6 +60,15 @@ def layer_names(rename: Optional[dict] = None, add: Optional[dict] = None,
          if s not in drop}
   out.update(add or {})
   return out
+
+
+def hf_shapes(names: dict, leaf_shapes: dict, prefix: str = "") -> dict:
+  """{prefix + HF name: HF shape} of the `names` map's ({HF name: (our leaf, transpose)})
+  entries whose leaf `leaf_shapes` ({our leaf: shape}) has: what a folder must store for
+  them (a transposed leaf [in, out] is stored [out, in])."""
+  return {prefix + name: tuple(reversed(leaf_shapes[leaf])) if transpose
+          else tuple(leaf_shapes[leaf])
+          for name, (leaf, transpose) in names.items() if leaf in leaf_shapes}
 
 
 # ----------------------------------------------------------------------------- config
@@ -85,6 +104,15 @@ def read_json_config(folder) -> dict:
   if not isinstance(raw, dict):
     raise ValueError(f"{path}: a config is a JSON object")
   return raw
+
+
+def is_architecture(folder, architectures) -> bool:
+  """Whether `folder`'s config.json (a readable JSON object) lists one of `architectures`."""
+  try:
+    cfg = json.loads((pathlib.Path(folder) / "config.json").read_text())
+  except (OSError, json.JSONDecodeError):
+    return False
+  return isinstance(cfg, dict) and bool(set(cfg.get("architectures") or ()) & set(architectures))
 
 
 def auto_config(folder):
@@ -185,6 +213,86 @@ def open_tensors(folder) -> dict:
       raise ValueError(f"{folder / 'model.safetensors.index.json'} maps {name} to {shard}, "
                        f"which does not contain it")
   return where
+
+
+class TorchFile:
+  """pytorch_model.bin through torch.load(weights_only=True), with TensorFile's interface
+  (names, meta[name] = (dtype string, shape), read(name) -> numpy; bf16 read as float32)."""
+
+  def __init__(self, path: pathlib.Path):
+    import torch  # only for the .bin checkpoints that need it
+    try:
+      state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+      raise ValueError(f"{path}: not a readable PyTorch state dict: {e}") from e
+    if not isinstance(state, dict):
+      raise ValueError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
+    self.path = path
+    self._tensors = state
+    self.names = list(state)
+    self.meta = {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in state.items()}
+
+  def read(self, name: str) -> np.ndarray:
+    import torch
+    x = self._tensors[name]
+    if x.dtype == torch.bfloat16:
+      x = x.float()
+    return x.numpy()
+
+
+def open_weights(folder) -> dict:
+  """{tensor name: file} over a folder's safetensors (single or sharded, `open_tensors`) or,
+  without them, its pytorch_model.bin (TorchFile); ValueError when it has neither."""
+  folder = pathlib.Path(folder)
+  if (folder / "model.safetensors").is_file() or \
+      (folder / "model.safetensors.index.json").is_file():
+    return open_tensors(folder)
+  if (folder / "pytorch_model.bin").is_file():
+    f = TorchFile(folder / "pytorch_model.bin")
+    return {name: f for name in f.names}
+  raise ValueError(f"{folder}: no model.safetensors, model.safetensors.index.json or "
+                   f"pytorch_model.bin beside config.json")
+
+
+def match_tensors(stored: dict, shapes: dict, optional: dict, canonical: Callable,
+                  model: str, folder, hints: Optional[dict] = None) -> dict:
+  """Which stored tensor is which expected one, every shape checked before data is read.
+
+  Args:
+    stored: {stored name: file} (open_weights).
+    shapes: {public name: HF shape} the format needs; optional: the same for tensors it may
+      have.
+    canonical: stored name -> public name, or None for a tensor to ignore.
+    model: what the folder holds, for messages ("a 2-layer DFlashDraftModel").
+    folder: for messages. hints: {public name: text} appended to a shape error.
+  Returns:
+    {public name: (stored name, file)}.
+  Raises:
+    ValueError: a tensor of another shape, tensors `model` does not have, or a missing one.
+  """
+  found, unknown = {}, []
+  for name, fobj in stored.items():
+    public = canonical(name)
+    if public is None:
+      continue
+    want = shapes.get(public, optional.get(public))
+    if want is None:
+      unknown.append(name)
+      continue
+    got = tuple(fobj.meta[name][1])
+    if got != tuple(want):
+      hint = (hints or {}).get(public, "")
+      raise ValueError(f"{fobj.path}: tensor {name} has shape {got}; config.json and the target "
+                       f"imply {tuple(want)}{hint}")
+    found[public] = (name, fobj)
+  if unknown:
+    raise ValueError(f"{folder}: {len(unknown)} tensor(s) that {model} does not have: "
+                     f"{', '.join(sorted(unknown)[:8])}")
+  missing = [n for n in shapes if n not in found]
+  if missing:
+    raise ValueError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): "
+                     f"{', '.join(missing[:8])}")
+  return found
 
 
 def np_dtype(dtype: str):

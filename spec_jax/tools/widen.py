@@ -54,7 +54,7 @@ def parse_args(argv=None):
 
 def run(args) -> int:
   import spec_jax as sj
-  from spec_jax.drafters import heads_io
+  from spec_jax.drafters.formats import heads_folder
   from spec_jax.drafters.widening import widen_heads
   from spec_jax.models.hf_export import save_hf
   from spec_jax.models.widen import widen
@@ -95,8 +95,8 @@ def run(args) -> int:
   if heads is not None:
     heads_out = pathlib.Path(args.heads_out) if args.heads_out else out / "heads"
     wide_heads = widen_heads(heads, src, wide)
-    heads_io.save(heads_out, wide_heads, wide, num_draft=wide_heads.trained_num_draft,
-                  extra={"widened_from": {"heads": str(args.heads), "target": str(args.src)}})
+    heads_folder.save(heads_out, wide_heads, wide, num_draft=wide_heads.trained_num_draft,
+                      extra={"widened_from": {"heads": str(args.heads), "target": str(args.src)}})
     reloaded = sj.drafters.load(heads_out, wide)
     hd = max_logit_diff(head_logits(heads, src, tokens), head_logits(reloaded, wide, tokens))
     print(f"wrote {heads_out} ({heads.kind} heads for {out}); check: max |draft logit diff| vs "

@@ -92,22 +92,24 @@ def parse_tree_spec(text: str) -> TreeSpec:
   return TreeSpec(d, k, n, parts[3] if len(parts) == 4 else "auto")
 
 
-def check_tree(tree, drafter, num_draft=None, governor=None) -> TreeSpec:
+def check_tree(tree, drafter, num_draft=None, governor=None, tree_drafters=None) -> TreeSpec:
   """The TreeSpec a (tree, drafter) pair runs with; ValueError naming what is allowed.
   num_draft is ignored beside a tree, except "auto" (the governor picks a chain's K per round
-  from a cost table of chains; it has no tree shapes to choose from), refused with governor=."""
+  from a cost table of chains; it has no tree shapes to choose from), refused with governor=.
+  tree_drafters: the names of the drafters that build trees, for the messages (the decode
+  core passes spec_jax.drafters.registry.TREE_DRAFTERS; this layer sits below the drafters)."""
+  can = (", ".join(tree_drafters) if tree_drafters else
+         "the drafters whose supports_tree is True")
   if not isinstance(tree, TreeSpec):
     raise ValueError(f"tree must be a spec_jax.TreeSpec(depth=, top_k=, num_nodes=) for tree "
                      f"drafting, or None; got {type(tree).__name__}")
   if drafter is None:
-    raise ValueError("tree drafting needs a drafter (DraftModel, NGram, EAGLE, EAGLE3, "
-                     "EAGLE3Fused or MTP); got drafter=None")
+    raise ValueError(f"tree drafting needs a drafter ({can}); got drafter=None")
   if (isinstance(num_draft, str) and num_draft == "auto") or governor is not None:
     raise ValueError("tree drafting does not combine with num_draft='auto' or governor= (the "
                      "governor chooses among chain lengths K); allowed: tree=TreeSpec(...) with "
                      "an integer num_draft (ignored), or num_draft='auto' with tree=None")
   if not getattr(drafter, "supports_tree", False):
     raise ValueError(f"{type(drafter).__name__} cannot build draft trees; drafters that can: "
-                     "DraftModel, NGram, EAGLE, EAGLE3, EAGLE3Fused, MTP (or pass tree=None for a "
-                     "chain)")
+                     f"{can} (or pass tree=None for a chain)")
   return tree

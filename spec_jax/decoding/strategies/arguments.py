@@ -7,6 +7,7 @@ from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.decoding.strategies.chain import Chain, check_num_draft
 from spec_jax.decoding.strategies.governed import Governed
 from spec_jax.decoding.strategies.tree import Tree
+from spec_jax.drafters.registry import TREE_DRAFTERS
 from spec_jax.tree.spec import check_tree
 
 DEFAULT_NUM_DRAFT = 4      # decode's and generate's num_draft default
@@ -40,7 +41,7 @@ def strategy_for(strategy=None, drafter=None, num_draft=DEFAULT_NUM_DRAFT, tree=
 
 def _from_sugar(drafter, num_draft, tree, governor) -> Strategy:
   if tree is not None:
-    return Tree(check_tree(tree, drafter, num_draft, governor))
+    return Tree(check_tree(tree, drafter, num_draft, governor, TREE_DRAFTERS))
   if is_auto(num_draft):
     return AUTO(governor)
   if governor is not None:

@@ -13,6 +13,7 @@ from spec_jax.decoding.rounds import commit_step, update_stats
 from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import DraftContext, VerifyInfo
 from spec_jax.tree.build import ancestor_mask
+from spec_jax.drafters.registry import TREE_DRAFTERS
 from spec_jax.tree.spec import TreeSpec, check_tree
 from spec_jax.tree.verify import verify_tree, verify_tree_greedy
 
@@ -68,7 +69,7 @@ class Tree(Strategy):
   label = property(lambda self: self.spec.label())
 
   def bind(self, drafter, target) -> "Tree":
-    check_tree(self.spec, drafter)
+    check_tree(self.spec, drafter, tree_drafters=TREE_DRAFTERS)
     if target is not None and not target.tree_capable:
       raise ValueError(f"tree drafting needs a target with move_kv (Target.tree_capable); "
                        f"{type(target).__name__} has none: pass tree=None for a chain")

@@ -1,4 +1,4 @@
-"""Saving and loading trained draft heads, bound to the target they were trained on.
+"""The library's own heads folder: trained draft heads, bound to the target they were trained on.
 
 A saved head is a folder:
 
@@ -8,15 +8,13 @@ A saved head is a folder:
                    same over the weights rounded to bfloat16)
     params/        the head's params (an orbax StandardCheckpointer checkpoint)
 
-`load(path, target)` rebuilds the drafter and refuses a different target with a ValueError
-that says what differs (the config, and which fields, or the weights). The same checkpoint in
-another dtype is the same target: heads trained on a float32 target load on its bfloat16 cast
-(the weights are compared at the coarser of the two dtypes). `load` on a public
-EAGLE-3 folder (vLLM / SGLang's `LlamaForCausalLMEagle3`) returns that head
-(`spec_jax.drafters.eagle3_format`); on a published DFlash folder (`DFlashDraftModel`), that
-block drafter (`spec_jax.drafters.dflash_format`); on a Hugging Face folder whose checkpoint
-carries MTP weights, that native MTP head; on a Gemma 4 assistant folder, that drafter
-(`spec_jax.drafters.gemma4_assistant`).
+`save(path, drafter, target, num_draft)` writes one (train.distill_heads does); `load(path,
+target)` rebuilds the drafter of the saved kind (`spec_jax.drafters.registry.build`) and
+refuses a different target with a ValueError that says what differs (the config, and which
+fields, or the weights). The same checkpoint in another dtype is the same target: heads
+trained on a float32 target load on its bfloat16 cast (the weights are compared at the
+coarser of the two dtypes). `sj.drafters.load` routes here for a folder with heads.json
+(`spec_jax.drafters.formats`).
 """
 
 from __future__ import annotations
@@ -33,6 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.drafters import registry
+from spec_jax.drafters.base import in_target_dtype
+
 FORMAT = "spec_jax.heads/1"
 META = "heads.json"
 PARAMS = "params"
@@ -40,16 +41,9 @@ PARAMS = "params"
 _IGNORED_FIELDS = ("attention_impl",)
 
 
-def _kinds():
-  from spec_jax.drafters.dflash import DFlash
-  from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
-  from spec_jax.drafters.medusa import Medusa
-  from spec_jax.drafters.mtp import MTP
-  return {"medusa": Medusa, "eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused,
-          "mtp": MTP, "dflash": DFlash}
-
-
-HEAD_KINDS = ("medusa", "eagle", "eagle3", "eagle3_fused", "mtp", "dflash")
+def is_heads_folder(path) -> bool:
+  """Whether `path` holds a heads.json (a folder `save` wrote)."""
+  return (pathlib.Path(path) / META).is_file()
 
 
 def config_fields(config) -> dict:
@@ -125,7 +119,8 @@ def check_fingerprint(saved: dict, model, what: str = "these heads") -> None:
                      f"... at training time)")
 
 
-def _write_json_atomic(path: pathlib.Path, obj) -> None:
+def write_json_atomic(path: pathlib.Path, obj) -> None:
+  """json.dump to `path` through a temporary file renamed into place (a reader never sees half)."""
   tmp = path.with_name(path.name + f".tmp{os.getpid()}")
   with open(tmp, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
@@ -138,13 +133,12 @@ def _this_process_only(ocp):
   """Heads are small host copies: each process reads them on its own, and process 0 alone
   writes them (train.distill_heads), with no barrier with the other processes of a
   multi-process run (which orbax would otherwise wait for)."""
-  import jax
   me = jax.process_index()
   return ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
 
 
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
-  """Saves `drafter` (a Medusa / EAGLE / EAGLE3 / EAGLE3Fused / MTP / DFlash) trained for `target` into folder `path`."""
+  """Saves `drafter` (a head of a registry kind) trained for `target` into folder `path`."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -162,63 +156,19 @@ def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) ->
           "hyper_params": drafter.hyper_params(), "target": fingerprint(target)}
   if extra:
     meta["extra"] = extra
-  _write_json_atomic(path / META, meta)
+  write_json_atomic(path / META, meta)
   return path
 
 
-def build(kind: str, target, hyper_params: dict, key=None, **options):
-  """A fresh drafter of `kind` for `target` with saved/configured hyper-parameters."""
-  kinds = _kinds()
-  if kind not in kinds:
-    raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(HEAD_KINDS)}")
-  hp = dict(hyper_params)
-  if kind in ("eagle3", "dflash"):     # rebuilt from every saved shape option (init checks them)
-    return kinds[kind].init(target, key=key, **hp, **options)
-  if kind == "medusa":
-    return kinds[kind].init(target, num_heads=int(hp.pop("num_heads")),
-                            num_layers=int(hp.pop("num_layers", 1)), key=key, **options)
-  hp.pop("head_dim", None)
-  hp.pop("qkv_bias", None)
-  hp.pop("qk_norm", None)
-  kv = hp.pop("num_kv_heads", None)
-  layers = hp.pop("target_layers", None)
-  if kind == "eagle3_fused":
-    hp["target_layers"] = layers
-  drafter = kinds[kind].init(target, key=key, **hp, **options)
-  if kv is not None and drafter.layer_config.num_kv_heads != kv:
-    raise ValueError(f"saved head has {kv} kv heads but the rebuilt one has "
-                     f"{drafter.layer_config.num_kv_heads}")
-  return drafter
-
-
 def load(path, target, greedy_drafts: bool = False):
-  """The drafter saved at `path` by train.distill_heads, for `target` (a Model).
+  """The drafter saved at `path` (a folder with heads.json) for `target` (a Model), its params
+  in the target's dtype when that is low-precision (base.in_target_dtype).
 
-  `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
-  `heads/`; or a public EAGLE-3 folder (config.json with architectures
-  ["LlamaForCausalLMEagle3"], see `spec_jax.drafters.eagle3_format`); or a published DFlash
-  folder (architectures ["DFlashDraftModel"], `spec_jax.drafters.dflash_format`); or a Hugging
-  Face folder whose checkpoint carries MTP weights (its native head); or a Gemma 4 assistant
-  folder (model_type "gemma4_assistant", spec_jax.drafters.gemma4_assistant).
-  Raises ValueError when `target` differs from the model the heads were trained on.
+  Raises ValueError when `target` differs from the model the heads were trained on, or the
+  folder's metadata is unreadable or of another format.
   """
-  import orbax.checkpoint as ocp
+  import orbax.checkpoint as ocp  # heavy; only heads folders need it
   path = pathlib.Path(os.fspath(path)).expanduser().absolute()
-  if not (path / META).is_file() and (path / "heads" / META).is_file():
-    path = path / "heads"
-  if not (path / META).is_file():
-    if (path / "config.json").is_file():
-      from spec_jax.drafters import dflash_format, eagle3_format, gemma4_assistant_hf
-      if gemma4_assistant_hf.is_assistant_folder(path):
-        return gemma4_assistant_hf.load(path, target, greedy_drafts=greedy_drafts)
-      if eagle3_format.is_eagle3_folder(path):
-        return eagle3_format.load_eagle3(path, target, greedy_drafts=greedy_drafts)
-      if dflash_format.is_dflash_folder(path):
-        return dflash_format.load_dflash(path, target, greedy_drafts=greedy_drafts)
-      return _load_native_mtp(path, target, greedy_drafts)
-    raise ValueError(f"{path}: no {META} (not a folder saved by train.distill_heads) and no "
-                     "config.json (not a public EAGLE-3 or DFlash folder nor a Hugging Face "
-                     "folder with MTP weights)")
   try:
     meta = json.loads((path / META).read_text())
   except (OSError, json.JSONDecodeError) as e:
@@ -231,37 +181,12 @@ def load(path, target, greedy_drafts: bool = False):
     # Saved before the public EAGLE-3 architecture took the name "eagle3" (every EAGLE3 since
     # writes draft_tokens): those heads are today's eagle3_fused.
     kind = "eagle3_fused"
-  skeleton = build(kind, target, meta["hyper_params"])
+  skeleton = registry.build(kind, target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
   with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     params = ckpt.restore(path / PARAMS, abstract)
   params = jax.tree.map(jax.numpy.asarray, params)
-  drafter = in_target_dtype(skeleton.with_params(params, greedy_drafts=greedy_drafts), target)
-  drafter.trained_num_draft = int(meta.get("num_draft", 0))
-  return drafter
-
-
-def in_target_dtype(drafter, target):
-  """The drafter with its floating params in the target's dtype when that is low-precision
-  (heads trained in float32 decode in bf16 beside a bf16 target: half the bytes a draft step
-  reads, bf16 operands with f32 accumulation like every dot); as it is otherwise. Activations
-  stay as the drafter computes them (float32): only the weights are rounded."""
-  dtype = target.config.dtype
-  if dtype == "float32":
-    return drafter
-  cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-  out = drafter.with_params(jax.tree.map(cast, drafter.params))
-  out.trained_num_draft = getattr(drafter, "trained_num_draft", 0)
-  return out
-
-
-def _load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool):
-  from spec_jax.drafters.mtp import MTP
-  from spec_jax.models.loading import load as load_model
-  if getattr(target, "mtp_params", None) and target.source and \
-      pathlib.Path(target.source).absolute() == path:
-    return MTP.from_model(target, greedy_drafts=greedy_drafts)
-  model = load_model(path, dtype=target.config.dtype)
-  check_fingerprint(fingerprint(model), target, what=f"the MTP module of {path}")
-  return MTP.from_model(model, greedy_drafts=greedy_drafts)
+  drafter = skeleton.replace(params=params, greedy_drafts=bool(greedy_drafts),
+                             trained_num_draft=int(meta.get("num_draft", 0)), source=str(path))
+  return in_target_dtype(drafter, target)

@@ -38,10 +38,8 @@ when the head uses the default, and boundary ids otherwise.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import re
 import types
 from typing import Optional
 
@@ -49,7 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.drafters.base import in_target_dtype
+from spec_jax.drafters.eagle import (EAGLE3, check_draft_tokens, midlayer_params,
+                                     public_default_layers)
+from spec_jax.drafters.feature_head import head_layer_config
 from spec_jax.models import hf_reader
+from spec_jax.models.hf_export import layer_config_fields, write_folder
+from spec_jax.models.llama.hf import rope_from_hf
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 FORMATS = ("eagle3",)
@@ -59,25 +63,19 @@ _MID = hf_reader.layer_names(rename={"input_layernorm.weight": "embed_norm"},
                              add={"hidden_norm.weight": ("hidden_norm", False)},
                              drop=("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
 _TOP_LEVEL_LEAVES = ("embed_norm", "hidden_norm")     # midlayer norms kept outside params/layer
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_TOP = {"fc.weight": ("fc", True), "norm.weight": ("norm", False),
+        "lm_head.weight": ("lm_head", True)}
 
 
 # ----------------------------------------------------------------------------- config
 
-def _read_config(path: pathlib.Path) -> dict:
-  return hf_reader.read_json_config(path)
-
-
 def is_eagle3_folder(path) -> bool:
   """Whether `path` holds a config.json naming a public EAGLE-3 architecture."""
-  try:
-    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
-  except (OSError, json.JSONDecodeError):
-    return False
-  return isinstance(cfg, dict) and bool(set(cfg.get("architectures") or ()) & set(ARCHITECTURES))
+  return hf_reader.is_architecture(path, ARCHITECTURES)
 
 
-def _layer_ids(cfg: dict) -> Optional[list]:
+def layer_ids(cfg: dict) -> Optional[list]:
+  """The config's eagle_aux_hidden_state_layer_ids (top level or under eagle_config), or None."""
   ids = cfg.get("eagle_aux_hidden_state_layer_ids")
   if not ids and isinstance(cfg.get("eagle_config"), dict):
     ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
@@ -114,10 +112,8 @@ def _need(cfg: dict, name: str, where: str):
   return cfg[name]
 
 
-def _layer_config(cfg: dict, target_config, where: str):
+def layer_config(cfg: dict, target_config, where: str):
   """The head's layer ModelConfig from a public config.json, checked against the target."""
-  from spec_jax.drafters.feature_head import head_layer_config
-  from spec_jax.models.llama.hf import rope_from_hf
   t = target_config
   d = int(_need(cfg, "hidden_size", where))
   dt = int(cfg.get("target_hidden_size") or d)
@@ -161,50 +157,9 @@ def _layer_config(cfg: dict, target_config, where: str):
 
 # ----------------------------------------------------------------------------- tensors
 
-class _TorchFile:
-  """pytorch_model.bin through torch.load(weights_only=True), with the hf_reader.TensorFile interface."""
-
-  def __init__(self, path: pathlib.Path):
-    import torch
-    try:
-      state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
-      raise ValueError(f"{path}: not a readable PyTorch state dict: {e}") from e
-    if not isinstance(state, dict):
-      raise ValueError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
-    self.path = path
-    self._tensors = state
-    self.names = list(state)
-    self.meta = {n: (str(x.dtype), tuple(int(s) for s in x.shape)) for n, x in state.items()}
-
-  def read(self, name: str) -> np.ndarray:
-    import torch
-    x = self._tensors[name]
-    if x.dtype == torch.bfloat16:
-      x = x.float()
-    return x.numpy()
-
-
-def _open_weights(path: pathlib.Path) -> dict:
-  """{tensor name: file object} over the folder's safetensors (single or sharded) or .bin."""
-  if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-    files, _ = hf_reader.tensor_files(path)
-    opened = [hf_reader.TensorFile(p) for p in files]
-  elif (path / "pytorch_model.bin").is_file():
-    opened = [_TorchFile(path / "pytorch_model.bin")]
-  else:
-    raise ValueError(f"{path}: no model.safetensors, model.safetensors.index.json or "
-                     f"pytorch_model.bin beside config.json")
-  where = {}
-  for f in opened:
-    for name in f.names:
-      where.setdefault(name, f)
-  return where
-
-
 def _canonical(name: str) -> Optional[str]:
   """A stored tensor name -> the public name of the table above (None: ignored)."""
-  if _IGNORED.search(name):
+  if hf_reader.IGNORED.search(name):
     return None
   if name.startswith("model."):
     name = name[len("model."):]
@@ -223,58 +178,32 @@ def load_eagle3(path, target, greedy_drafts: bool = False):
     ValueError: naming the field or tensor that does not fit (hidden size, vocabulary, d2t
       range, a missing or unknown tensor, a wrong shape, an unsupported config flag).
   """
-  from spec_jax.drafters.eagle import EAGLE3, check_draft_tokens
   path = pathlib.Path(os.fspath(path)).expanduser().absolute()
   where_cfg = str(path / "config.json")
-  cfg = _read_config(path)
+  cfg = hf_reader.read_json_config(path)
   if not set(cfg.get("architectures") or ()) & set(ARCHITECTURES):
     raise ValueError(f"{where_cfg}: architectures {cfg.get('architectures')!r}; an EAGLE-3 "
                      f"folder names one of {list(ARCHITECTURES)}")
   tc = target.config
-  layer_cfg = _layer_config(cfg, tc, where_cfg)
-  layers = target_layers_from_ids(_layer_ids(cfg), tc.num_layers, where_cfg)
+  layer_cfg = layer_config(cfg, tc, where_cfg)
+  layers = target_layers_from_ids(layer_ids(cfg), tc.num_layers, where_cfg)
   d, dt, v = layer_cfg.hidden_size, tc.hidden_size, tc.vocab_size
   vd = int(cfg.get("draft_vocab_size") or v)
   if not 1 <= vd <= v:
     raise ValueError(f"{where_cfg}: draft_vocab_size={vd}; allowed: 1 <= draft_vocab_size <= "
                      f"vocab_size {v}")
-  hq, hkv, dh, f = (layer_cfg.num_heads, layer_cfg.num_kv_heads, layer_cfg.head_dim,
-                    layer_cfg.intermediate_size)
-
-  shapes = {"fc.weight": (d, 3 * dt), "norm.weight": (d,), "lm_head.weight": (vd, d),
-            "midlayer.input_layernorm.weight": (d,), "midlayer.hidden_norm.weight": (d,),
-            "midlayer.self_attn.q_proj.weight": (hq * dh, 2 * d),
-            "midlayer.self_attn.k_proj.weight": (hkv * dh, 2 * d),
-            "midlayer.self_attn.v_proj.weight": (hkv * dh, 2 * d),
-            "midlayer.self_attn.o_proj.weight": (d, hq * dh),
-            "midlayer.post_attention_layernorm.weight": (d,),
-            "midlayer.mlp.gate_proj.weight": (f, d), "midlayer.mlp.up_proj.weight": (f, d),
-            "midlayer.mlp.down_proj.weight": (d, f)}
+  mid = jax.eval_shape(lambda k: midlayer_params(layer_cfg, k, k), jax.random.key(0))
+  mid = {leaf: x.shape for leaf, x in mid.items()}
+  mid.update(embed_norm=(d,), hidden_norm=(d,))
+  shapes = {**hf_reader.hf_shapes(_TOP, {"fc": (3 * dt, d), "norm": (d,), "lm_head": (d, vd)}),
+            **hf_reader.hf_shapes(_MID, mid, "midlayer.")}
   optional = {"embed_tokens.weight": (v, d), "d2t": (vd,), "t2d": (v,)}
-  stored = _open_weights(path)
-  found, unknown = {}, []
-  for name, fobj in stored.items():
-    public = _canonical(name)
-    if public is None:
-      continue
-    if public not in shapes and public not in optional:
-      unknown.append(name)
-      continue
-    want = shapes.get(public, optional.get(public))
-    got = fobj.meta[name][1]
-    if tuple(got) != want:
-      hint = " (draft_vocab_size rows)" if public in ("lm_head.weight", "d2t") else ""
-      raise ValueError(f"{fobj.path}: tensor {name} has shape {tuple(got)}; config.json and the "
-                       f"target imply {want}{hint}")
-    found[public] = (name, fobj)
-  if unknown:
-    raise ValueError(f"{path}: {len(unknown)} tensor(s) that a one-layer LlamaForCausalLMEagle3 "
-                     f"does not have: {', '.join(sorted(unknown)[:8])}")
-  missing = [n for n in shapes if n not in found]
-  if vd < v and "d2t" not in found:
-    missing.append("d2t")
-  if missing:
-    raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing)}")
+  if vd < v:                       # a reduced draft vocabulary needs its map
+    shapes["d2t"] = optional.pop("d2t")
+  found = hf_reader.match_tensors(
+      hf_reader.open_weights(path), shapes, optional, _canonical,
+      "a one-layer LlamaForCausalLMEagle3", path,
+      hints={"lm_head.weight": " (draft_vocab_size rows)", "d2t": " (draft_vocab_size rows)"})
 
   def read(public):
     name, fobj = found[public]
@@ -313,54 +242,30 @@ def load_eagle3(path, target, greedy_drafts: bool = False):
     if not np.allclose(own, theirs, rtol=1e-2, atol=1e-6):    # bf16 copies of the target's pass
       params["embed"] = own
   params = jax.tree.map(jnp.asarray, params)
-  drafter = EAGLE3(params, tc, layer_cfg, layers, greedy_drafts, draft_tokens)
-  if tc.dtype != "float32":
-    # Weights in the target's dtype (bf16 beside a bf16 target: half the bytes a draft step
-    # reads, the kernel in bf16), as trained heads load (heads_io.in_target_dtype).
-    drafter = drafter.with_params(jax.tree.map(
-        lambda x: x.astype(tc.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        drafter.params))
-  drafter.trained_num_draft = 0
-  drafter.source = str(path)
-  return drafter
+  drafter = EAGLE3(params, tc, layer_cfg, layers, greedy_drafts, draft_tokens, source=str(path))
+  # Weights in the target's dtype (bf16 beside a bf16 target: half the bytes a draft step
+  # reads, the kernel in bf16), as trained heads load.
+  return in_target_dtype(drafter, target)
 
 
 # ----------------------------------------------------------------------------- export
 
 def eagle3_config(drafter) -> dict:
   """The config.json of `drafter` (an EAGLE3) as a public LlamaForCausalLMEagle3."""
-  from spec_jax.drafters.eagle import public_default_layers
   c, t = drafter.layer_config, drafter.target_config
   layers = tuple(drafter.target_layers)
   if list(layers) != sorted(set(layers)):
     raise ValueError(f"export: target_layers {list(layers)} must be strictly increasing: vLLM "
                      f"and SGLang capture each layer once, in layer order")
-  scaling = c.rope_scaling_dict
-  eos = list(t.eos_token_ids)
   cfg = {
       "architectures": ["LlamaForCausalLMEagle3"],
       "model_type": "llama",
-      "hidden_size": c.hidden_size,
+      **layer_config_fields(c, t),
       "target_hidden_size": t.hidden_size,
-      "intermediate_size": c.intermediate_size,
       "num_hidden_layers": 1,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_act": "silu",
-      "rms_norm_eps": c.rms_norm_eps,
-      "rope_theta": c.rope_theta,
-      "rope_scaling": scaling or None,
-      "max_position_embeddings": t.max_position_embeddings,
-      "vocab_size": t.vocab_size,
       "draft_vocab_size": drafter.draft_vocab_size,
-      "tie_word_embeddings": False,
-      "attention_bias": False,
       "mlp_bias": False,
       "pretraining_tp": 1,
-      "bos_token_id": t.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-      "torch_dtype": "float32",
   }
   if layers != public_default_layers(t.num_layers):
     cfg["eagle_config"] = {"use_aux_hidden_state": True,
@@ -403,20 +308,9 @@ def export(drafter, out_dir, format: str = "eagle3", overwrite: bool = False) ->
 
   Returns the folder's path; `sj.drafters.load(out_dir, target)` reads it back.
   """
-  from safetensors.numpy import save_file
   if format not in FORMATS:
     raise ValueError(f"export: unknown format {format!r}; allowed: {', '.join(FORMATS)}")
   if getattr(drafter, "kind", None) != "eagle3":
     raise ValueError(f"export: format 'eagle3' writes EAGLE-3 heads; got a "
                      f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
-  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-    raise ValueError(f"export: {out_dir} already exists and is not empty; pass overwrite=True "
-                     f"or choose a new folder")
-  config = eagle3_config(drafter)
-  tensors = eagle3_tensors(drafter)
-  from spec_jax.models.hf_export import atomic_folder
-  with atomic_folder(out_dir) as tmp:
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
-  return out_dir
+  return write_folder(out_dir, eagle3_config(drafter), eagle3_tensors(drafter), overwrite)

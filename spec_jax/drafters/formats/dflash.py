@@ -29,7 +29,7 @@ the folder vLLM (`method: "dflash"`), SGLang (`DFLASH`) and tpu-inference load:
 
 target_layer_ids are layer-output indices (`hidden_states[id + 1]` of transformers, the
 output of decoder layer id), our `target_layers` as they are; absent, z-lab's default
-(`dflash.default_target_layers`). The mask slots embed `mask_token_id` with the target's
+(`dflash_shapes.default_target_layers`). The mask slots embed `mask_token_id` with the target's
 embedding. A target without a spare id (stories260K) uses a learned mask embedding instead:
 ours, stored as the tensor `mask_embedding` with `mask_token_id: null` (vLLM reads a separate
 mask embedding only from a `mask_embedding.pt` beside a real mask_token_id; such a file is read
@@ -38,10 +38,8 @@ here too and replaces the embedding of mask_token_id).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import re
 import types
 from typing import Optional
 
@@ -49,11 +47,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.drafters.eagle3_format import _open_weights, _read_config
+from spec_jax.drafters import dflash_layers, dflash_shapes
+from spec_jax.drafters.dflash import DFlash
 from spec_jax.models import hf_reader
+from spec_jax.models.hf_export import layer_config_fields, write_folder
+from spec_jax.models.llama.hf import rope_from_hf
 
 ARCHITECTURES = ("DFlashDraftModel",)
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # public suffix (after "layers.i.") -> (our layer leaf, transpose)
 _LAYER = hf_reader.layer_names()
 _TOP = {"fc.weight": ("fc", True), "hidden_norm.weight": ("hidden_norm", False),
@@ -63,11 +63,7 @@ _TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
 
 def is_dflash_folder(path) -> bool:
   """Whether `path` holds a config.json naming the published DFlash architecture."""
-  try:
-    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
-  except (OSError, json.JSONDecodeError):
-    return False
-  return isinstance(cfg, dict) and bool(set(cfg.get("architectures") or ()) & set(ARCHITECTURES))
+  return hf_reader.is_architecture(path, ARCHITECTURES)
 
 
 # ----------------------------------------------------------------------------- config
@@ -85,8 +81,6 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
   """The DFlash constructor arguments from a published config.json, checked against the target.
 
   Raises ValueError naming the field that does not fit."""
-  from spec_jax.drafters import dflash
-  from spec_jax.models.llama.hf import rope_from_hf
   t = target_config
   if not set(cfg.get("architectures") or ()) & set(ARCHITECTURES):
     raise ValueError(f"{where}: architectures {cfg.get('architectures')!r}; a DFlash folder "
@@ -116,7 +110,7 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
   n = _int(cfg, "num_hidden_layers", where)
   ids = dcfg.get("target_layer_ids")
   if ids is None:
-    ids = list(dflash.default_target_layers(t.num_layers, n))
+    ids = list(dflash_shapes.default_target_layers(t.num_layers, n))
   if (not isinstance(ids, list) or not ids or
       any(isinstance(i, bool) or not isinstance(i, int) for i in ids)):
     raise ValueError(f"{where}: dflash_config.target_layer_ids must be a non-empty list of "
@@ -132,15 +126,15 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
     raise ValueError(f"{where}: dflash_config.mask_token_id={mask!r} outside the target's "
                      f"vocabulary [0, {t.vocab_size}); allowed: a reserved id of the target's "
                      f"vocabulary (or null with a mask_embedding tensor)")
-  types_ = cfg.get("layer_types") or [dflash.FULL] * n
+  types_ = cfg.get("layer_types") or [dflash_layers.FULL] * n
   if not isinstance(types_, list) or len(types_) != n:
     raise ValueError(f"{where}: layer_types must list one entry per layer "
                      f"(num_hidden_layers={n}), got {types_!r}")
-  unknown = sorted(set(types_) - set(dflash.LAYER_TYPES))
+  unknown = sorted(set(types_) - set(dflash_layers.LAYER_TYPES))
   if unknown:
-    raise ValueError(f"{where}: layer_types {unknown}; allowed: {', '.join(dflash.LAYER_TYPES)}")
-  window = cfg.get("sliding_window") if dflash.SLIDING in types_ else None
-  if dflash.SLIDING in types_ and (isinstance(window, bool) or not isinstance(window, int) or
+    raise ValueError(f"{where}: layer_types {unknown}; allowed: {', '.join(dflash_layers.LAYER_TYPES)}")
+  window = cfg.get("sliding_window") if dflash_layers.SLIDING in types_ else None
+  if dflash_layers.SLIDING in types_ and (isinstance(window, bool) or not isinstance(window, int) or
                                    window < 1):
     raise ValueError(f"{where}: sliding_window={window!r} with sliding_attention layers; "
                      f"allowed: an integer >= 1")
@@ -159,7 +153,7 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
                      f"num_key_value_heads={kv}")
   head_dim = _int(cfg, "head_dim", where, default=d // heads)
   theta, scaling = rope_from_hf(types.SimpleNamespace(**cfg))
-  layer = dflash.layer_config(t, n, _int(cfg, "intermediate_size", where), heads, kv, head_dim,
+  layer = dflash_shapes.layer_config(t, n, _int(cfg, "intermediate_size", where), heads, kv, head_dim,
                               float(cfg.get("rms_norm_eps", 1e-6)), theta,
                               None if scaling is None else list(scaling))
   return {"layer_config": layer, "target_layers": tuple(ids), "block_size": block,
@@ -169,7 +163,7 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
 # ----------------------------------------------------------------------------- load
 
 def _canonical(name: str) -> Optional[str]:
-  if _IGNORED.search(name):
+  if hf_reader.IGNORED.search(name):
     return None
   return name[len("model."):] if name.startswith("model.") else name
 
@@ -185,47 +179,21 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
     ValueError: naming the field or tensor that does not fit (a layer id >= the target's
       layers, a wrong width, a missing or unknown tensor, a mask id outside the vocabulary).
   """
-  from spec_jax.drafters.dflash import DFlash
   path = pathlib.Path(os.fspath(path)).expanduser().absolute()
   where = str(path / "config.json")
-  cfg = _read_config(path)
+  cfg = hf_reader.read_json_config(path)
   args = read_config(cfg, target.config, where)
   lc, n = args["layer_config"], args["layer_config"].num_layers
   d, dt, v = lc.hidden_size, target.config.hidden_size, target.config.vocab_size
-  hq, hkv, dh, f = lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size
-  per_layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-               "self_attn.q_proj.weight": (hq * dh, d), "self_attn.k_proj.weight": (hkv * dh, d),
-               "self_attn.v_proj.weight": (hkv * dh, d), "self_attn.o_proj.weight": (d, hq * dh),
-               "self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,),
-               "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-               "mlp.down_proj.weight": (d, f)}
-  shapes = {"fc.weight": (d, len(args["target_layers"]) * dt), "hidden_norm.weight": (d,),
-            "norm.weight": (d,)}
+  layer = jax.eval_shape(lambda k: dflash_shapes.init_layers(lc, k, 0.02), jax.random.key(0))
+  layer = {leaf: x.shape[1:] for leaf, x in layer.items()}          # one of the N layers
+  shapes = hf_reader.hf_shapes(_TOP, {"fc": (len(args["target_layers"]) * dt, d),
+                                      "hidden_norm": (d,), "norm": (d,)})
   for i in range(n):
-    shapes.update({f"layers.{i}.{k}": s for k, s in per_layer.items()})
+    shapes.update(hf_reader.hf_shapes(_LAYER, layer, f"layers.{i}."))
   optional = {"mask_embedding": (d,), "embed_tokens.weight": (v, dt), "lm_head.weight": (v, dt)}
-  stored = _open_weights(path)
-  found, unknown = {}, []
-  for name, fobj in stored.items():
-    public = _canonical(name)
-    if public is None:
-      continue
-    want = shapes.get(public, optional.get(public))
-    if want is None:
-      unknown.append(name)
-      continue
-    got = tuple(fobj.meta[name][1])
-    if got != want:
-      raise ValueError(f"{fobj.path}: tensor {name} has shape {got}; config.json and the target "
-                       f"imply {want}")
-    found[public] = (name, fobj)
-  if unknown:
-    raise ValueError(f"{path}: {len(unknown)} tensor(s) that a {n}-layer DFlashDraftModel does "
-                     f"not have: {', '.join(sorted(unknown)[:8])}")
-  missing = [s for s in shapes if s not in found]
-  if missing:
-    raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s): "
-                     f"{', '.join(missing[:8])}")
+  found = hf_reader.match_tensors(hf_reader.open_weights(path), shapes, optional, _canonical,
+                                  f"a {n}-layer DFlashDraftModel", path)
 
   def read(public):
     name, fobj = found[public]
@@ -268,12 +236,9 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
     params["mask_embed"] = mask_embed
   dtype = jnp.dtype(dtype or target.config.dtype)
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  drafter = DFlash(params, target.config, args["layer_config"], args["target_layers"],
-                   args["block_size"], args["layer_types"], args["sliding_window"], mask_id,
-                   greedy_drafts)
-  drafter.trained_num_draft = args["block_size"] - 1
-  drafter.source = str(path)
-  return drafter
+  return DFlash(params, target.config, args["layer_config"], args["target_layers"],
+                args["block_size"], args["layer_types"], args["sliding_window"], mask_id,
+                greedy_drafts, trained_num_draft=args["block_size"] - 1, source=str(path))
 
 
 def _read_mask_embedding_pt(path: pathlib.Path, d: int) -> np.ndarray:
@@ -294,36 +259,19 @@ def _read_mask_embedding_pt(path: pathlib.Path, d: int) -> np.ndarray:
 def dflash_config(drafter) -> dict:
   """The config.json of `drafter` (a DFlash) as a published DFlashDraftModel."""
   c, t = drafter.layer_config, drafter.target_config
-  eos = list(t.eos_token_ids)
   sliding = drafter.sliding_window is not None and "sliding_attention" in drafter.layer_types
   return {
       "architectures": ["DFlashDraftModel"],
       "model_type": "qwen3",
+      **layer_config_fields(c, t),
       "block_size": drafter.block_size,
       "dflash_config": {"mask_token_id": drafter.mask_token_id,
                         "target_layer_ids": list(drafter.target_layers)},
       "num_target_layers": t.num_layers,
-      "num_hidden_layers": c.num_layers,
       "layer_types": list(drafter.layer_types),
       "sliding_window": drafter.sliding_window if sliding else None,
       "use_sliding_window": bool(sliding),
-      "hidden_size": c.hidden_size,
-      "intermediate_size": c.intermediate_size,
-      "num_attention_heads": c.num_heads,
-      "num_key_value_heads": c.num_kv_heads,
-      "head_dim": c.head_dim,
-      "hidden_act": "silu",
-      "rms_norm_eps": c.rms_norm_eps,
-      "rope_theta": c.rope_theta,
-      "rope_scaling": c.rope_scaling_dict or None,
-      "max_position_embeddings": t.max_position_embeddings,
-      "vocab_size": t.vocab_size,
-      "attention_bias": False,
       "attention_dropout": 0.0,
-      "tie_word_embeddings": False,
-      "bos_token_id": t.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-      "torch_dtype": "float32",
   }
 
 
@@ -346,17 +294,7 @@ def dflash_tensors(drafter) -> dict:
 def export(drafter, out_dir, overwrite: bool = False) -> pathlib.Path:
   """Writes `drafter` (a DFlash) as a published DFlash folder (config.json + model.safetensors),
   atomically; `sj.drafters.load(out_dir, target)` reads it back."""
-  from safetensors.numpy import save_file
-  from spec_jax.models.hf_export import atomic_folder
   if getattr(drafter, "kind", None) != "dflash":
     raise ValueError(f"export: format 'dflash' writes DFlash drafters; got a "
                      f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
-  out_dir = pathlib.Path(os.fspath(out_dir)).expanduser().absolute()
-  if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-    raise ValueError(f"export: {out_dir} already exists and is not empty; pass overwrite=True "
-                     f"or choose a new folder")
-  config, tensors = dflash_config(drafter), dflash_tensors(drafter)
-  with atomic_folder(out_dir) as tmp:
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, os.fspath(tmp / "model.safetensors"), metadata={"format": "pt"})
-  return out_dir
+  return write_folder(out_dir, dflash_config(drafter), dflash_tensors(drafter), overwrite)

@@ -2,6 +2,8 @@
 
     drafter = sj.drafters.load("gemma-4-E2B-it-assistant", target)   # routes here
 
+(spec_jax.drafters.formats.gemma4_assistant; the drafter: spec_jax.drafters.gemma4_assistant)
+
 Names (HF [out, in] Linear weights transposed into our [in, out]):
 
   pre_projection.weight [D_a, 2 D_t]        pre_projection [2 D_t, D_a]
@@ -28,6 +30,7 @@ import numpy as np
 
 from spec_jax.drafters.gemma4_assistant import AssistantHead, Gemma4Assistant, check_pair
 from spec_jax.models import hf, hf_reader
+from spec_jax.models.gemma.forward import init_params
 from spec_jax.models.gemma.hf import LAYER_NAMES
 
 MODEL_TYPE = "gemma4_assistant"
@@ -73,7 +76,6 @@ def config_from_hf(cfg, dtype: str, source: str) -> tuple:
 
 def expected_shapes(decoder, head: AssistantHead) -> dict:
   """Shapes of every param leaf of an assistant."""
-  from spec_jax.models.gemma.forward import init_params
   abstract = jax.eval_shape(lambda k: init_params(decoder, k), jax.random.key(0))
   d_a, d_t = decoder.hidden_size, head.backbone_hidden_size
   out = {"layers": [{k: tuple(v.shape) for k, v in lp.items() if k in _Q_ONLY}
@@ -100,15 +102,11 @@ def load(path, target, greedy_drafts: bool = False,
          dtype: Optional[str] = None) -> Gemma4Assistant:
   """The assistant drafter at `path` for `target` (a Model), in the target's dtype by default.
   ValueError for another vocabulary or width, a non-Gemma-4 target, or a bad checkpoint."""
-  import transformers
   folder = pathlib.Path(os.fspath(path)).expanduser()
   source = str(folder / "config.json")
   if not is_assistant_folder(folder):
     raise ValueError(f"{source}: not a Gemma 4 assistant config (model_type {MODEL_TYPE!r})")
-  try:
-    cfg = transformers.AutoConfig.from_pretrained(os.fspath(folder))
-  except Exception as e:  # noqa: BLE001 - any parse problem, reported at the boundary
-    raise ValueError(f"{source}: transformers could not read this config: {e}") from e
+  cfg = hf_reader.auto_config(folder)
   dtype = dtype or target.config.dtype
   decoder, head = config_from_hf(cfg, dtype, source)
   check_pair(decoder, head, target.config)
