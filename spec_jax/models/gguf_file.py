@@ -37,6 +37,9 @@ from typing import Optional
 import numpy as np
 
 from spec_jax.models import hf
+from spec_jax.models.hf_export import save_hf
+from spec_jax.models.model import Model
+from spec_jax.models.tokenizers import HFTokenizer
 
 FORMAT_VERSION = 1          # bump when the cached folder's content would change
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -256,8 +259,7 @@ def _hf_name(gguf_name: str) -> Optional[str]:
 def read_tokenizer(path: pathlib.Path, eos_ids=()):
   """The file's tokenizer (vocabulary, merges, special tokens, chat template) through
   transformers' GGUF tokenizer conversion, as an HFTokenizer; None when the file has none."""
-  import transformers
-  from spec_jax.models.tokenizers import HFTokenizer
+  import transformers     # optional until a GGUF file is read (the test extra; torch too)
   try:
     tok = transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
   except Exception as e:  # noqa: BLE001 - report any tokenizer problem at the boundary
@@ -312,8 +314,6 @@ def cached_folder(path) -> Optional[pathlib.Path]:
 def write_folder(path, out_dir, overwrite: bool = False) -> pathlib.Path:
   """Dequantises a GGUF file into a Hugging Face folder (float32 safetensors, config.json,
   generation_config.json, the tokenizer with its chat template) written atomically."""
-  from spec_jax.models.hf_export import save_hf
-  from spec_jax.models.model import Model
   path = pathlib.Path(path)
   config, params, tok = read_gguf(path)
   model = Model(config=config, params=params, tokenizer=tok, source=str(path))
