@@ -20,6 +20,10 @@ import os
 import pathlib
 import sys
 
+# The command line needs no torch (a GGUF tokenizer is built without it): transformers' advice
+# "PyTorch was not found ..." on import is noise here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 DEFAULT_MODEL = str(pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "models"
                     / "stories260K")
 SAMPLING_DEFAULTS = {"temperature": 0.0}      # the command line decodes greedily by default

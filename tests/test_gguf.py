@@ -186,6 +186,41 @@ def test_smollm2_chat_template_ids_equal_transformers(smol):
     assert chat.chat_ids(model, conv) == _hf_chat_ids(tok, conv)
 
 
+def test_smollm2_tokenizer_from_the_metadata_equals_transformers_gguf_tokenizer(smol):
+  """gguf_file builds the tokenizer from the metadata with ggml-org's reader (no torch, which
+  transformers' own GGUF reader imports): the same ids, text and special tokens as
+  transformers' AutoTokenizer(gguf_file=...)."""
+  model, _, ref = smol
+  ours = model.tokenizer.hf
+  texts = ["Hello world <|im_end|>", "  two spaces\n\nand\ttabs 12345 \u00fcn\u00efc\u00f6d\u00e9 \U0001f600",
+           "def f(x):\n    return x**2  # comment",
+           open(need_shared("data", "tinystories", "dev.txt")).read()[:2000]]
+  for text in texts:
+    ids = ref(text)["input_ids"]
+    assert ours(text)["input_ids"] == ids, text[:40]
+    assert ours.decode(ids) == ref.decode(ids)
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  assert ours.all_special_tokens == ref.all_special_tokens
+  assert ours.get_vocab() == ref.get_vocab()
+
+
+def test_a_gguf_tokenizer_needs_no_torch():
+  """The tokenizer of a GGUF file is built with torch unimportable (pip install spec_jax does
+  not bring torch; the quick start's chat model needs none)."""
+  import subprocess
+  import sys
+  path = need_shared(*SMOL)
+  code = ("import sys; sys.modules['torch'] = None\n"
+          "import pathlib\n"
+          "from spec_jax.models import gguf_file\n"
+          f"tok = gguf_file.read_tokenizer(pathlib.Path({str(path)!r}))\n"
+          "print(tok.encode('Hello world'))\n")
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert run.stdout.strip().splitlines()[-1] == "[19556, 905]", run.stdout
+
+
 def test_smollm2_logits_match_transformers_on_a_long_chat_prompt(smol):
   import torch
   model, hf, tok = smol

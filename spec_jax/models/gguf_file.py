@@ -256,12 +256,47 @@ def _hf_name(gguf_name: str) -> Optional[str]:
   return None
 
 
-def read_tokenizer(path: pathlib.Path, eos_ids=()):
-  """The file's tokenizer (vocabulary, merges, special tokens, chat template) through
-  transformers' GGUF tokenizer conversion, as an HFTokenizer; None when the file has none."""
-  import transformers     # optional until a GGUF file is read (the test extra; torch too)
+def tokenizer_fields(reader) -> tuple:
+  """(architecture, tokenizer_dict, tokenizer_config) of the file's tokenizer, the three things
+  transformers' `get_gguf_tokenizer` returns, read with ggml-org's reader: transformers' own GGUF
+  reader imports torch, which `pip install spec_jax` does not bring."""
+  from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+  fields = reader.fields
+
+  def value(key):
+    field = fields.get(key)
+    return None if field is None else field.contents()
+
+  architecture = value("general.architecture")
+  grouped = {group: {name: value(f"tokenizer.{key}") for key, name in renames.items()
+                     if f"tokenizer.{key}" in fields}
+             for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+  tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+  if tokenizer.get("tokenizer_type") == "llama":     # as transformers: llama.cpp adds BOS there
+    config.setdefault("add_bos_token", True)
+  for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                    ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    token_id = value(f"tokenizer.ggml.{key}")
+    config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+  return architecture, tokenizer, config
+
+
+def read_tokenizer(path: pathlib.Path, eos_ids=(), reader=None):
+  """The file's tokenizer (vocabulary, merges, special tokens, chat template) as an
+  HFTokenizer, built by transformers' GGUF tokenizer conversion from the metadata
+  (`tokenizer_fields`); no torch needed. With a transformers that lacks that module (before
+  5.x), its `AutoTokenizer.from_pretrained(gguf_file=...)` (which needs torch)."""
+  import transformers     # a runtime dependency; imported here, as the GGUF path is optional
   try:
-    tok = transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent), gguf_file=path.name)
+    try:
+      from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+      tok = transformers.AutoTokenizer.from_pretrained(os.fspath(path.parent),
+                                                       gguf_file=path.name)
+    else:
+      architecture, fields, config = tokenizer_fields(reader or open_reader(path))
+      backend, extra = convert_gguf_tokenizer(architecture, fields)
+      tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
   except Exception as e:  # noqa: BLE001 - report any tokenizer problem at the boundary
     raise ValueError(f"{path}: transformers could not build the tokenizer from the GGUF "
                      f"metadata: {e}") from e
@@ -280,7 +315,7 @@ def read_gguf(path, dtype: Optional[str] = None, tokenizer: bool = True) -> tupl
   where_file = GGUFTensors(path, reader, cfg)
   where = {name: where_file for name in where_file.names}
   config, params, _ = hf.assemble_params(config, where, path, dtype or "float32")
-  tok = read_tokenizer(path, config.eos_token_ids) if tokenizer and meta.get(
+  tok = read_tokenizer(path, config.eos_token_ids, reader) if tokenizer and meta.get(
       "tokenizer.ggml.tokens") else None
   return config, params, tok
 
