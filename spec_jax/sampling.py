@@ -226,7 +226,10 @@ class BiasOption(Option):
       return None
 
   def is_concrete(self, value) -> bool:
-    return all(_is_concrete(x) for x in jax.tree.leaves(value))
+    """No leaf is traced (nor spread over other processes): anything else is checked."""
+    return not any(isinstance(x, jax.core.Tracer) or
+                   (isinstance(x, jax.Array) and not x.is_fully_addressable)
+                   for x in jax.tree.leaves(value))
 
   def maybe_on(self, value) -> bool:
     """On when the map has entries: its per-row width M is static either way."""
