@@ -185,7 +185,7 @@ def test_greedy_generate_matches_transformers(real):
 
 def _per_row_controls():
   """One row per control (and one with all of them) as per-row settings: one compile."""
-  rows = [dict(), dict(min_p=0.3), dict(repetition_penalty=1.6), dict(repetition_penalty=0.7),
+  rows = [dict(), dict(min_p=0.3), dict(repetition_penalty=6.0), dict(repetition_penalty=0.7),
           dict(presence_penalty=1.5), dict(frequency_penalty=0.9), dict(logit_bias={5: 4.0}),
           dict(min_p=0.1, repetition_penalty=1.6, presence_penalty=0.8, frequency_penalty=0.5,
                logit_bias={2: 2.0, 7: -1.0})]
@@ -207,7 +207,8 @@ def test_greedy_speculation_equals_plain_greedy_with_every_control():
   run = lambda **kw: np.asarray(sj.generate(target, prompts, max_new_tokens=10, sampling=s,
                                             stop_tokens=[], **kw).tokens)
   plain = run()
-  assert len({tuple(r) for r in plain}) >= 5, plain      # the controls change the path
+  for row in (4, 5, 6, 7):          # the controls change the path (logits ~0.1: r barely does)
+    assert (plain[row] != plain[0]).any(), (row, plain)
   chain = sj.generate(target, prompts, max_new_tokens=10, sampling=s, stop_tokens=[],
                       drafter=sj.drafters.DraftModel(draft), num_draft=3)
   np.testing.assert_array_equal(np.asarray(chain.tokens), plain)
