@@ -511,13 +511,13 @@ def probs(logits, sampling: Sampling, history: Optional[History] = None):
   greedy = temperature <= 0
   scaled = processed / jnp.where(greedy, 1.0, temperature)
 
-  # The sort behind top-k / top-p is skipped at run time when no row asks for either; a row
-  # with top_k = 0 and top_p = 1 is left exactly as it is either way (rows are independent).
-  needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
-  masked = jax.lax.cond(needs_filter, lambda x: _top_k_top_p(x, top_k, top_p), lambda x: x,
+  # The filters (the sort behind top-k / top-p, min-p) are skipped at run time when no row
+  # asks for any; a row with top_k = 0, top_p = 1 and min_p = 0 is left exactly as it is
+  # either way (rows are independent), so the program with every filter off is as before.
+  needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0)
+  masked = jax.lax.cond(needs_filter,
+                        lambda x: _min_p(_top_k_top_p(x, top_k, top_p), min_p), lambda x: x,
                         scaled)
-  # min-p, likewise skipped when no row asks for it (min_p = 0 removes nothing).
-  masked = jax.lax.cond(jnp.any(min_p > 0), lambda x: _min_p(x, min_p), lambda x: x, masked)
   sampled = jax.nn.softmax(masked, axis=-1)
   one_hot = jax.nn.one_hot(jnp.argmax(processed, axis=-1), vocab, dtype=jnp.float32)
   return jnp.where(greedy, one_hot, sampled)
