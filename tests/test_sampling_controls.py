@@ -19,7 +19,7 @@ from spec_jax.decoding.compiled import clear_compiled
 from spec_jax.decoding.strategies import tree as tree_strategy
 from spec_jax.models.transformer import KVCache, forward
 from spec_jax.sampling import History
-from tests.conftest import MODELS, need_shared
+from tests.conftest import need_shared
 from tests.stats_helpers import assert_same_distribution, chi_square, chi2_sf
 from tests.test_lossless import N, PROMPT, V, _models, joint_counts
 
@@ -316,3 +316,28 @@ def test_history_without_the_drafted_prefix_fails_the_same_test(monkeypatch):
   assert _lossy_p_value(monkeypatch, rounds, "chain_history", draft, num_draft=2) < 1e-6
   assert _lossy_p_value(monkeypatch, tree_strategy, "tree_history", draft,
                         tree=sj.TreeSpec(depth=2, top_k=2, num_nodes=4)) < 1e-6
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+def test_command_lines_take_every_control(capsys):
+  """python -m spec_jax generate and python -m spec_jax.eval: one flag per Sampling option
+  (the eval's reach generate() as (name, value) pairs); bad values name the field."""
+  from spec_jax.__main__ import main
+  from spec_jax.eval import cli
+  args = cli.build_parser().parse_args(
+      ["--target", "t", "--drafter", "ngram", "--out", "o", "--min-p", "0.1",
+       "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty",
+       "0.25", "--logit-bias", "5:2,7:-1.5"])
+  opts = cli.options_from(args)
+  assert dict(opts.sampling) == {"min_p": 0.1, "repetition_penalty": 1.2,
+                                 "presence_penalty": 0.5, "frequency_penalty": 0.25,
+                                 "logit_bias": ((5, 2.0), (7, -1.5))}
+  s = opts.sampling_of()
+  assert s.needs_history and s.scalars()[-1] == ((5, 2.0), (7, -1.5))
+  import dataclasses
+  with pytest.raises(ValueError, match="min_p"):
+    dataclasses.replace(opts, sampling=(("min_p", 2.0),)).sampling_of()
+  model = need_shared("models", "stories260K")
+  assert main(["generate", "--model", str(model), "--repetition-penalty", "-1"]) == 2
+  assert "Sampling.repetition_penalty must be finite and > 0" in capsys.readouterr().err
