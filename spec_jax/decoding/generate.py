@@ -25,7 +25,7 @@ from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.chat import chat_ids, check_messages
-from spec_jax.sampling import Sampling
+from spec_jax.sampling import OPTIONS, Sampling
 from spec_jax.stats import SpecStats
 
 
@@ -199,7 +199,6 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
 def _shared_bias(sampling):
   """The logit bias as one map for every row (hashable pairs): what processes exchange; a
   per-row bias cannot cross processes (ValueError)."""
-  from spec_jax.sampling import OPTIONS
   pairs = OPTIONS["logit_bias"].scalar(sampling.logit_bias)
   if pairs is None:
     raise ValueError("a per-row logit_bias cannot be spread over processes: pass one map "

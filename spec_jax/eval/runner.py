@@ -143,7 +143,7 @@ class UnitRunner:
           self.progress.describe(f"{unit.describe()} | {c.label}")
         target = c.target if c.target is not None else self.target
         call = lambda n: generate_call(target, prompts, c, n, self.temperature, key, cap,
-                                       self.mesh, sampling=self.sampling)
+                                       self.mesh, self.sampling)
         sig = (c.key, len(prompts), cap)
         compile_s = 0.0
         if sig not in self._warm:           # compile (excluded anyway) and a first run
