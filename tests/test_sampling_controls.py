@@ -288,6 +288,21 @@ def test_ngram_drafts_with_every_control_are_lossless():
                            exact_joint_processed(target, prompt, sampling))
 
 
+def test_eagle3_head_with_every_control_is_lossless():
+  """An EAGLE-3 head with a reduced draft vocabulary (a biased token outside it): it keeps no
+  history, so its q is probs(logits) with bias and min-p but no penalty; lossless all the
+  same, because that q is what its drafts are drawn from."""
+  from spec_jax.drafters import EAGLE3
+  target, _ = _models()
+  sampling = SETTINGS["T0.7"]
+  head = EAGLE3.init(target, key=jax.random.key(5), init_std=0.5,
+                     draft_tokens=[i for i in range(V) if i != 5])
+  toks, stats = _sample(target, head, sampling, seed=4, num_draft=2)
+  assert 0.05 < stats.acceptance_rate < 0.98, stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint_processed(target, PROMPT, sampling),
+                           alpha=1e-3)
+
+
 def _lossy_p_value(monkeypatch, module, name, draft, **kw):
   """p-value of the chain / tree test with the penalties' history of every verify position
   taken as the committed one (the drafted prefix left out)."""
