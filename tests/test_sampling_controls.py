@@ -216,6 +216,15 @@ def test_greedy_speculation_equals_plain_greedy_with_every_control():
   np.testing.assert_array_equal(
       run(drafter=sj.drafters.DraftModel(draft), tree=sj.TreeSpec(depth=2, top_k=2,
                                                                    num_nodes=4)), plain)
+  # The governor (num_draft="auto": plain rounds between chains of several K), via sj.decode.
+  drafter, gov = sj.drafters.DraftModel(draft), sj.Governor()
+  ks = gov.candidates(drafter)
+  res = sj.decode(target.params, jnp.asarray(prompts), jnp.full((b,), len(prompts[0])),
+                  jax.random.key(0), config=target.config, drafter=drafter, num_draft="auto",
+                  governor=gov, round_costs=jnp.asarray([1.0 + 0.05 * k for k in ks]),
+                  max_new_tokens=10, capacity=32, sampling=s, stop_tokens=())
+  np.testing.assert_array_equal(np.asarray(sj.new_tokens(res)), plain)
+  assert int(res.k_rounds[0]) > 0 and int(res.k_rounds[1:].sum()) > 0    # both kinds ran
 
 
 # ------------------------------------------------------------------------- losslessness
