@@ -23,7 +23,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import numpy as np
 
 from spec_jax import distributed
-from spec_jax.sampling import OPTIONS, Sampling
+from spec_jax.sampling import OPTIONS, BiasOption, Sampling
 
 
 class GlobalBatch(NamedTuple):
@@ -76,17 +76,20 @@ def assemble(ids: list, sampling: Sampling, fields: Mapping[str, Any],
   for i, r in enumerate(ids):
     tokens[i, :len(r)], lens[i] = r, len(r)
   rows = {"tokens": tokens, "lens": lens}
-  for name, opt in OPTIONS.items():       # padding rows at the option's "off" value
+  # A logit bias is one map every process passed alike (generate()'s agreed options hold it).
+  per_row = {n: o for n, o in OPTIONS.items() if not isinstance(o, BiasOption)}
+  for name, opt in per_row.items():       # padding rows at the option's "off" value
     rows[name] = np.array(opt.rows(opt.off, b, np))
     rows[name][:len(ids)] = getattr(local, name)
   got = distributed.allgather(rows)
-  out_ids, cols = [], {name: [] for name in OPTIONS}
+  out_ids, cols = [], {name: [] for name in per_row}
   for p, n in enumerate(counts.tolist()):
     out_ids += [got["tokens"][p, i, :got["lens"][p, i]].tolist() for i in range(n)]
     for name in cols:
       cols[name].append(got[name][p, :n])
   start = int(counts[:distributed.process_index()].sum())
-  glob = Sampling(**{name: np.concatenate(v) for name, v in cols.items()})
+  shared = {n: getattr(sampling, n) for n in OPTIONS if n not in per_row}
+  glob = Sampling(**{name: np.concatenate(v) for name, v in cols.items()}, **shared)
   return GlobalBatch(ids=out_ids, sampling=glob, rows=range(start, start + len(ids)),
                      processes=len(counts))
 

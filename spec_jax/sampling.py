@@ -1,4 +1,6 @@
-"""Sampling parameters and the one logits -> probabilities transform.
+"""Sampling parameters and the one logits -> probabilities transform, with the logits
+processors (logit bias, repetition / frequency / presence penalties, min-p) and the token
+history the penalties read.
 
 Target and draft distributions both come from `probs`, so the rejection sampler compares like
 with like: p = probs(target_logits, s) and q = probs(draft_logits, s) are the exact
@@ -10,6 +12,21 @@ default, the value that turns it off, its check and its help. Everything that ha
 settings iterates `OPTIONS` (the checks and per-row arrays here, the decode loop's broadcast,
 the multi-process global batch, generate()'s agreement between processes, the CLI), so a new
 option is its line in `Sampling` and its math in `probs`.
+
+Order of operations (transformers' `generate`, `_get_logits_processor`: SequenceBias, then
+RepetitionPenalty, then the warpers Temperature, TopK, TopP, MinP; transformers has no
+presence / frequency penalty, they sit right after the repetition penalty as in vLLM's
+`apply_penalties`):
+
+    logits + logit_bias -> repetition_penalty (prompt + output tokens) -> - frequency * count
+    - presence * [count > 0] (output tokens) -> / temperature -> top-k -> top-p -> min-p
+    -> softmax;   temperature 0: one-hot at the argmax of the penalised, biased logits.
+
+The penalties read the row's history (`History`): which tokens its prompt holds and how often
+each token was generated so far. Under speculation the history of a verify position is the
+committed history PLUS the drafted tokens before it (a tree node: its ancestors), which is
+what `History.along_chain` / `History.along_tree` give, so p at every verify position is
+exactly the distribution plain decoding would draw from after that prefix (docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -52,8 +69,11 @@ class Option:
     """The Python type of one value (the CLI's argparse type)."""
     return int if np.issubdtype(self.dtype, np.integer) else float
 
-  def check(self, name: str, value, batch_size: Optional[int] = None) -> None:
-    """ValueError unless value is valid: a host number, or a scalar or [batch_size] array."""
+  def check(self, name: str, value, batch_size: Optional[int] = None,
+            vocab_size: Optional[int] = None) -> None:
+    """ValueError unless value is valid: a host number, or a scalar or [batch_size] array.
+    vocab_size: the model's V where known (options over token ids check them against it)."""
+    del vocab_size
     if isinstance(value, numbers.Real):      # generate() checks per call: no numpy here
       if not self.valid(float(value)):
         raise ValueError(f"Sampling.{name} must be {self.rule}, got {value}")
@@ -79,6 +99,151 @@ class Option:
       return None
     return self.parse(value)
 
+  def is_concrete(self, value) -> bool:
+    """Whether value can be read (checked) on the host here."""
+    return _is_concrete(value)
+
+  def maybe_on(self, value) -> bool:
+    """False only when value is concretely the "off" value everywhere (static: decides at
+    trace time whether the compiled program applies this option at all)."""
+    if not self.is_concrete(value):
+      return True
+    return bool(np.any(np.asarray(value, np.float64) != self.off))
+
+
+@flax.struct.dataclass
+class LogitBias:
+  """A sparse {token: bias} map per row in fixed shapes (what `Sampling.logit_bias` becomes
+  inside jit). ids: int32 [B, M] (or [M] for every row); values: float32, the same shape.
+  Entries are added to the logits (a repeated id adds up); padding entries have value 0."""
+  ids: jax.Array
+  values: jax.Array
+
+
+def parse_logit_bias(text: str) -> dict:
+  """The command line's form "ID:BIAS,ID:BIAS" -> {ID: BIAS}; "" -> None (off)."""
+  out = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    try:
+      tok, bias = item.split(":")
+      out[int(tok)] = float(bias)
+    except ValueError:
+      raise ValueError(f"logit bias entries are ID:BIAS (e.g. 50256:-100), got {item!r}")
+  return out or None
+
+
+def _is_pair(x) -> bool:
+  return (isinstance(x, (tuple, list)) and len(x) == 2 and
+          all(isinstance(v, (numbers.Real, np.generic)) or
+              (hasattr(v, "shape") and np.ndim(v) == 0) for v in x))
+
+
+class BiasOption(Option):
+  """Sampling.logit_bias, a sparse {token: bias} map: None (off); a dict {id: bias} for every
+  row; a sequence of (id, bias) pairs (the same, hashable: what `scalar` returns); a sequence
+  of B per-row maps (dicts or None); or a LogitBias of arrays (inside jit). Per-row it is a
+  LogitBias [B, M], M the most entries of any row (padding: id 0, value 0)."""
+
+  @property
+  def parse(self):
+    return parse_logit_bias
+
+  @staticmethod
+  def _maps(value):
+    """A host value as (list of per-row maps, per_row: bool); None when it is a LogitBias."""
+    if isinstance(value, LogitBias):
+      return None
+    if value is None:
+      return [{}], False
+    if isinstance(value, dict):
+      return [value], False
+    if isinstance(value, (list, tuple)):
+      if value and all(v is None or isinstance(v, dict) for v in value):
+        return [dict(v or {}) for v in value], True
+      if all(_is_pair(v) for v in value):
+        return [dict((k, b) for k, b in value)], False
+    raise ValueError(
+        "Sampling.logit_bias must be None, a dict {token id: bias}, a list of (id, bias) pairs, "
+        f"a list of one dict per row, or a sampling.LogitBias, got {type(value).__name__}")
+
+  def check(self, name, value, batch_size=None, vocab_size=None) -> None:
+    maps = self._maps(value)
+    if maps is None:
+      ids, values = np.asarray(value.ids), np.asarray(value.values)
+      if ids.shape != values.shape or ids.ndim not in (1, 2):
+        raise ValueError(f"Sampling.{name}: LogitBias ids and values must have one shape, [M] "
+                         f"or [batch, M]; got {ids.shape} and {values.shape}")
+      if batch_size is not None and ids.ndim == 2 and ids.shape[0] != batch_size:
+        raise ValueError(f"Sampling.{name} has {ids.shape[0]} rows but the batch has "
+                         f"{batch_size} rows")
+      pairs = list(zip(ids.reshape(-1).tolist(), values.reshape(-1).tolist()))
+    else:
+      rows, per_row = maps
+      if per_row and batch_size is not None and len(rows) != batch_size:
+        raise ValueError(f"Sampling.{name} has {len(rows)} entries but the batch has "
+                         f"{batch_size} rows; pass one map or one per row")
+      pairs = [kv for row in rows for kv in row.items()]
+    for tok, bias in pairs:
+      if isinstance(tok, bool) or not isinstance(tok, (numbers.Integral, np.integer)) \
+          and not (isinstance(tok, numbers.Real) and float(tok).is_integer()):
+        raise ValueError(f"Sampling.{name}: token ids must be integers, got {tok!r}")
+      if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+        allowed = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
+        raise ValueError(f"Sampling.{name}: token id {tok} is outside the vocabulary: ids must "
+                         f"be {allowed}")
+      if not (isinstance(bias, numbers.Real) or np.ndim(bias) == 0) or math.isnan(float(bias)) \
+          or float(bias) == math.inf:
+        raise ValueError(f"Sampling.{name}: the bias of token {tok} must be a finite number "
+                         f"or -inf (a ban), got {bias!r}")
+
+  def rows(self, value, batch_size, xp=jnp):
+    maps = self._maps(value)
+    if maps is None:
+      ids, values = xp.asarray(value.ids, np.int32), xp.asarray(value.values, np.float32)
+      m = ids.shape[-1]
+      return LogitBias(ids=xp.broadcast_to(ids, (batch_size, m)),
+                       values=xp.broadcast_to(values, (batch_size, m)))
+    rows, per_row = maps
+    m = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), m), np.int32)
+    vals = [[0.0] * m for _ in rows]          # values may be traced (a dict passed to jit)
+    for i, r in enumerate(rows):
+      for j, (tok, bias) in enumerate(sorted(r.items(), key=lambda kv: int(kv[0]))):
+        ids[i, j], vals[i][j] = int(tok), bias
+    values = xp.asarray(vals, np.float32).reshape(len(rows), m)
+    if not per_row:
+      ids, values = np.broadcast_to(ids, (batch_size, m)), xp.broadcast_to(values, (batch_size, m))
+    return LogitBias(ids=xp.asarray(ids), values=values)
+
+  def scalar(self, value):
+    """The (id, bias) pairs of a map shared by every row, sorted (hashable); None per row."""
+    maps = self._maps(value) if not isinstance(value, LogitBias) else None
+    if maps is None or maps[1]:
+      return None
+    try:
+      return tuple(sorted((int(k), float(b)) for k, b in maps[0][0].items()))
+    except TypeError:       # traced biases
+      return None
+
+  def is_concrete(self, value) -> bool:
+    """No leaf is traced (nor spread over other processes): anything else is checked."""
+    return not any(isinstance(x, jax.core.Tracer) or
+                   (isinstance(x, jax.Array) and not x.is_fully_addressable)
+                   for x in jax.tree.leaves(value))
+
+  def maybe_on(self, value) -> bool:
+    """On when the map has entries: its per-row width M is static either way."""
+    if isinstance(value, LogitBias):
+      return np.shape(value.ids)[-1] > 0
+    return any(len(r) for r in self._maps(value)[0])
+
+
+def bias_option(help: str = ""):
+  """The Sampling field of logit_bias (a BiasOption)."""
+  return flax.struct.field(default=None, metadata={"option": BiasOption(
+      dtype=np.float32, default=None, off=None, valid=lambda x: True,
+      rule="a sparse {token id: bias} map", help=help)})
+
 
 def option(dtype, default, *, off, valid, rule: str, help: str = ""):
   """A Sampling field declared with its Option (dataclass metadata, read into OPTIONS)."""
@@ -103,16 +268,43 @@ class Sampling:
   top_p: jax.Array | float = option(
       np.float32, 1.0, off=1.0, valid=lambda p: (p > 0) & (p <= 1),
       rule="in (0, 1] (1 = off)", help="keep the smallest set of tokens with this mass (1 = off)")
+  min_p: jax.Array | float = option(
+      np.float32, 0.0, off=0.0, valid=lambda p: (p >= 0) & (p <= 1),
+      rule="in [0, 1] (0 = off)",
+      help="drop tokens below min_p times the likeliest one's probability (0 = off)")
+  repetition_penalty: jax.Array | float = option(
+      np.float32, 1.0, off=1.0, valid=lambda r: (r > 0) & (r < math.inf),
+      rule="finite and > 0 (1 = off)",
+      help="CTRL's penalty on tokens of the prompt and the output: logit / r if > 0, else "
+      "logit * r (1 = off)")
+  presence_penalty: jax.Array | float = option(
+      np.float32, 0.0, off=0.0, valid=lambda a: (a >= 0) & (a < math.inf),
+      rule="finite and >= 0 (0 = off)",
+      help="OpenAI's: subtract this from the logit of every token already generated (0 = off)")
+  frequency_penalty: jax.Array | float = option(
+      np.float32, 0.0, off=0.0, valid=lambda a: (a >= 0) & (a < math.inf),
+      rule="finite and >= 0 (0 = off)",
+      help="OpenAI's: subtract this times a token's count in the output so far (0 = off)")
+  logit_bias: Any = bias_option(
+      help="ID:BIAS,ID:BIAS added to those tokens' logits before everything else")
 
   def __post_init__(self):
-    if all(_is_concrete(getattr(self, name)) for name in OPTIONS):
+    if all(opt.is_concrete(getattr(self, name)) for name, opt in OPTIONS.items()):
       self.check()
 
-  def check(self, batch_size: Optional[int] = None) -> "Sampling":
-    """Raises ValueError on invalid values or per-row arrays whose length is not batch_size."""
+  def check(self, batch_size: Optional[int] = None,
+            vocab_size: Optional[int] = None) -> "Sampling":
+    """Raises ValueError on invalid values, per-row arrays whose length is not batch_size, or
+    (when vocab_size is given) logit_bias ids outside the vocabulary."""
     for name, opt in OPTIONS.items():
-      opt.check(name, getattr(self, name), batch_size)
+      opt.check(name, getattr(self, name), batch_size, vocab_size)
     return self
+
+  @property
+  def needs_history(self) -> bool:
+    """Static: some penalty may be on (not concretely off), so decoding carries the token
+    history (History) and applies the penalties."""
+    return any(OPTIONS[n].maybe_on(getattr(self, n)) for n in PENALTIES)
 
   def scalars(self) -> Optional[tuple]:
     """Every field as a host scalar (hashable, in field order), or None when some field is an
@@ -132,8 +324,8 @@ class Sampling:
     if scalars is not None:
       return _scalar_rows(scalars, int(batch_size))
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
-    fields = [getattr(self, name) for name in OPTIONS]
-    return self.rows(batch_size, jnp if any(isinstance(x, jax.Array) for x in fields) else np)
+    leaves = jax.tree.leaves([getattr(self, name) for name in OPTIONS])
+    return self.rows(batch_size, jnp if any(isinstance(x, jax.Array) for x in leaves) else np)
 
   @property
   def is_greedy(self) -> bool:
@@ -143,6 +335,8 @@ class Sampling:
 
 
 OPTIONS: dict = {f.name: f.metadata["option"] for f in dataclasses.fields(Sampling)}
+# The options that read the token history (History).
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,35 +367,169 @@ def _per_row(value, ndim: int):
   return value.reshape(value.shape + (1,) * (ndim - value.ndim))
 
 
-def probs(logits, sampling: Sampling):
-  """logits / T -> top-k -> top-p -> softmax.
+@flax.struct.dataclass
+class History:
+  """What the penalties read of each row's tokens so far (B rows, V the vocabulary).
+
+  counts: int32 [B, V] how often each token was generated (the output: every token after the
+    prompt, the first one sampled at the prefill included); or [B, T, V], one history per
+    verify position (along_chain, along_tree).
+  prompt: bool [B, V] the tokens of the row's prompt.
+
+  The repetition penalty reads prompt | counts > 0 (transformers: every input id), presence
+  and frequency read counts (OpenAI: the output only). A future user logits processor would
+  take the same place: a pytree carried per row, extended along a verify row's drafted prefix
+  and updated on commit.
+  """
+  counts: jax.Array
+  prompt: jax.Array
+
+  @classmethod
+  def of_prompt(cls, prompt_tokens, prompt_lens, vocab_size: int) -> "History":
+    """The history before any output: prompt_tokens int32 [B, P] right-padded, prompt_lens [B]."""
+    b, p = prompt_tokens.shape
+    real = jnp.arange(p)[None, :] < prompt_lens[:, None]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
+    prompt = jnp.zeros((b, vocab_size), jnp.int32).at[rows, prompt_tokens].add(
+        real.astype(jnp.int32), mode="drop") > 0
+    return cls(counts=jnp.zeros((b, vocab_size), jnp.int32), prompt=prompt)
+
+  def add(self, tokens, n) -> "History":
+    """The history after committing tokens[b, :n[b]] (tokens int32 [B, T], n int32 [B])."""
+    b, t = tokens.shape
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    used = (jnp.arange(t)[None, :] < n[:, None]).astype(jnp.int32)
+    return self.replace(counts=self.counts.at[rows, jnp.maximum(tokens, 0)].add(used))
+
+  def along(self, prefix_tokens, prefix_valid) -> "History":
+    """One history per position: counts [B, T, V] = counts [B, V] + the valid tokens of each
+    position's prefix (prefix_tokens int32 [B, T, D], prefix_valid bool [B, T, D]); one
+    scatter-add into the broadcast counts, no [.., V] one-hots."""
+    b, t, d = prefix_tokens.shape
+    base = jnp.broadcast_to(self.counts[:, None, :], (b, t, self.counts.shape[-1]))
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, t, d))
+    pos = jnp.broadcast_to(jnp.arange(t)[None, :, None], (b, t, d))
+    return self.replace(counts=base.at[rows, pos, jnp.maximum(prefix_tokens, 0)].add(
+        prefix_valid.astype(jnp.int32)))
+
+  def along_chain(self, draft_tokens) -> "History":
+    """The histories of a chain's K+1 verify positions [B, K+1, V]: position i (the token
+    after draft i, 0 = after the last committed one) has seen drafts 0..i-1.
+    draft_tokens: int32 [B, K] (-1 padding: counted as token 0, in positions never used)."""
+    b, k = draft_tokens.shape
+    toks = jnp.broadcast_to(draft_tokens[:, None, :], (b, k + 1, k))
+    valid = jnp.arange(k)[None, None, :] < jnp.arange(k + 1)[None, :, None]
+    return self.along(toks, jnp.broadcast_to(valid, (b, k + 1, k)))
+
+  def along_tree(self, tokens, parents, depth: int) -> "History":
+    """The histories of a draft tree's nodes [B, N+1, V]: node i has seen itself and its
+    ancestors, the root (node 0, the last committed token, already counted) excluded.
+    tokens, parents: int32 [B, N+1] (spec_jax.tree.DraftTree); depth: D, the deepest node."""
+    b, n1 = tokens.shape
+    cur = jnp.broadcast_to(jnp.arange(n1, dtype=jnp.int32), (b, n1))
+    toks, valid = [], []
+    for _ in range(depth):                     # node, parent, grandparent, ... (root excluded)
+      toks.append(jnp.take_along_axis(tokens, jnp.maximum(cur, 0), axis=1))
+      valid.append(cur > 0)
+      cur = jnp.where(cur > 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
+    return self.along(jnp.stack(toks, -1), jnp.stack(valid, -1))
+
+
+def _rows_like(x, nd: int):
+  """[B, V] per-row values broadcast against [B, ..., V] (nd dims); [V] as it is."""
+  if x.ndim <= 1 or x.ndim == nd:
+    return x
+  return x.reshape(x.shape[:1] + (1,) * (nd - x.ndim) + x.shape[1:])
+
+
+def process_logits(logits, sampling: Sampling, history: Optional[History] = None):
+  """The logits processors before temperature (transformers' order): + logit_bias ->
+  repetition penalty -> frequency and presence penalties. float32 [..., V] -> [..., V].
+
+  history: the rows' History, counts [B, V] or [..., V] like the logits (prompt [B, V]); None
+  skips the penalties (no history: what a drafter that keeps none draws from). A logit_bias of
+  width M = 0 and history None cost nothing: the checks are on static shapes."""
+  x = logits.astype(jnp.float32)
+  nd = x.ndim
+  bias = sampling.logit_bias
+  if bias is not None and not isinstance(bias, LogitBias):      # a host map: its rows
+    bias = OPTIONS["logit_bias"].rows(bias, x.shape[0] if nd > 1 else 1)
+    if nd == 1:
+      bias = LogitBias(bias.ids[0], bias.values[0])
+  if isinstance(bias, LogitBias) and bias.ids.shape[-1] > 0:
+    ids, vals = jnp.asarray(bias.ids, jnp.int32), jnp.asarray(bias.values, jnp.float32)
+    vocab = x.shape[-1]
+    if ids.ndim == 1:
+      dense = jnp.zeros((vocab,), jnp.float32).at[ids].add(vals, mode="drop")
+    else:
+      rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+      dense = jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, ids].add(vals, mode="drop")
+    x = x + _rows_like(dense, nd)
+  if history is not None:
+    counts = _rows_like(history.counts, nd)
+    seen = _rows_like(history.prompt, nd) | (counts > 0)
+    r = _per_row(sampling.repetition_penalty, nd).astype(jnp.float32)
+    # CTRL / transformers' RepetitionPenaltyLogitsProcessor: seen tokens' logits are divided
+    # by r when positive, multiplied by r otherwise.
+    x = jnp.where(seen, jnp.where(x < 0, x * r, x / r), x)
+    # OpenAI: logit - frequency * count - presence * [count > 0], output tokens only.
+    freq = _per_row(sampling.frequency_penalty, nd).astype(jnp.float32)
+    pres = _per_row(sampling.presence_penalty, nd).astype(jnp.float32)
+    x = x - freq * counts.astype(jnp.float32) - pres * (counts > 0).astype(jnp.float32)
+  return x
+
+
+def greedy_tokens(logits, sampling: Sampling, history: Optional[History] = None):
+  """The greedy choice: argmax of the processed logits (bias and penalties; temperature,
+  top-k, top-p and min-p keep the argmax). [..., V] -> int32 [...]."""
+  return jnp.argmax(process_logits(logits, sampling, history), axis=-1).astype(jnp.int32)
+
+
+def probs(logits, sampling: Sampling, history: Optional[History] = None):
+  """logit_bias -> repetition penalty -> frequency / presence penalties -> / T -> top-k ->
+  top-p -> min-p -> softmax (the module docstring's order, transformers').
 
   Args:
-    logits: [..., V]. Per-row settings of shape [B] apply along the first axis.
+    logits: [..., V]. Per-row settings of shape [B] (logit_bias: [B, M]) apply along the first
+      axis.
     sampling: Sampling.
+    history: History for the penalties (counts [B, V] or shaped like logits' leading dims);
+      None applies no penalty (a draw without history, still exactly what it says).
 
   Returns:
-    float32 probabilities [..., V]; rows with temperature 0 are one-hot at the argmax
-    (first index on ties).
+    float32 probabilities [..., V]; rows with temperature 0 are one-hot at the argmax of the
+    processed logits (first index on ties).
   """
-  logits = logits.astype(jnp.float32)
-  nd = logits.ndim
+  processed = process_logits(logits, sampling, history)
+  nd = processed.ndim
   temperature = _per_row(sampling.temperature, nd).astype(jnp.float32)
   top_k = _per_row(sampling.top_k, nd).astype(jnp.int32)
   top_p = _per_row(sampling.top_p, nd).astype(jnp.float32)
-  vocab = logits.shape[-1]
+  min_p = _per_row(sampling.min_p, nd).astype(jnp.float32)
+  vocab = processed.shape[-1]
 
   greedy = temperature <= 0
-  scaled = logits / jnp.where(greedy, 1.0, temperature)
+  scaled = processed / jnp.where(greedy, 1.0, temperature)
 
-  # The sort behind top-k / top-p is skipped at run time when no row asks for either; a row
-  # with top_k = 0 and top_p = 1 is left exactly as it is either way (rows are independent).
-  needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0)
-  masked = jax.lax.cond(needs_filter, lambda x: _top_k_top_p(x, top_k, top_p), lambda x: x,
+  # The filters (the sort behind top-k / top-p, min-p) are skipped at run time when no row
+  # asks for any; a row with top_k = 0, top_p = 1 and min_p = 0 is left exactly as it is
+  # either way (rows are independent), so the program with every filter off is as before.
+  needs_filter = jnp.any(top_k > 0) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0)
+  masked = jax.lax.cond(needs_filter,
+                        lambda x: _min_p(_top_k_top_p(x, top_k, top_p), min_p), lambda x: x,
                         scaled)
   sampled = jax.nn.softmax(masked, axis=-1)
-  one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  one_hot = jax.nn.one_hot(jnp.argmax(processed, axis=-1), vocab, dtype=jnp.float32)
   return jnp.where(greedy, one_hot, sampled)
+
+
+def _min_p(masked, min_p):
+  """Masks (to -inf) the tokens whose probability is below min_p times the row's largest
+  (transformers' MinPLogitsWarper after temperature, top-k and top-p; the likeliest token is
+  always kept since min_p <= 1)."""
+  p = jax.nn.softmax(masked, axis=-1)
+  top = jnp.max(p, axis=-1, keepdims=True)
+  return jnp.where(p < min_p * top, -jnp.inf, masked)
 
 
 def _top_k_top_p(scaled, top_k, top_p):

@@ -25,7 +25,7 @@ from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.chat import chat_ids, check_messages
-from spec_jax.sampling import Sampling
+from spec_jax.sampling import OPTIONS, Sampling
 from spec_jax.stats import SpecStats
 
 
@@ -132,6 +132,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  sampling.check(vocab_size=as_target(target.config).vocab_size)   # logit_bias ids
   if key is None:
     key = _default_key()
   elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -158,6 +159,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   batch = prompt_tokens.shape[0]
   mesh = sharding_lib.as_auto(mesh)
   greedy = sampling.is_greedy
+  history = sampling.needs_history        # static: no penalty, no history in the program
   sampling = sampling.as_arrays(batch)
   stop = stop_array(target, stop_tokens)
 
@@ -168,7 +170,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
-      strategy=strategy, round_costs=costs)
+      strategy=strategy, round_costs=costs, history=history)
   compile_seconds = compiled.last_compile_seconds
   if compile_seconds > 0:
     # A fresh executable's first run sets its kernels up (~0.8 s for a 135M model on XLA:CPU,
@@ -194,6 +196,16 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
                         compile_seconds=compile_seconds)
 
 
+def _shared_bias(sampling):
+  """The logit bias as one map for every row (hashable pairs): what processes exchange; a
+  per-row bias cannot cross processes (ValueError)."""
+  pairs = OPTIONS["logit_bias"].scalar(sampling.logit_bias)
+  if pairs is None:
+    raise ValueError("a per-row logit_bias cannot be spread over processes: pass one map "
+                     "{token id: bias} for every row")
+  return list(pairs)
+
+
 def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens,
                     capacity, prompt_bucket) -> dict:
   """What every process of a multi-process generate() must pass alike (global_batch.assemble
@@ -205,6 +217,7 @@ def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, st
                                                    params(drafter.params)],
           "strategy": repr(strategy), "max_new_tokens": max_new_tokens,
           "sampling": "per-row" if scalars is None else list(scalars),
+          "logit_bias": _shared_bias(sampling),
           "key": np.asarray(jax.random.key_data(key)).tolist(),
           "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
           "capacity": capacity, "prompt_bucket": prompt_bucket}

@@ -29,7 +29,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
            tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
            governor=None, round_costs=None,
-           prefill_chunk: int = PREFILL_CHUNK, strategy=None) -> DecodeResult:
+           prefill_chunk: int = PREFILL_CHUNK, strategy=None,
+           history: Optional[bool] = None) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
   `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
 
@@ -67,6 +68,9 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     greedy: every row is greedy (temperature 0): argmax verification, no random draws. None
       infers it from concrete sampling values (traced values: False; both paths give the same
       tokens, the greedy one is cheaper).
+    history: carry each row's token history (sampling.History) and apply the repetition,
+      presence and frequency penalties. None: unless they are concretely off
+      (Sampling.needs_history; traced values: True). False with a penalty on ignores it.
 
   Returns:
     DecodeResult (arrays). Host helpers: `new_tokens(result)`, `SpecStats.from_result`.
@@ -113,6 +117,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
+  if all(opt.is_concrete(getattr(sampling, n)) for n, opt in sampling_lib.OPTIONS.items()):
+    sampling.check(vocab_size=target.vocab_size)                 # logit_bias ids
   costs = strategy.round_costs(drafter, round_costs)          # ValueError on a bad table
   # Under a mesh the verify-attention kernels run per device (kernels_pallas.platform).
   with contextlib.nullcontext() if mesh is None else kernel_platform.kernel_mesh(mesh):
@@ -120,7 +126,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                            drafter=drafter, drafter_params=drafter_params,
                            max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                            stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
-                           strategy=strategy, prefill_chunk=prefill_chunk)
+                           strategy=strategy, prefill_chunk=prefill_chunk, history=history)
     env = env._replace(round_costs=costs)
     final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
   return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final))
@@ -129,7 +135,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
               drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
-              cache=None, strategy: Strategy, prefill_chunk: int = PREFILL_CHUNK) -> tuple:
+              cache=None, strategy: Strategy, prefill_chunk: int = PREFILL_CHUNK,
+              history: Optional[bool] = None) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
   with accepted_at [B, strategy.width] and no strategy state yet. config: a Target or a
@@ -140,6 +147,9 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   extent = strategy.extent
   if greedy is None:
     greedy = _concretely_greedy(sampling)
+  if history is None:
+    history = sampling.needs_history
+  history = bool(history)
   sampling = sampling.rows(b)
   stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
   s = int(capacity)
@@ -167,11 +177,14 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
       keep_hidden=drafter.reads_prompt_hidden, return_layers=layers)
   last_logits = pre.last_logits
   key, first_key = jax.random.split(key)
+  # The penalties' history: the prompt, then every committed output token (the first one now).
+  hist = sampling_lib.History.of_prompt(prompt_tokens, prompt_lens,
+                                        last_logits.shape[-1]) if history else None
   if greedy:
-    first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+    first = sampling_lib.greedy_tokens(last_logits, sampling, hist)
   else:
     first = jax.vmap(sampling_lib.sample)(row_keys(first_key, b),
-                                          sampling_lib.probs(last_logits, sampling))
+                                          sampling_lib.probs(last_logits, sampling, hist))
   tokens = jnp.zeros((b, s), jnp.int32).at[:, :p].set(
       jnp.where(jnp.arange(p)[None] < prompt_lens[:, None], prompt_tokens, 0))
   tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
@@ -187,10 +200,12 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
                      finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32))
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=drafter_state, key=key, counts=counts,
-                      iterations=jnp.zeros((), jnp.int32))
+                      iterations=jnp.zeros((), jnp.int32),
+                      sampling_state=() if hist is None else hist.add(
+                          first[:, None], jnp.ones((b,), jnp.int32)))
   env = LoopEnv(target=target, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
-                limit=limit, greedy=greedy, layers=layers)
+                limit=limit, greedy=greedy, layers=layers, history=history)
   return env, state
 
 

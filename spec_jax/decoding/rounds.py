@@ -55,22 +55,32 @@ def draft_step(drafter: Drafter, drafter_params, drafter_state, ctx: DraftContex
 
 
 def verify_step(params, target, cache, last_tokens, draft_tokens, lengths, sampling: Sampling,
-                return_layers: Sequence[int] = (), greedy: bool = False):
+                return_layers: Sequence[int] = (), greedy: bool = False, history=None):
   """One target forward over [last committed token, drafts] at offsets lengths-1.
 
   Args:
     target: a Target (or a ModelConfig, wrapped by as_target).
     last_tokens: int32 [B]; draft_tokens: int32 [B, K] (-1 padding allowed); lengths: int32 [B].
     greedy: every row is greedy (static): skip the probabilities, return the argmax.
+    history: the committed sampling.History [B, V] or None (no penalties); verify position i
+      is processed with it plus drafts 0..i-1 (`chain_history`): its own prefix.
   Returns:
     (target_probs [B, K+1, V] — or, when greedy, the target's argmax int32 [B, K+1] —,
     ForwardOutput) — the output carries the updated cache and the hidden states drafters follow.
   """
   inputs = jnp.concatenate([last_tokens[:, None], jnp.maximum(draft_tokens, 0)], axis=1)
   out = as_target(target).forward(params, inputs, cache, lengths - 1, return_layers=return_layers)
+  rows = None if history is None else chain_history(history, draft_tokens)
   if greedy:
-    return jnp.argmax(out.logits, axis=-1).astype(jnp.int32), out
-  return sampling_lib.probs(out.logits, sampling), out
+    return sampling_lib.greedy_tokens(out.logits, sampling, rows), out
+  return sampling_lib.probs(out.logits, sampling, rows), out
+
+
+def chain_history(history, draft_tokens):
+  """The History of each of a chain's K+1 verify positions [B, K+1, V]: the committed one
+  plus the drafts before the position (History.along_chain; a module-level name so that
+  tests can swap in a lossy variant)."""
+  return history.along_chain(draft_tokens)
 
 
 def accept_step(key, draft_tokens, draft_probs, target_probs, draft_lengths):
@@ -173,7 +183,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
   else:
     ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
                        sampling=env.sampling, target_params=env.target_params, num_draft=k,
-                       greedy=env.greedy, rolled=env.rolled, target_cache=st.cache)
+                       greedy=env.greedy, rolled=env.rolled, target_cache=st.cache,
+                       history=env.history_of(st))
     draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
         env.drafter, env.drafter_params, st.drafter_state, ctx)
     if draft_rows is not None:
@@ -185,7 +196,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
       draft_tokens = jnp.where(keep, draft_tokens, -1)
   last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
   target_out, out = verify_step(env.target_params, env.target, st.cache, last, draft_tokens,
-                                st.lengths, env.sampling, env.layers, greedy=env.greedy)
+                                st.lengths, env.sampling, env.layers, greedy=env.greedy,
+                                history=env.history_of(st))
   if env.greedy:
     emitted, n_acc = accept_greedy(draft_tokens, target_out, draft_lengths)
   else:
@@ -199,8 +211,16 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
                       target_params=env.target_params)
   dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
   new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=out.cache,
-                   drafter_state=dstate, key=key)
+                   drafter_state=dstate, key=key,
+                   sampling_state=commit_history(env, st, emitted, n_emit))
   return update_stats(st, new, draft_lengths, n_acc, n_emit)
+
+
+def commit_history(env: LoopEnv, st: DecodeState, emitted, n_emit):
+  """DecodeState.sampling_state after a round emitted emitted[b, :n_emit[b]] (int32 [B, W])."""
+  if not env.history:
+    return st.sampling_state
+  return st.sampling_state.add(emitted, n_emit)
 
 
 def run_until_done(round_fn, state: DecodeState) -> DecodeState:

@@ -49,7 +49,8 @@ class DecodeState:
   strategy: the round strategy's own state (Strategy.init: the governor's GovernorState), or
     (); the core never looks inside.
   sampling_state: per-row state of the sampling transform that rounds update as they commit
-    tokens (logits processors' counts, a grammar's automaton), or () while there is none.
+    tokens: the penalties' sampling.History (counts [B, V], prompt [B, V]) when the loop
+    tracks it (LoopEnv.history), else ().
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -102,12 +103,15 @@ class DecodeResult:
 class LoopEnv(NamedTuple):
   """What every round of one decode call closes over (set once, before the loop).
 
-  target (a spec_jax.decoding.target.Target), drafter, greedy, layers, rolled are static; the
+  target (a spec_jax.decoding.target.Target), drafter, greedy, layers, rolled, history are
+  static; the
   rest are arrays: drafter_params and target_params (execution layout), sampling (per-row
   [B]), stop_tokens int32 [N], limit int32 [B] (the longest committed length of each row).
   rolled: drafters run their K-1 draft steps as a loop rather than unrolled
   (DraftContext.rolled; the governor's many K compile faster). round_costs: float32 [N] the
-  cost table of a strategy that chooses its rounds by cost (Strategy.round_costs), else None."""
+  cost table of a strategy that chooses its rounds by cost (Strategy.round_costs), else None.
+  history: (static) the loop carries the token history (DecodeState.sampling_state) and
+  applies the penalties; False when every penalty is concretely off (nothing is paid)."""
   target: Target
   drafter: Drafter
   drafter_params: Any
@@ -119,3 +123,8 @@ class LoopEnv(NamedTuple):
   layers: tuple
   rolled: bool = False
   round_costs: Any = None
+  history: bool = False
+
+  def history_of(self, st: "DecodeState"):
+    """The committed sampling.History of st, or None when the loop tracks none."""
+    return st.sampling_state if self.history else None

@@ -93,6 +93,11 @@ class DraftContext:
   target_cache: the target's KV cache as the round starts (entries for positions
     < lengths[b] - 1, the target's own layout), for drafters that attend to it (the Gemma 4
     assistant's KV-shared layers); None where a caller has none (the bench's drafter timers).
+  history: the committed sampling.History (counts [B, V], prompt [B, V]) when the decode
+    applies penalties, else None. A drafter that samples from logits may apply
+    `sampling.probs(logits, sampling, history + its own drafts so far)` for a q closer to the
+    target's p (higher acceptance); losslessness only needs q to be what the draft was
+    drawn from.
   """
   key: jax.Array
   tokens: jax.Array
@@ -103,6 +108,7 @@ class DraftContext:
   greedy: bool = flax.struct.field(pytree_node=False, default=False)
   rolled: bool = flax.struct.field(pytree_node=False, default=False)
   target_cache: Any = None
+  history: Any = None
 
 
 @flax.struct.dataclass

@@ -181,35 +181,41 @@ class DraftModel(FrozenDrafter):
     out = forward(params, self.config, inputs, cache, ctx.lengths - 2)
     cache, logits = out.cache, out.logits[:, -1]
     greedy = self.greedy_drafts or ctx.greedy
+    one = jnp.ones((b,), jnp.int32)
 
-    def draw(logits, key):
+    def draw(logits, key, hist):
+      """A draft from the processed distribution of its own prefix: the committed history
+      plus the drafts before it (penalties; hist None without them) -> (tok, q, hist)."""
       if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-      q = sampling_lib.probs(logits, ctx.sampling)
-      return jax.vmap(sampling_lib.sample)(_row_keys(key, b), q), q
+        tok, q = sampling_lib.greedy_tokens(logits, ctx.sampling, hist), None
+      else:
+        q = sampling_lib.probs(logits, ctx.sampling, hist)
+        tok = jax.vmap(sampling_lib.sample)(_row_keys(key, b), q)
+      return tok, q, None if hist is None else hist.add(tok[:, None], one)
 
+    hist = ctx.history
     if ctx.rolled and k > 2:                # steps 1..K-2 as a loop: the same drafts
       v = logits.shape[-1]
 
       def step(i, carry):
-        cache, logits, drafts, qs = carry
-        tok, q = draw(logits, keys[i])
+        cache, logits, drafts, qs, hist = carry
+        tok, q, hist = draw(logits, keys[i], hist)
         drafts = drafts.at[:, i].set(tok)
         if not greedy:
           qs = qs.at[:, i].set(q)
         out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
-        return out.cache, out.logits[:, 0], drafts, qs
+        return out.cache, out.logits[:, 0], drafts, qs, hist
 
       qs0 = jnp.zeros((b, k, v), jnp.float32) if not greedy else jnp.zeros((0,), jnp.float32)
-      cache, logits, drafts, qs = jax.lax.fori_loop(
-          0, k - 1, step, (cache, logits, jnp.zeros((b, k), jnp.int32), qs0))
-      tok, q = draw(logits, keys[k - 1])
+      cache, logits, drafts, qs, hist = jax.lax.fori_loop(
+          0, k - 1, step, (cache, logits, jnp.zeros((b, k), jnp.int32), qs0, hist))
+      tok, q, _ = draw(logits, keys[k - 1], hist)
       drafts = drafts.at[:, k - 1].set(tok)
       draft_probs = None if greedy else qs.at[:, k - 1].set(q)
       return drafts, draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
     drafts, qs = [], []
     for i in range(k):
-      tok, q = draw(logits, keys[i])
+      tok, q, hist = draw(logits, keys[i], hist)
       drafts.append(tok)
       qs.append(q)
       if i + 1 < k:

@@ -8,6 +8,7 @@ import sys
 from spec_jax.bench.plots import PLOTS_HINT
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
+from spec_jax.sampling import OPTIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-draft", default="4", metavar="K|auto",
                  help="draft tokens per round, or auto (the governor; default 4)")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  for name, opt in OPTIONS.items():     # the other sampling options, one per Sampling field
+    if name != "temperature":
+      p.add_argument("--" + name.replace("_", "-"), type=opt.parse, default=None,
+                     help=f"{opt.help} (default: off)")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--out", required=True, metavar="DIR", help="the run directory")
   p.add_argument("--strict", action="store_true",
@@ -54,7 +59,18 @@ def options_from(args) -> EvalOptions:
                      limit_per_category=args.limit_per_category, strict=args.strict,
                      repeats=args.repeats, seed=args.seed,
                      progress=not args.no_progress, mesh=args.mesh, dtype=args.dtype,
-                     plain_dtypes=tuple(args.plain_dtypes))
+                     plain_dtypes=tuple(args.plain_dtypes), sampling=sampling_from(args))
+
+
+def sampling_from(args) -> tuple:
+  """The sampling options given on the command line, (name, value) pairs (hashable: a logit
+  bias as its sorted (id, bias) pairs)."""
+  out = []
+  for name, opt in OPTIONS.items():
+    value = getattr(args, name, None)
+    if name != "temperature" and value is not None:
+      out.append((name, opt.scalar(value)))
+  return tuple(out)
 
 
 def summary_text(res: dict) -> str:

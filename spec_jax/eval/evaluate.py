@@ -56,6 +56,7 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
   return {"target": target, "prompts": str(source_path(opts.prompts).resolve()),
           "limit_per_category": opts.limit_per_category, "num_draft": opts.num_draft,
           "temperature": opts.temperature, "max_new_tokens": opts.max_new_tokens,
+          "sampling": [list(kv) for kv in opts.sampling],
           "repeats": opts.repeats, "seed": opts.seed, "dtype": opts.dtype,
           "plain_dtypes": list(opts.plain_dtypes),
           "prompt_format": fmt}
@@ -140,7 +141,8 @@ def evaluate(opts: EvalOptions) -> dict:
         continue
       progress.add_total(sum(-(-len(requests) // b) for b in opts.batch))
       runner = runner or UnitRunner(target, configs, opts.max_new_tokens, opts.temperature,
-                                    opts.seed, opts.repeats, progress, mesh)
+                                    opts.seed, opts.repeats, progress, mesh,
+                                    sampling=opts.sampling)
       turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters)
       units += turn_units
       answers.update(_answers_from(turn_units, turn))

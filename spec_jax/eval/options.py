@@ -43,7 +43,8 @@ class EvalOptions:
   and every speedup is also reported against the fastest plain decoding of any dtype;
   mesh: None or 'data=N,model=M' (spec_jax.sharding.parse_mesh): every generate() call on that
   mesh; needed when several processes run the evaluation (spec_jax.launch, a pod), and then
-  every batch size must divide over N."""
+  every batch size must divide over N; sampling: the other sj.Sampling options as (name,
+  value) pairs (min_p, penalties, logit_bias as (id, bias) pairs; `sampling_of`)."""
   target: str
   drafters: tuple
   out: str
@@ -60,6 +61,12 @@ class EvalOptions:
   mesh: Optional[str] = None
   dtype: Optional[str] = None
   plain_dtypes: tuple = ()
+  sampling: tuple = ()
+
+  def sampling_of(self):
+    """The sj.Sampling of every generate() call (ValueError naming a bad option)."""
+    import spec_jax as sj
+    return sj.Sampling(temperature=self.temperature, **dict(self.sampling))
 
   def validate(self) -> "EvalOptions":
     """The options with batch sorted and num_draft parsed; ValueError saying what is wrong
@@ -87,6 +94,7 @@ class EvalOptions:
       raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
     if self.max_new_tokens < 1:
       raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+    self.sampling_of()
     if self.limit_per_category is not None and self.limit_per_category < 1:
       raise ValueError(f"--limit-per-category must be >= 1, got {self.limit_per_category}")
     if self.repeats < 1:

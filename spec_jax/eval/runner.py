@@ -68,20 +68,21 @@ def plan_units(requests, batch: int, turn: int) -> list:
 
 
 def generate_call(target, prompts, config: Config, max_new_tokens: int, temperature: float,
-                  key, capacity, mesh=None):
+                  key, capacity, mesh=None, sampling=()):
   """The one generate() call of the harness (stop at the model's end-of-text and end-of-turn
   tokens). Prompts are padded to the whole cache capacity, which the runner picks per unit as
   a power-of-two bucket (decoding.prompts.capacity_bucket): every prompt length of a bucket
   shares one compiled decode, and the chunked prefill works on the real tokens only. With a
   mesh over several processes, each process feeds its share of `prompts`
-  (spec_jax.distributed.share); every_row() gives every row back."""
+  (spec_jax.distributed.share); every_row() gives every row back. sampling: the other
+  sj.Sampling options, (name, value) pairs (EvalOptions.sampling)."""
   import spec_jax as sj
   from spec_jax import distributed, sharding
   if sharding.spans_processes(mesh):
     prompts = distributed.share(prompts)
   return sj.generate(target, prompts, drafter=config.drafter,
                      num_draft=config.num_draft if config.drafter is not None else 1,
-                     max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature),
+                     max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=temperature, **dict(sampling)),
                      key=key, stop_tokens=None, capacity=capacity, mesh=mesh)
 
 
@@ -100,9 +101,10 @@ class UnitRunner:
   new shape gets one untimed run first, so first-run effects stay out of the timings)."""
 
   def __init__(self, target, configs, max_new_tokens: int, temperature: float, seed: int,
-               repeats: int, progress=None, mesh=None):
+               repeats: int, progress=None, mesh=None, sampling=()):
     self.target, self.configs, self.mesh = target, list(configs), mesh
     self.max_new, self.temperature, self.seed = max_new_tokens, temperature, seed
+    self.sampling = tuple(sampling)
     self.repeats, self.progress = repeats, progress
     self._warm: set = set()
     self._model32 = None
@@ -141,7 +143,7 @@ class UnitRunner:
           self.progress.describe(f"{unit.describe()} | {c.label}")
         target = c.target if c.target is not None else self.target
         call = lambda n: generate_call(target, prompts, c, n, self.temperature, key, cap,
-                                       self.mesh)
+                                       self.mesh, self.sampling)
         sig = (c.key, len(prompts), cap)
         compile_s = 0.0
         if sig not in self._warm:           # compile (excluded anyway) and a first run

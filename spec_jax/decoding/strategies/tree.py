@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sampling as sampling_lib
-from spec_jax.decoding.rounds import commit_step, update_stats
+from spec_jax.decoding.rounds import commit_history, commit_step, update_stats
 from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import DraftContext, VerifyInfo
 from spec_jax.tree.build import ancestor_mask
@@ -26,7 +26,7 @@ def tree_round(env, st, *, spec: TreeSpec):
   key, draft_key, accept_key = jax.random.split(st.key, 3)
   ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
                      target_params=env.target_params, num_draft=spec.depth, greedy=env.greedy,
-                     target_cache=st.cache)
+                     target_cache=st.cache, history=env.history_of(st))
   tree, dstate = env.drafter.propose_tree(env.drafter_params, st.drafter_state, ctx, spec)
   last = jnp.take_along_axis(st.tokens, (st.lengths - 1)[:, None], axis=1)[:, 0]
   tree = tree.replace(tokens=jnp.where(tree.valid, tree.tokens, 0).at[:, 0].set(last))
@@ -34,11 +34,14 @@ def tree_round(env, st, *, spec: TreeSpec):
   positions = st.lengths[:, None] - 1 + tree.depths
   out = env.target.forward(env.target_params, tree.tokens, st.cache, st.lengths - 1,
                            positions=positions, tree_mask=mask, return_layers=env.layers)
+  # Node i's penalties see the committed history plus its own path (itself and its ancestors).
+  hist = env.history_of(st)
+  hist = None if hist is None else tree_history(hist, tree, spec.depth)
   if env.greedy:
-    amax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    amax = sampling_lib.greedy_tokens(out.logits, env.sampling, hist)
     emitted, path, n_acc = verify_tree_greedy(tree, amax, spec.depth)
   else:
-    p = sampling_lib.probs(out.logits, env.sampling)
+    p = sampling_lib.probs(out.logits, env.sampling, hist)
     emitted, path, n_acc = verify_tree(accept_key, tree, p, spec.depth)
   tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
                                               env.stop_tokens, env.limit)
@@ -55,9 +58,14 @@ def tree_round(env, st, *, spec: TreeSpec):
   dstate = env.drafter.commit_tree(env.drafter_params, dstate, emitted, n_acc, verify)
   drafted = jnp.sum(tree.valid[:, 1:], axis=1).astype(jnp.int32)
   new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=cache, drafter_state=dstate,
-                   key=key)
+                   key=key, sampling_state=commit_history(env, st, emitted, n_emit))
   return update_stats(st, new, drafted, n_acc, n_emit)
 
+
+def tree_history(history, tree, depth: int):
+  """The History of every node of a draft tree [B, N+1, V] (History.along_tree; a module-level
+  name so that tests can swap in a lossy variant)."""
+  return history.along_tree(tree.tokens, tree.parents, depth)
 
 
 @dataclasses.dataclass(frozen=True)
