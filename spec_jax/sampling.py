@@ -7,11 +7,11 @@ with like: p = probs(target_logits, s) and q = probs(draft_logits, s) are the ex
 distributions that plain sampling would draw from. Greedy is temperature 0: a one-hot argmax,
 which turns rejection sampling into exact matching.
 
-Each field of `Sampling` is declared once, by `option(...)` in the class body: its dtype,
-default, the value that turns it off, its check and its help. Everything that handles sampling
-settings iterates `OPTIONS` (the checks and per-row arrays here, the decode loop's broadcast,
-the multi-process global batch, generate()'s agreement between processes, the CLI), so a new
-option is its line in `Sampling` and its math in `probs`.
+Each field of `Sampling` is declared once, by `option(...)` (`spec_jax.sampling_options`) in
+the class body: its dtype, default, the value that turns it off, its check and its help.
+Everything that handles sampling settings iterates `OPTIONS` (the checks and per-row arrays
+here, the decode loop's broadcast, the multi-process global batch, generate()'s agreement
+between processes, the CLI), so a new option is its line in `Sampling` and its math in `probs`.
 
 Order of operations (transformers' `generate`, `_get_logits_processor`: SequenceBias, then
 RepetitionPenalty, then the warpers Temperature, TopK, TopP, MinP; transformers has no
@@ -35,220 +35,16 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-  """One field of Sampling, scalar or per-row [B].
-
-  dtype: the per-row dtype inside jit (np.float32 or np.int32).
-  default: the field's default; off: the value that leaves the distribution as it is.
-  valid: value -> bool, elementwise on a float64 numpy array or on one Python number (written
-    with comparisons and `&` only, so one predicate serves both).
-  rule: what `valid` allows, in words, for the ValueError ("must be {rule}, got ...").
-  help: the command line's help text.
-
-  The three methods below are what the rest of the library calls; an option of another shape
-  (issue 32's per-row logit_bias map) overrides them.
-  """
-  dtype: Any
-  default: Any
-  off: Any
-  valid: Callable[[Any], Any]
-  rule: str
-  help: str = ""
-
-  @property
-  def parse(self) -> type:
-    """The Python type of one value (the CLI's argparse type)."""
-    return int if np.issubdtype(self.dtype, np.integer) else float
-
-  def check(self, name: str, value, batch_size: Optional[int] = None,
-            vocab_size: Optional[int] = None) -> None:
-    """ValueError unless value is valid: a host number, or a scalar or [batch_size] array.
-    vocab_size: the model's V where known (options over token ids check them against it)."""
-    del vocab_size
-    if isinstance(value, numbers.Real):      # generate() checks per call: no numpy here
-      if not self.valid(float(value)):
-        raise ValueError(f"Sampling.{name} must be {self.rule}, got {value}")
-      return
-    arr = np.asarray(value)
-    if arr.ndim > 1:
-      raise ValueError(f"Sampling.{name} must be a scalar or a [batch] vector, got shape "
-                       f"{arr.shape}")
-    if batch_size is not None and arr.ndim == 1 and arr.shape[0] != batch_size:
-      raise ValueError(f"Sampling.{name} has {arr.shape[0]} entries but the batch has "
-                       f"{batch_size} rows; pass a scalar or one value per row")
-    if not np.all(self.valid(arr.astype(np.float64))):
-      raise ValueError(f"Sampling.{name} must be {self.rule}, got {arr.tolist()}")
-
-  def rows(self, value, batch_size: int, xp=jnp):
-    """value broadcast to the option's per-row array [batch_size] (xp: jnp, or np on the host;
-    no checks: traced values pass through)."""
-    return xp.broadcast_to(xp.asarray(value, self.dtype), (batch_size,))
-
-  def scalar(self, value):
-    """The host scalar of a scalar setting (hashable), or None for per-row arrays."""
-    if not isinstance(value, numbers.Real):
-      return None
-    return self.parse(value)
-
-  def is_concrete(self, value) -> bool:
-    """Whether value can be read (checked) on the host here."""
-    return _is_concrete(value)
-
-  def maybe_on(self, value) -> bool:
-    """False only when value is concretely the "off" value everywhere (static: decides at
-    trace time whether the compiled program applies this option at all)."""
-    if not self.is_concrete(value):
-      return True
-    return bool(np.any(np.asarray(value, np.float64) != self.off))
-
-
-@flax.struct.dataclass
-class LogitBias:
-  """A sparse {token: bias} map per row in fixed shapes (what `Sampling.logit_bias` becomes
-  inside jit). ids: int32 [B, M] (or [M] for every row); values: float32, the same shape.
-  Entries are added to the logits (a repeated id adds up); padding entries have value 0."""
-  ids: jax.Array
-  values: jax.Array
-
-
-def parse_logit_bias(text: str) -> dict:
-  """The command line's form "ID:BIAS,ID:BIAS" -> {ID: BIAS}; "" -> None (off)."""
-  out = {}
-  for item in filter(None, (s.strip() for s in text.split(","))):
-    try:
-      tok, bias = item.split(":")
-      out[int(tok)] = float(bias)
-    except ValueError:
-      raise ValueError(f"logit bias entries are ID:BIAS (e.g. 50256:-100), got {item!r}")
-  return out or None
-
-
-def _is_pair(x) -> bool:
-  return (isinstance(x, (tuple, list)) and len(x) == 2 and
-          all(isinstance(v, (numbers.Real, np.generic)) or
-              (hasattr(v, "shape") and np.ndim(v) == 0) for v in x))
-
-
-class BiasOption(Option):
-  """Sampling.logit_bias, a sparse {token: bias} map: None (off); a dict {id: bias} for every
-  row; a sequence of (id, bias) pairs (the same, hashable: what `scalar` returns); a sequence
-  of B per-row maps (dicts or None); or a LogitBias of arrays (inside jit). Per-row it is a
-  LogitBias [B, M], M the most entries of any row (padding: id 0, value 0)."""
-
-  @property
-  def parse(self):
-    return parse_logit_bias
-
-  @staticmethod
-  def _maps(value):
-    """A host value as (list of per-row maps, per_row: bool); None when it is a LogitBias."""
-    if isinstance(value, LogitBias):
-      return None
-    if value is None:
-      return [{}], False
-    if isinstance(value, dict):
-      return [value], False
-    if isinstance(value, (list, tuple)):
-      if value and all(v is None or isinstance(v, dict) for v in value):
-        return [dict(v or {}) for v in value], True
-      if all(_is_pair(v) for v in value):
-        return [dict((k, b) for k, b in value)], False
-    raise ValueError(
-        "Sampling.logit_bias must be None, a dict {token id: bias}, a list of (id, bias) pairs, "
-        f"a list of one dict per row, or a sampling.LogitBias, got {type(value).__name__}")
-
-  def check(self, name, value, batch_size=None, vocab_size=None) -> None:
-    maps = self._maps(value)
-    if maps is None:
-      ids, values = np.asarray(value.ids), np.asarray(value.values)
-      if ids.shape != values.shape or ids.ndim not in (1, 2):
-        raise ValueError(f"Sampling.{name}: LogitBias ids and values must have one shape, [M] "
-                         f"or [batch, M]; got {ids.shape} and {values.shape}")
-      if batch_size is not None and ids.ndim == 2 and ids.shape[0] != batch_size:
-        raise ValueError(f"Sampling.{name} has {ids.shape[0]} rows but the batch has "
-                         f"{batch_size} rows")
-      pairs = list(zip(ids.reshape(-1).tolist(), values.reshape(-1).tolist()))
-    else:
-      rows, per_row = maps
-      if per_row and batch_size is not None and len(rows) != batch_size:
-        raise ValueError(f"Sampling.{name} has {len(rows)} entries but the batch has "
-                         f"{batch_size} rows; pass one map or one per row")
-      pairs = [kv for row in rows for kv in row.items()]
-    for tok, bias in pairs:
-      if isinstance(tok, bool) or not isinstance(tok, (numbers.Integral, np.integer)) \
-          and not (isinstance(tok, numbers.Real) and float(tok).is_integer()):
-        raise ValueError(f"Sampling.{name}: token ids must be integers, got {tok!r}")
-      if tok < 0 or (vocab_size is not None and tok >= vocab_size):
-        allowed = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
-        raise ValueError(f"Sampling.{name}: token id {tok} is outside the vocabulary: ids must "
-                         f"be {allowed}")
-      if not (isinstance(bias, numbers.Real) or np.ndim(bias) == 0) or math.isnan(float(bias)) \
-          or float(bias) == math.inf:
-        raise ValueError(f"Sampling.{name}: the bias of token {tok} must be a finite number "
-                         f"or -inf (a ban), got {bias!r}")
-
-  def rows(self, value, batch_size, xp=jnp):
-    maps = self._maps(value)
-    if maps is None:
-      ids, values = xp.asarray(value.ids, np.int32), xp.asarray(value.values, np.float32)
-      m = ids.shape[-1]
-      return LogitBias(ids=xp.broadcast_to(ids, (batch_size, m)),
-                       values=xp.broadcast_to(values, (batch_size, m)))
-    rows, per_row = maps
-    m = max(len(r) for r in rows)
-    ids = np.zeros((len(rows), m), np.int32)
-    vals = [[0.0] * m for _ in rows]          # values may be traced (a dict passed to jit)
-    for i, r in enumerate(rows):
-      for j, (tok, bias) in enumerate(sorted(r.items(), key=lambda kv: int(kv[0]))):
-        ids[i, j], vals[i][j] = int(tok), bias
-    values = xp.asarray(vals, np.float32).reshape(len(rows), m)
-    if not per_row:
-      ids, values = np.broadcast_to(ids, (batch_size, m)), xp.broadcast_to(values, (batch_size, m))
-    return LogitBias(ids=xp.asarray(ids), values=values)
-
-  def scalar(self, value):
-    """The (id, bias) pairs of a map shared by every row, sorted (hashable); None per row."""
-    maps = self._maps(value) if not isinstance(value, LogitBias) else None
-    if maps is None or maps[1]:
-      return None
-    try:
-      return tuple(sorted((int(k), float(b)) for k, b in maps[0][0].items()))
-    except TypeError:       # traced biases
-      return None
-
-  def is_concrete(self, value) -> bool:
-    """No leaf is traced (nor spread over other processes): anything else is checked."""
-    return not any(isinstance(x, jax.core.Tracer) or
-                   (isinstance(x, jax.Array) and not x.is_fully_addressable)
-                   for x in jax.tree.leaves(value))
-
-  def maybe_on(self, value) -> bool:
-    """On when the map has entries: its per-row width M is static either way."""
-    if isinstance(value, LogitBias):
-      return np.shape(value.ids)[-1] > 0
-    return any(len(r) for r in self._maps(value)[0])
-
-
-def bias_option(help: str = ""):
-  """The Sampling field of logit_bias (a BiasOption)."""
-  return flax.struct.field(default=None, metadata={"option": BiasOption(
-      dtype=np.float32, default=None, off=None, valid=lambda x: True,
-      rule="a sparse {token id: bias} map", help=help)})
-
-
-def option(dtype, default, *, off, valid, rule: str, help: str = ""):
-  """A Sampling field declared with its Option (dataclass metadata, read into OPTIONS)."""
-  return flax.struct.field(default=default, metadata={"option": Option(
-      dtype=dtype, default=default, off=off, valid=valid, rule=rule, help=help)})
+# Re-exported: the option kinds (Option, BiasOption), LogitBias and the CLI's bias parser.
+from spec_jax.sampling_options import (BiasOption, LogitBias, Option, bias_option,  # noqa: F401
+                                       option, parse_logit_bias)
 
 
 @flax.struct.dataclass
@@ -347,16 +143,6 @@ def _scalar_rows(scalars: tuple, batch_size: int) -> Sampling:
   for row in jax.tree.leaves(rows):
     row.flags.writeable = False
   return rows
-
-
-def _is_concrete(x) -> bool:
-  """Whether x's values can be read on the host here (not a tracer, nor an array spread over
-  other processes' devices, which was checked before it was placed there)."""
-  if isinstance(x, jax.core.Tracer):
-    return False
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return False
-  return isinstance(x, (numbers.Number, np.ndarray, jax.Array, list, tuple))
 
 
 def _per_row(value, ndim: int):
