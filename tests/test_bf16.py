@@ -149,15 +149,20 @@ def test_every_dot_of_the_pallas_attention_path_accumulates_in_float32():
 from spec_jax.eval.greedy import BF16_ARGMAX_TOL  # noqa: E402 (2^-6 of the logits' scale)
 
 
-def _reference_logits(model16, prompt, new):
+def _reference_logits(model16, pairs):
   """float32 logits of the bf16 weights (no bf16 rounding of activations: what the bf16 model
-  computes up to its own rounding) at the positions that predict `new` [len(new), V]."""
+  computes up to its own rounding) at the positions that predict `new`, [len(new), V] for
+  each (prompt, new) of `pairs`: one jitted forward over the batch, each sequence padded at its
+  end (causal: padding after a position never changes its logits)."""
   ref = model16.astype("float32")
-  seq = jnp.asarray([list(prompt) + list(new)], jnp.int32)
-  out = sj.forward(ref.params, ref.config, seq, sj.KVCache.zeros(ref.config, 1, seq.shape[1]),
-                   jnp.zeros((1,), jnp.int32))
-  n = len(prompt)
-  return np.asarray(out.logits[0, n - 1:n - 1 + len(new)], np.float64)
+  seqs = [list(prompt) + list(new) for prompt, new in pairs]
+  width = max(map(len, seqs))
+  batch = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+  forward = jax.jit(sj.forward, static_argnums=1)
+  out = forward(ref.params, ref.config, batch, sj.KVCache.zeros(ref.config, len(seqs), width),
+                jnp.zeros((len(seqs),), jnp.int32))
+  logits = np.asarray(out.logits, np.float64)
+  return [logits[i, len(p) - 1:len(p) - 1 + len(n)] for i, (p, n) in enumerate(pairs)]
 
 
 def test_bf16_greedy_tokens_are_argmaxes_within_a_stated_tolerance():
@@ -177,19 +182,20 @@ def test_bf16_greedy_tokens_are_argmaxes_within_a_stated_tolerance():
   spec = sj.generate(target, ids, drafter=draft, num_draft=4, max_new_tokens=new,
                      sampling=sj.Sampling(0.0), stop_tokens=[])
   assert spec.stats.accepted > 0
+  pairs = [(prompt, toks) for prompt, a, b in zip(ids, plain, spec.tokens) for toks in (a, b)]
+  reference = _reference_logits(target, pairs)
   checked, decisive = 0, []
-  for prompt, a, b in zip(ids, plain, spec.tokens):
-    for toks in (a, b):
-      logits = _reference_logits(target, prompt, toks)
-      tol = BF16_ARGMAX_TOL * float(np.abs(logits).max())
-      gap = logits.max(-1) - logits[np.arange(len(toks)), toks]
-      assert gap.max() <= tol, (gap.max(), tol)
-      top2 = np.sort(logits, axis=-1)[:, -2:]
-      decisive.append(top2[:, 1] - top2[:, 0] > tol)   # where another token would fail
-      checked += len(toks)
-    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+  for (prompt, toks), logits in zip(pairs, reference):
+    tol = BF16_ARGMAX_TOL * float(np.abs(logits).max())
+    gap = logits.max(-1) - logits[np.arange(len(toks)), toks]
+    assert gap.max() <= tol, (gap.max(), tol)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    decisive.append(top2[:, 1] - top2[:, 0] > tol)   # where another token would fail
+    checked += len(toks)
+  for i, (a, b) in enumerate(zip(plain, spec.tokens)):
+    j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if j is not None:               # a near-tie: both tokens within the tolerance there
-      logits = _reference_logits(target, prompt, a[:j + 1])[-1]
+      logits = reference[2 * i][j]  # the position that predicts a[j] (and b[j]: same prefix)
       tol = BF16_ARGMAX_TOL * float(np.abs(logits).max())
       assert logits.max() - logits[a[j]] <= tol and logits.max() - logits[b[j]] <= tol
   assert checked == 2 * len(ids) * new
