@@ -10,21 +10,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_backend_optimization_level=0"
                            " --xla_llvm_disable_expensive_passes=true").strip()
 
-# One persistent XLA compilation cache per test run, shared by the two xdist workers (which
-# inherit this process's environment) and by every process a test launches (the CLI, the
-# multi-process launcher): a program that two test files or a launched process compile is
-# compiled once. A fresh folder per run, removed at exit: no run reads what an earlier run or
-# another checkout left. A cache folder the caller set (JAX_COMPILATION_CACHE_DIR) is used as is.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import atexit
-  import shutil
-  import tempfile
-  _XLA_CACHE = tempfile.mkdtemp(prefix="spec_jax_tests_xla_")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-  atexit.register(shutil.rmtree, _XLA_CACHE, True)
-
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
