@@ -121,8 +121,10 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
   sampling = with_sharding(jax.eval_shape(lambda: Sampling().rows(batch)), P("data"))
   max_new = with_sharding(rows((), i32), P())
   stop = with_sharding(rows((stop_count,), i32), P())
+  # history=False: generate() compiles without the penalties' token history unless a
+  # repetition / presence / frequency penalty is on (Sampling.needs_history), as here.
   static = dict(config=config, drafter=drafter, num_draft=num_draft, capacity=capacity,
-                mesh=mesh, greedy=greedy)
+                mesh=mesh, greedy=greedy, history=False)
   if tree is not None:
     static["tree"] = tree
 
