@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 import spec_jax as sj
 from spec_jax.drafters.gemma4_assistant import Gemma4Assistant
 from tests import gemma_helpers as gh
-from tests.stats_helpers import assert_same_distribution, chi2_critical, chi_square
+from tests.stats_helpers import assert_same_distribution, chi2_critical, chi2_sf, chi_square
 
 L = 11          # committed tokens at the first draft (> the window of 4)
 ATOL = 1e-4
@@ -218,9 +218,10 @@ def exact_joint(model, prompt, sampling):
   return joint / joint.sum()
 
 
-def sample_joint(target, drafter, seed, tree=None):
-  out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=3,
-                    sampling=sj.Sampling(temperature=1.0), key=jax.random.key(seed),
+def sample_joint(target, drafter, seed, tree=None, sampling=sj.Sampling(temperature=1.0),
+                 rows=N):
+  out = sj.generate(target, [PROMPT] * rows, drafter=drafter, num_draft=2, max_new_tokens=3,
+                    sampling=sampling, key=jax.random.key(seed),
                     stop_tokens=[], capacity=16, tree=tree)
   toks = np.asarray(out.tokens)
   counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
@@ -262,6 +263,42 @@ def test_sampled_drafts_are_exactly_lossless_and_the_floor_shortcut_is_not():
   stat, dof = chi_square(counts, joint)
   print(f"floor-value shortcut: chi-square {stat:.1f} vs critical {chi2_critical(dof, 1e-3):.1f}")
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
+
+
+class UntemperedDraws(Gemma4Assistant):
+  """An assistant that draws its tokens from the untempered, unfiltered distribution while
+  reporting the tempered, top-p-filtered q (a one-line slip that a T = 1 test cannot see)."""
+
+  def _static_key(self):
+    return ("UntemperedDraws",) + super()._static_key()
+
+  def _draw(self, logits, key, sampling, greedy):
+    draws, q = super()._draw(logits, key, sj.Sampling(temperature=1.0), greedy)
+    return draws, sj.sampling.probs(logits, sampling)
+
+
+@pytest.mark.slow   # two 40k-row generates (~1 min on the shared 2-core CPU)
+def test_tempered_top_p_drafts_are_lossless_and_untempered_draws_are_not():
+  """At T = 0.7 with top-p 0.9 the assistant's sampled chain keeps the exact target joint
+  (p > 1e-3); one that draws untempered while reporting the tempered q fails the same test."""
+  target, drafter = small_pair()
+  sampling = sj.Sampling(temperature=0.7, top_p=0.9)
+  joint = exact_joint(target, PROMPT, sampling)
+  counts, stats = sample_joint(target, drafter, seed=2, sampling=sampling)
+  assert 0.05 < stats.acceptance_rate < 0.98, stats.summary()
+  stat, dof, p_value = assert_same_distribution(counts, joint, alpha=1e-3)
+  print(f"assistant, sampled drafts at T=0.7, top-p 0.9: chi-square {stat:.1f} (dof {dof}), "
+        f"p = {p_value:.3f}, acceptance {stats.acceptance_rate:.2f}")
+  wrong = UntemperedDraws(drafter.params, drafter.decoder_config, drafter.head,
+                          drafter.target_config)
+  counts, _ = sample_joint(target, wrong, seed=2, sampling=sampling)
+  stat, dof = chi_square(counts, joint)
+  print(f"untempered draws: chi-square {stat:.1f} vs critical {chi2_critical(dof, 1e-3):.1f}, "
+        f"p = {chi2_sf(stat, dof):.1e}")
+  # The slip is subtle (the assistant's T = 1 and T = 0.7 draws differ little, and the
+  # acceptance test absorbs part of it): it fails the same test (p > 1e-3 required), at
+  # p = 4e-7 with these seeds and 40k rows.
+  assert chi2_sf(stat, dof) < 1e-5, (stat, dof)
 
 
 # ----------------------------------------------------------------------------- the CLI
