@@ -66,7 +66,7 @@ def _generate(args) -> int:
     else:
       inputs = dict(prompts=mine)
       ids = mine
-    model, drafter = _check_memory(model, drafter, ids, args, mesh)
+    model, drafter = _check_memory(model, drafter, ids, args, mesh, sampling.needs_history)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
                       key=jax.random.key(args.seed), mesh=mesh)
@@ -91,7 +91,7 @@ def _generate(args) -> int:
   return 0
 
 
-def _check_memory(model, drafter, prompts, args, mesh):
+def _check_memory(model, drafter, prompts, args, mesh, history: bool = False):
   """Before anything is compiled: prints the memory per device (weights, KV cache, drafter
   and decode state; spec_jax.memory) to stderr and raises ValueError when it cannot fit the
   device. On an accelerator the weights then take their execution layout once, here, outside
@@ -115,7 +115,7 @@ def _check_memory(model, drafter, prompts, args, mesh):
                         prompt_tokens=jax.ShapeDtypeStruct(tokens.shape, np.int32),
                         prompt_lens=jax.ShapeDtypeStruct(lens.shape, np.int32),
                         capacity=capacity, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, mesh=mesh, strategy=strategy)
+                        sampling=sampling, mesh=mesh, strategy=strategy, history=history)
   device_bytes = memory.device_memory(jax.devices()[0])
   print(est.describe(device_bytes), file=sys.stderr)
   memory.check_fits(est, device_bytes)

@@ -207,23 +207,26 @@ def compiled_figures(compiled) -> Optional[dict]:
 
 def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_lens, capacity,
              max_new_tokens, sampling, mesh=None,
-             strategy: Strategy = Chain(0)) -> Estimate:
+             strategy: Strategy = Chain(0), history: bool = False) -> Estimate:
   """The Estimate of one decode from shapes alone (nothing compiled or run): params (the
   target's, any layout) and drafter_params per device, and the decode state init_loop builds
   (jax.eval_shape of it). Arguments as decoding.loop.init_loop takes them (arrays or
-  ShapeDtypeStructs; strategy: the call's bound Strategy)."""
+  ShapeDtypeStructs; strategy: the call's bound Strategy; history: whether the decode carries
+  the penalties' token history, counts and prompt mask [B, V] each: Sampling.needs_history of
+  the call's settings, as generate() decides it)."""
   drafter = NoDrafter() if drafter is None else drafter
 
   def state_of(p, dp, tokens, lens, samp):
     _, st = init_loop(p, tokens, lens, jax.random.key(0), config=target, drafter=drafter,
                       drafter_params=dp, max_new_tokens=max_new_tokens, capacity=capacity,
-                      sampling=samp, greedy=False, mesh=None, strategy=strategy)
+                      sampling=samp, greedy=False, mesh=None, strategy=strategy,
+                      history=history)
     return st
 
   st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
   batch = prompt_tokens.shape[0]
   kv = cache_bytes(st.cache, mesh)
-  rest = rows_bytes((st.tokens, st.drafter_state), batch, mesh)
+  rest = rows_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh)
   return Estimate(weights=params_bytes(params, mesh),
           drafter_weights=params_bytes(drafter_params, mesh),
           kv_cache=kv, state=rest)

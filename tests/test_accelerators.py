@@ -179,12 +179,19 @@ def test_memory_estimate_counts_weights_and_cache_per_device():
   assert memory.fits(est, 10 ** 9) and not memory.fits(est, est.resident // 2)
   with pytest.raises(ValueError, match="GiB per device"):
     memory.check_fits(est, est.resident // 2)
+  # A penalty on: the decode also carries each row's token history (int32 counts and a bool
+  # prompt mask, [B, V] each).
+  with platform.lowering_for("tpu"):
+    with_history = memory.estimate(sj.ModelTarget(cfg), model.params, None, None,
+                                   prompt_tokens=prompts, prompt_lens=lens, capacity=64,
+                                   max_new_tokens=8, sampling=samp, history=True)
+  assert with_history.state - est.state == 4 * cfg.vocab_size * (4 + 1)
 
 
 def test_aot_cli_refuses_bad_arguments(capsys):
   from spec_jax.aot.cli import main
   assert main(["--model", "no-such-config", "--platform", "cuda"]) == 2
-  assert "configs/aot" in capsys.readouterr().err or True
+  assert "not a config.json, a folder holding one, or one of" in capsys.readouterr().err
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--mesh", "rows=2"]) == 2
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--drafter", "medusa"]) == 2
 

@@ -157,7 +157,7 @@ def decode_estimate(model, drafter, args, static, mesh) -> memory.Estimate:
   return memory.estimate(as_target(model.config), params, drafter, dparams,
                          prompt_tokens=prompts, prompt_lens=lens,
                          capacity=static["capacity"], max_new_tokens=8, sampling=sampling,
-                         mesh=mesh, strategy=strategy)
+                         mesh=mesh, strategy=strategy, history=static.get("history", False))
 
 
 def cache_dtype(model, static) -> str:
