@@ -28,6 +28,7 @@ from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.models.layout import execution_layout
 from spec_jax.sampling import Sampling
+from spec_jax.drafters.draft_model import DraftModel
 
 # --platform values: a TPU topology (jax.experimental.topologies name) or cuda.
 TPU_TOPOLOGIES = {"tpu:v5e": "v5e:1x1", "tpu:v5e-4": "v5e:2x2", "tpu:v5e-8": "v5e:2x4",
@@ -140,7 +141,6 @@ def abstract_call(model, drafter, *, batch: int, prompt_len: int, capacity: int,
 def drafter_layout(drafter, mesh, prepared: bool = True):
   """The drafter's params as decode receives them: a draft model's in its execution layout
   (prepare_model, outside the jit), other drafters' through their own prepare."""
-  from spec_jax.drafters.draft_model import DraftModel
   if not prepared:
     return drafter.params
   if isinstance(drafter, DraftModel):

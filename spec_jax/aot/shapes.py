@@ -25,6 +25,12 @@ import numpy as np
 from spec_jax.models.config import ModelConfig
 from spec_jax.models.model import Model
 from spec_jax.models.transformer import init_params
+from spec_jax.models.hf import config_from_hf
+from spec_jax.drafters.draft_model import DraftModel
+from spec_jax.drafters.eagle import EAGLE3
+from spec_jax.drafters.formats import eagle3 as fmt
+from spec_jax.drafters.dflash import DFlash
+from spec_jax.drafters.formats.dflash import read_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "aot"
 
@@ -53,7 +59,6 @@ def read_json(path: str) -> dict:
 def target_config(path: str, dtype: str = "bfloat16") -> ModelConfig:
   """The ModelConfig of a Hugging Face config.json (llama / mistral / qwen2 / qwen3 / gemma)."""
   import transformers
-  from spec_jax.models.hf import config_from_hf
   raw = dict(read_json(path))
   model_type = raw.pop("model_type", None)
   raw.pop("architectures", None)
@@ -102,18 +107,15 @@ def drafter_from_spec(spec: str, target: Model):
   if kind == "none":
     return None
   if kind == "draft":
-    from spec_jax.drafters.draft_model import DraftModel
     dcfg = target_config(arg, dtype=tc.dtype)
     if dcfg.vocab_size != tc.vocab_size:
       raise ValueError(f"draft:{arg}: vocabulary {dcfg.vocab_size} != the target's "
                        f"{tc.vocab_size}")
     return DraftModel(abstract_model(dcfg))
   if kind == "eagle3":
-    from spec_jax.drafters.eagle import EAGLE3
     if not arg:
       vd = min(32000, tc.vocab_size)
       return _abstract_drafter(lambda t: EAGLE3.init(t, draft_tokens=np.arange(vd)), target)
-    from spec_jax.drafters.formats import eagle3 as fmt
     cfg = read_json(arg)
     layer = fmt.layer_config(cfg, tc, str(resolve(arg)))
     layers = fmt.target_layers_from_ids(fmt.layer_ids(cfg), tc.num_layers, arg)
@@ -125,8 +127,6 @@ def drafter_from_spec(spec: str, target: Model):
         draft_tokens=ids, rms_norm_eps=layer.rms_norm_eps, rope_theta=layer.rope_theta,
         rope_scaling=layer.rope_scaling), target)
   if kind == "dflash":
-    from spec_jax.drafters.dflash import DFlash
-    from spec_jax.drafters.formats.dflash import read_config
     if not arg:
       raise ValueError("dflash needs a config: --drafter dflash:CONFIG")
     a = read_config(read_json(arg), tc, str(resolve(arg)))

@@ -5,6 +5,7 @@ cache capacity generate() picks. Pure arithmetic on SpecStats and cost ratios.
 from __future__ import annotations
 
 from typing import Optional
+from spec_jax.decoding.prompts import CAPACITY_BUCKET, round_up
 
 
 def alpha_per_verified_token(stats) -> Optional[float]:
@@ -30,7 +31,6 @@ def bound_of(tau: float, k: int, c_draft: float, c_verify: float) -> float:
 def engine_capacity(longest: int, max_new: int, k: int) -> int:
   """A tight KV-cache capacity for these prompts and K (rounded up to a multiple of 64): what
   the benchmarks time at (generate() itself picks a power-of-two bucket by default)."""
-  from spec_jax.decoding.prompts import CAPACITY_BUCKET, round_up
   return round_up(longest + max_new + k + 1, CAPACITY_BUCKET)
 
 

@@ -20,6 +20,8 @@ import pathlib
 
 from spec_jax.bench.results import ROOT
 from spec_jax.drafters import registry
+import spec_jax as sj
+from spec_jax.models import widen
 
 SHARED = pathlib.Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))
 
@@ -105,7 +107,6 @@ def load_model(spec: str, seed: int = 0, dtype=None):
 
 def _load_model(spec: str, seed: int):
   import jax
-  import spec_jax as sj
   if spec.startswith("random:"):
     name = spec.partition(":")[2]
     if name not in RANDOM_MODELS:
@@ -140,7 +141,6 @@ def parse_widened(spec: str) -> tuple:
 
 
 def _load_widened(spec: str, seed: int):
-  from spec_jax.models import widen
   source_spec, sizes = parse_widened(spec)
   source = load_model(source_spec, seed)
   wide = widen(source, *sizes[:3], **({"head_dim": sizes[3]} if len(sizes) == 4 else {}))
@@ -172,7 +172,6 @@ def make_drafter(spec: str, target, seed: int = 0):
   """A drafter spec (see the module docstring) -> a drafter, or None for plain decoding. A draft
   model takes the target's dtype; trained heads keep their own float32 layer and read the
   target's embedding and LM head in its dtype."""
-  import spec_jax as sj
   check_drafter_spec(spec)
   if spec in (None, "", "none"):
     return None

@@ -10,6 +10,14 @@ outside the loop, so the differencing in timing cancels it as the engine's loop 
 from __future__ import annotations
 
 from spec_jax.timing import time_calls
+from spec_jax.models.layout import prepare_params
+from spec_jax.models.transformer import forward
+from spec_jax.drafters.base import DraftContext, VerifyInfo
+from spec_jax.drafters.base import PrefillInfo
+from spec_jax.models.transformer import KVCache
+import spec_jax as sj
+from spec_jax.decoding.rounds import verify_step
+from spec_jax.decoding.rounds import accept_step
 
 _FN_CACHE: dict = {}
 
@@ -18,7 +26,6 @@ def _as_engine_prepares(params, config):
   """The target params as decode() hands them to its loop: the execution layout of
   models.layout.prepare_params (fused projections; on CPU stored [out, in] and unstacked), made
   once per call. Timers do the same, before their loop."""
-  from spec_jax.models.layout import prepare_params
   return prepare_params(params, config)
 
 
@@ -30,7 +37,6 @@ def _forward_loop_fn(config):
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax.models.transformer import forward
 
     def run(params, tokens, cache, offsets, n):
       params = _as_engine_prepares(params, config)
@@ -56,7 +62,6 @@ def _propose_loop_fn(drafter, k, target_config):
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax.drafters.base import DraftContext, VerifyInfo
 
     def run(params, state, tokens, lengths, rng, sampling, target_params, n):
       b = tokens.shape[0]
@@ -91,7 +96,6 @@ def _initial_drafter_state(drafter, target, tokens, fill: int, sampling):
   zero target features, real prompt tokens; enough for timing propose()."""
   import jax
   import jax.numpy as jnp
-  from spec_jax.drafters.base import PrefillInfo
   b = tokens.shape[0]
   p = max(1, min(16, fill))
   d = target.config.hidden_size
@@ -110,7 +114,6 @@ def time_forward(model, batch: int, t: int, fill: int, capacity: int, repeats: i
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from spec_jax.models.transformer import KVCache
   if fill + t > capacity:
     raise ValueError(f"fill {fill} + T {t} exceeds the capacity {capacity}")
   config = model.config
@@ -154,7 +157,6 @@ def _propose_tree_loop_fn(drafter, spec, target_config):
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax.drafters.base import DraftContext, VerifyInfo
 
     def run(params, state, tokens, lengths, rng, sampling, target_params, n):
       b, d = tokens.shape[0], spec.depth
@@ -196,7 +198,6 @@ def _time_drafter_loop(fn, drafter, target, batch, fill, capacity, repeats, temp
   (call_only: the call itself, for interleaved timing)."""
   import jax
   import jax.numpy as jnp
-  import spec_jax as sj
   tokens = jnp.asarray(_text_like_buffer(batch, capacity, target.config.vocab_size))
   lengths = jnp.full((batch,), fill, jnp.int32)
   sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
@@ -219,7 +220,6 @@ def _verify_loop_fn(config):
   if key not in _FN_CACHE:
     import jax
     import jax.numpy as jnp
-    from spec_jax.decoding.rounds import verify_step
 
     def run(params, tokens, cache, offsets, sampling, n):
       params = _as_engine_prepares(params, config)
@@ -241,8 +241,6 @@ def time_verify_step(model, batch: int, t: int, fill: int, capacity: int, repeat
   import jax
   import jax.numpy as jnp
   import numpy as np
-  import spec_jax as sj
-  from spec_jax.models.transformer import KVCache
   fn = _verify_loop_fn(model.config)
   sampling = sj.Sampling(temperature=temperature).as_arrays(batch)
   toks = jnp.asarray(np.random.default_rng(0).integers(3, model.config.vocab_size,
@@ -261,8 +259,6 @@ def time_accept(batch: int, k: int, vocab: int, with_draft_probs: bool, temperat
   """Seconds per accept_step (rejection sampling of K drafts, [B,K+1,V] target probs)."""
   import jax
   import jax.numpy as jnp
-  import spec_jax as sj
-  from spec_jax.decoding.rounds import accept_step
   key = ("accept", k, with_draft_probs)
   if key not in _FN_CACHE:
     def run(rng, drafts, q, p, n):

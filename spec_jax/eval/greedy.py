@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import numpy as np
+import spec_jax as sj
 
 BF16_ARGMAX_TOL = 2.0 ** -6     # of the logits' scale; tests/test_bf16.py measured <= 0.0038
 PLAIN = "none"
@@ -37,7 +38,6 @@ def reference_logits(model32, ids: list) -> np.ndarray:
   """float64 [V] logits of the next token after `ids` (float32 arithmetic; model32 is the
   target with its bf16 weights cast to float32)."""
   import jax.numpy as jnp
-  import spec_jax as sj
   seq = jnp.asarray([list(ids)], jnp.int32)
   cache = sj.KVCache.zeros(model32.config, 1, seq.shape[1])
   out = sj.forward(model32.params, model32.config, seq, cache, jnp.zeros((1,), jnp.int32))

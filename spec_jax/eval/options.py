@@ -9,6 +9,7 @@ from typing import Optional, Union
 from spec_jax.bench.prompts import PROMPT_SETS, source_path
 from spec_jax.bench.specs import check_drafter_spec
 from spec_jax.sharding import parse_mesh_spec
+import spec_jax as sj
 
 
 def auto_supported() -> bool:
@@ -65,7 +66,6 @@ class EvalOptions:
 
   def sampling_of(self):
     """The sj.Sampling of every generate() call (ValueError naming a bad option)."""
-    import spec_jax as sj
     return sj.Sampling(temperature=self.temperature, **dict(self.sampling))
 
   def validate(self) -> "EvalOptions":

@@ -13,6 +13,10 @@ from spec_jax.eval.greedy import PLAIN, LossyOutputError, check_greedy  # noqa: 
 from spec_jax.timing import interleaved_rounds
 from spec_jax.eval.latency import row_counts
 from spec_jax.eval.store import prompt_hash
+import spec_jax as sj
+from spec_jax import distributed, sharding
+from spec_jax.decoding.prompts import capacity_bucket
+from spec_jax.decoding.strategies import strategy_for
 
 
 
@@ -76,8 +80,6 @@ def generate_call(target, prompts, config: Config, max_new_tokens: int, temperat
   mesh over several processes, each process feeds its share of `prompts`
   (spec_jax.distributed.share); every_row() gives every row back. sampling: the other
   sj.Sampling options, (name, value) pairs (EvalOptions.sampling)."""
-  import spec_jax as sj
-  from spec_jax import distributed, sharding
   if sharding.spans_processes(mesh):
     prompts = distributed.share(prompts)
   return sj.generate(target, prompts, drafter=config.drafter,
@@ -91,7 +93,6 @@ def every_row(out, tokenizer=None):
   process's (from out.result, in prompt order) when the call spanned several."""
   if out.stats.processes == 1:
     return out.tokens, out.text
-  import spec_jax as sj
   tokens = sj.new_tokens(out.result)
   return tokens, (None if tokenizer is None else [tokenizer.decode(t) for t in tokens])
 
@@ -125,8 +126,6 @@ class UnitRunner:
     drafter read equally long caches) and for the timed and the 1-token TTFT call: the
     power-of-two bucket of the longest prompt + max_new_tokens + the widest round of any
     configuration (one compiled decode per bucket and configuration)."""
-    from spec_jax.decoding.prompts import capacity_bucket
-    from spec_jax.decoding.strategies import strategy_for
     extent = max([0] + [strategy_for(None, c.drafter, c.num_draft).extent for c in self.configs
                         if c.drafter is not None])
     return capacity_bucket(max(len(p) for p in prompts) + self.max_new + extent + 1,

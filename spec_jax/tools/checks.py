@@ -10,12 +10,13 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from spec_jax.models.transformer import KVCache, forward
+from spec_jax.drafters.medusa import medusa_logits
 
 
 def target_logits(model, tokens) -> np.ndarray:
   """float32 logits [T, V] of one forward over `tokens` (a list of ids)."""
   import jax.numpy as jnp
-  from spec_jax.models.transformer import KVCache, forward
   toks = jnp.asarray([list(tokens)], jnp.int32)
   cache = KVCache.zeros(model.config, 1, toks.shape[1])
   out = forward(model.params, model.config, toks, cache, jnp.zeros((1,), jnp.int32))
@@ -30,8 +31,6 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
   drafts), through `FeatureHead.unroll`. DFlash: [T-1, b-1, V], the block anchored at every
   position but the last (`DFlash.training_hidden`)."""
   import jax.numpy as jnp
-  from spec_jax.drafters.medusa import medusa_logits
-  from spec_jax.models.transformer import KVCache, forward
   toks = jnp.asarray([list(tokens)], jnp.int32)
   cache = KVCache.zeros(model.config, 1, toks.shape[1])
   layers = getattr(drafter, "target_layers", ())

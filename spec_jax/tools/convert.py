@@ -18,6 +18,8 @@ import argparse
 import sys
 
 from spec_jax.tools.checks import add_check_flags, max_logit_diff, target_logits, too_far, tool_main
+import spec_jax as sj
+from spec_jax.models import gguf_file
 
 
 def parse_args(argv=None):
@@ -30,8 +32,6 @@ def parse_args(argv=None):
 
 
 def run(args) -> int:
-  import spec_jax as sj
-  from spec_jax.models import gguf_file
 
   out = gguf_file.write_folder(args.gguf, args.out, overwrite=args.overwrite)
   print(f"wrote {out}")

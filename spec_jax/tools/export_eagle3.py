@@ -17,6 +17,7 @@ import sys
 
 from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, prompt_tokens,
                                     too_far, tool_main)
+import spec_jax as sj
 
 
 def parse_args(argv=None):
@@ -33,7 +34,6 @@ def parse_args(argv=None):
 def run(args) -> int:
   import json
 
-  import spec_jax as sj
 
   target = sj.load(args.target)
   heads = sj.drafters.load(args.heads, target)

@@ -28,6 +28,11 @@ import numpy as np
 
 from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, num_params,
                                     prompt_tokens, target_logits, too_far, tool_main)
+import spec_jax as sj
+from spec_jax.drafters.formats import heads_folder
+from spec_jax.drafters.widening import widen_heads
+from spec_jax.models.hf_export import save_hf
+from spec_jax.models.widen import widen
 
 
 def parse_args(argv=None):
@@ -53,11 +58,6 @@ def parse_args(argv=None):
 
 
 def run(args) -> int:
-  import spec_jax as sj
-  from spec_jax.drafters.formats import heads_folder
-  from spec_jax.drafters.widening import widen_heads
-  from spec_jax.models.hf_export import save_hf
-  from spec_jax.models.widen import widen
 
   src = sj.load(args.src, dtype=args.dtype)
   c = src.config

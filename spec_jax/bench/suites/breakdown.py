@@ -21,13 +21,13 @@ from spec_jax.bench.specs import draft_model_of, drafter_label
 from spec_jax.bench.suites.targets import grid_of, prepare_target
 from spec_jax.bench.timers import time_accept, time_forward, time_propose, time_verify_step
 from spec_jax.timing import interleaved_rounds
+import spec_jax as sj
 
 
 def engine_round(setup, prompts, dspec: str, k: int, temp: float, seed: int, reps: int) -> tuple:
   """The engine's time per loop iteration -> (t_round, t_prefill, iterations, stats, capacity):
   generate(max_new) and generate(max_new=1) interleaved, medians differenced."""
   import jax
-  import spec_jax as sj
   cap = engine_capacity(max(len(r) for r in prompts), setup.max_new, k)
   dr = setup.drafters.get(dspec)
   kw = dict(drafter=dr, num_draft=k if dr is not None else 4,

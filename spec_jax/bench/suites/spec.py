@@ -24,6 +24,8 @@ from spec_jax.bench.suites.targets import (DTYPE_TAGS, grid_of, prepare_target, 
                                            run_batches)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
+from spec_jax import governor as governor_lib
+from spec_jax.decoding import calibration
 
 
 def _tree_drafters(setup) -> list:
@@ -273,8 +275,6 @@ def model_of(setup, dspec: str):
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
   """The cost table generate(num_draft='auto') used in this cell (this process's memory or
   the disk cache: no measuring) and the largest candidate K -> (CostTable or None, K max)."""
-  from spec_jax import governor as governor_lib
-  from spec_jax.decoding import calibration
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
   kmax = max(gov.candidates(drafter))

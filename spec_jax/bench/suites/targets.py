@@ -8,6 +8,11 @@ from typing import Any, Optional
 
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.specs import draft_model_of, load_model, make_drafter, model_label, parse_pairs
+from spec_jax.tree import parse_tree_spec
+from spec_jax.stats import SpecStats
+import spec_jax as sj
+from spec_jax.decoding.compiled import clear_compiled
+from spec_jax.bench import timers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +40,6 @@ def grid_of(opts) -> Grid:
   by_target: dict = {}
   for t, d in parse_pairs(opts.pairs):
     by_target.setdefault(t, []).append(d)
-  from spec_jax.tree import parse_tree_spec
   trees = list(dict.fromkeys(parse_tree_spec(t) for t in (getattr(opts, "tree", None) or [])))
   dtypes = list(dict.fromkeys(getattr(opts, "dtype", None) or [None]))
   plain_dtypes = list(dict.fromkeys([d for d in dtypes if d] +
@@ -108,7 +112,6 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int, dt
 def run_batches(target, batches, drafter, k, max_new: int, temperature: float, seed: int):
   """run_generate over consecutive batches of prompts -> one merged SpecStats (their rows side
   by side; tokens/s over all of them)."""
-  from spec_jax.stats import SpecStats
   return SpecStats.merge([run_generate(target, prompts, drafter, k, max_new, temperature,
                                        seed).stats for prompts in batches])
 
@@ -118,7 +121,6 @@ def run_generate(target, prompts, drafter, k, max_new: int, temperature: float, 
   an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
   sj.TreeSpec (tree drafting)."""
   import jax
-  import spec_jax as sj
   tree = k if isinstance(k, sj.TreeSpec) else None
   out = sj.generate(target, prompts, drafter=drafter,
                     num_draft=k if drafter is not None and tree is None else 4, tree=tree,
@@ -135,8 +137,6 @@ def release_compiled() -> None:
   """Bounds the memory of a long run: drops generate()'s compiled executables and the timing
   loops before the next target."""
   import jax
-  from spec_jax.decoding.compiled import clear_compiled
-  from spec_jax.bench import timers
   clear_compiled()
   timers.clear_cache()
   jax.clear_caches()
