@@ -5,14 +5,14 @@
     out = sj.generate(model, ["Once upon a time"], drafter=sj.drafters.NGram(), num_draft=4)
 """
 
-from spec_jax import sampling
+from spec_jax import constraints, processors, sampling
 from spec_jax.models import ForwardOutput, KVCache, Model, ModelConfig, forward, init_model
 from spec_jax.models.loading import load
 from spec_jax.rejection import rejection_sample
 from spec_jax.sampling import Sampling
 
 __all__ = ["ModelConfig", "Model", "KVCache", "ForwardOutput", "forward", "init_model", "load",
-           "Sampling", "sampling", "rejection_sample"]
+           "Sampling", "sampling", "rejection_sample", "constraints", "processors"]
 
 from spec_jax import drafters
 from spec_jax.decoding import strategies

@@ -69,7 +69,8 @@ def _generate(args) -> int:
     model, drafter = _check_memory(model, drafter, ids, args, mesh, sampling.needs_history)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
-                      key=jax.random.key(args.seed), mesh=mesh)
+                      key=jax.random.key(args.seed), mesh=mesh,
+                      constraint=constraint_of(args))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -89,6 +90,32 @@ def _generate(args) -> int:
   if drafter is not None:
     print(s.summary())
   return 0
+
+
+def constraint_of(args):
+  """--regex PATTERN / --json-schema FILE as an sj.constraints constraint (None: neither);
+  ValueError naming the flag for an unreadable file or both flags."""
+  from spec_jax import constraints
+  pattern, schema = getattr(args, "regex", None), getattr(args, "json_schema", None)
+  if pattern is not None and schema is not None:
+    raise ValueError("give --regex or --json-schema, not both")
+  if pattern is not None:
+    return constraints.regex(pattern)
+  if schema is not None:
+    try:
+      text = pathlib.Path(schema).read_text()
+    except OSError as e:
+      raise ValueError(f"--json-schema: cannot read {schema!r}: {e}") from e
+    return constraints.json_schema(text)
+  return None
+
+
+def add_constraint_flags(parser) -> None:
+  """--regex and --json-schema (generate's and the eval's)."""
+  parser.add_argument("--regex", default=None, metavar="PATTERN",
+                      help="constrain every answer to match this regex (outlines-core syntax)")
+  parser.add_argument("--json-schema", default=None, metavar="FILE",
+                      help="constrain every answer to one JSON value valid under this schema")
 
 
 def _check_memory(model, drafter, prompts, args, mesh, history: bool = False):
@@ -157,6 +184,7 @@ def main(argv=None) -> int:
   for name, opt in OPTIONS.items():            # one option per Sampling field
     g.add_argument("--" + name.replace("_", "-"), type=opt.parse,
                    default=SAMPLING_DEFAULTS.get(name, opt.default), help=opt.help)
+  add_constraint_flags(g)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--drafter", default=None,
                  help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")

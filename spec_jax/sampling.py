@@ -19,12 +19,15 @@ presence / frequency penalty, they sit right after the repetition penalty as in 
 `apply_penalties`):
 
     logits + logit_bias -> repetition_penalty (prompt + output tokens) -> - frequency * count
-    - presence * [count > 0] (output tokens) -> / temperature -> top-k -> top-p -> min-p
-    -> softmax;   temperature 0: one-hot at the argmax of the penalised, biased logits.
+    - presence * [count > 0] (output tokens) -> logits processors (spec_jax.processors, a
+    grammar constraint: transformers runs a user's processors after its own) -> / temperature
+    -> top-k -> top-p -> min-p -> softmax;   temperature 0: one-hot at the argmax of the
+    processed logits.
 
 The penalties read the row's history (`History`): which tokens its prompt holds and how often
-each token was generated so far. Under speculation the history of a verify position is the
-committed history PLUS the drafted tokens before it (a tree node: its ancestors), which is
+each token was generated so far; the logits processors read their own states, carried there.
+Under speculation the history of a verify position is the committed history PLUS the drafted
+tokens before it (a tree node: its ancestors), which is
 what `History.along_chain` / `History.along_tree` give, so p at every verify position is
 exactly the distribution plain decoding would draw from after that prefix (docs/sampling.md).
 """
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Re-exported: the option kinds (Option, BiasOption), LogitBias and the CLI's bias parser.
+from spec_jax import processors as processors_lib
 from spec_jax.sampling_options import (BiasOption, LogitBias, Option, bias_option,  # noqa: F401
                                        option, parse_logit_bias)
 
@@ -155,48 +159,77 @@ def _per_row(value, ndim: int):
 
 @flax.struct.dataclass
 class History:
-  """What the penalties read of each row's tokens so far (B rows, V the vocabulary).
+  """What the transform reads of each row's tokens so far (B rows, V the vocabulary): the
+  penalties' token counts and the logits processors' states (spec_jax.processors).
 
   counts: int32 [B, V] how often each token was generated (the output: every token after the
     prompt, the first one sampled at the prefill included); or [B, T, V], one history per
-    verify position (along_chain, along_tree).
-  prompt: bool [B, V] the tokens of the row's prompt.
+    verify position (along_chain, along_tree). None when no penalty is applied.
+  prompt: bool [B, V] the tokens of the row's prompt (None with counts).
+  states: one state per processor, leaves [B, ...] (or [B, T, ...] along positions).
+  params: the processors' arrays (processor_params), carried unchanged.
+  processors: (static) the LogitsProcessor objects, applied in order after the penalties.
+  lead: (static) the leading axes of the states: 1 ([B]) or 2 ([B, T]).
 
   The repetition penalty reads prompt | counts > 0 (transformers: every input id), presence
-  and frequency read counts (OpenAI: the output only). A future user logits processor would
-  take the same place: a pytree carried per row, extended along a verify row's drafted prefix
-  and updated on commit.
+  and frequency read counts (OpenAI: the output only); a processor reads its own state.
   """
-  counts: jax.Array
-  prompt: jax.Array
+  counts: Optional[jax.Array]
+  prompt: Optional[jax.Array]
+  states: tuple = ()
+  params: tuple = ()
+  processors: tuple = flax.struct.field(pytree_node=False, default=())
+  lead: int = flax.struct.field(pytree_node=False, default=1)
 
   @classmethod
-  def of_prompt(cls, prompt_tokens, prompt_lens, vocab_size: int) -> "History":
-    """The history before any output: prompt_tokens int32 [B, P] right-padded, prompt_lens [B]."""
+  def of_prompt(cls, prompt_tokens, prompt_lens, vocab_size: int, *, penalties: bool = True,
+                processors: tuple = (), params: tuple = ()) -> "History":
+    """The history before any output: prompt_tokens int32 [B, P] right-padded, prompt_lens [B].
+    penalties: keep the token counts (False: processors only); processors, params: the
+    LogitsProcessors and their arrays (each processor's init reads the row's prompt)."""
     b, p = prompt_tokens.shape
-    real = jnp.arange(p)[None, :] < prompt_lens[:, None]
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
-    prompt = jnp.zeros((b, vocab_size), jnp.int32).at[rows, prompt_tokens].add(
-        real.astype(jnp.int32), mode="drop") > 0
-    return cls(counts=jnp.zeros((b, vocab_size), jnp.int32), prompt=prompt)
+    counts = prompt = None
+    if penalties:
+      real = jnp.arange(p)[None, :] < prompt_lens[:, None]
+      rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
+      prompt = jnp.zeros((b, vocab_size), jnp.int32).at[rows, prompt_tokens].add(
+          real.astype(jnp.int32), mode="drop") > 0
+      counts = jnp.zeros((b, vocab_size), jnp.int32)
+    processors, params = tuple(processors), tuple(params)
+    states = processors_lib.init_states(processors, params, prompt_tokens, prompt_lens)
+    return cls(counts=counts, prompt=prompt, states=states, params=params,
+               processors=processors)
 
   def add(self, tokens, n) -> "History":
     """The history after committing tokens[b, :n[b]] (tokens int32 [B, T], n int32 [B])."""
     b, t = tokens.shape
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    used = (jnp.arange(t)[None, :] < n[:, None]).astype(jnp.int32)
-    return self.replace(counts=self.counts.at[rows, jnp.maximum(tokens, 0)].add(used))
+    new = self
+    if self.counts is not None:
+      rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+      used = (jnp.arange(t)[None, :] < n[:, None]).astype(jnp.int32)
+      new = new.replace(counts=self.counts.at[rows, jnp.maximum(tokens, 0)].add(used))
+    states = self.states
+    for j in range(t):          # the processors advance token by token (T <= K + 1)
+      states = processors_lib.advance_states(self.processors, self.params, states,
+                                             tokens[:, j], use=j < n)
+    return new.replace(states=states)
 
   def along(self, prefix_tokens, prefix_valid) -> "History":
     """One history per position: counts [B, T, V] = counts [B, V] + the valid tokens of each
-    position's prefix (prefix_tokens int32 [B, T, D], prefix_valid bool [B, T, D]); one
-    scatter-add into the broadcast counts, no [.., V] one-hots."""
+    position's prefix (prefix_tokens int32 [B, T, D] in order, oldest first; prefix_valid
+    bool [B, T, D]); one scatter-add into the broadcast counts, no [.., V] one-hots. The
+    processors' states advance along each prefix in order (D steps)."""
     b, t, d = prefix_tokens.shape
-    base = jnp.broadcast_to(self.counts[:, None, :], (b, t, self.counts.shape[-1]))
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, t, d))
-    pos = jnp.broadcast_to(jnp.arange(t)[None, :, None], (b, t, d))
-    return self.replace(counts=base.at[rows, pos, jnp.maximum(prefix_tokens, 0)].add(
-        prefix_valid.astype(jnp.int32)))
+    counts = None
+    if self.counts is not None:
+      base = jnp.broadcast_to(self.counts[:, None, :], (b, t, self.counts.shape[-1]))
+      rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], (b, t, d))
+      pos = jnp.broadcast_to(jnp.arange(t)[None, :, None], (b, t, d))
+      counts = base.at[rows, pos, jnp.maximum(prefix_tokens, 0)].add(
+          prefix_valid.astype(jnp.int32))
+    states = processors_lib.along_paths(self.processors, self.params, self.states,
+                                        prefix_tokens, prefix_valid)
+    return self.replace(counts=counts, states=states, lead=2)
 
   def along_chain(self, draft_tokens) -> "History":
     """The histories of a chain's K+1 verify positions [B, K+1, V]: position i (the token
@@ -208,8 +241,8 @@ class History:
     return self.along(toks, jnp.broadcast_to(valid, (b, k + 1, k)))
 
   def along_tree(self, tokens, parents, depth: int) -> "History":
-    """The histories of a draft tree's nodes [B, N+1, V]: node i has seen itself and its
-    ancestors, the root (node 0, the last committed token, already counted) excluded.
+    """The histories of a draft tree's nodes [B, N+1, V]: node i has seen its ancestors and
+    itself, the root (node 0, the last committed token, already counted) excluded.
     tokens, parents: int32 [B, N+1] (spec_jax.tree.DraftTree); depth: D, the deepest node."""
     b, n1 = tokens.shape
     cur = jnp.broadcast_to(jnp.arange(n1, dtype=jnp.int32), (b, n1))
@@ -218,7 +251,8 @@ class History:
       toks.append(jnp.take_along_axis(tokens, jnp.maximum(cur, 0), axis=1))
       valid.append(cur > 0)
       cur = jnp.where(cur > 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1)
-    return self.along(jnp.stack(toks, -1), jnp.stack(valid, -1))
+    # oldest first: the root's child, ..., the node itself
+    return self.along(jnp.stack(toks[::-1], -1), jnp.stack(valid[::-1], -1))
 
 
 def _rows_like(x, nd: int):
@@ -230,11 +264,13 @@ def _rows_like(x, nd: int):
 
 def process_logits(logits, sampling: Sampling, history: Optional[History] = None):
   """The logits processors before temperature (transformers' order): + logit_bias ->
-  repetition penalty -> frequency and presence penalties. float32 [..., V] -> [..., V].
+  repetition penalty -> frequency and presence penalties -> the history's LogitsProcessors
+  (spec_jax.processors; grammar constraints) in order. float32 [..., V] -> [..., V].
 
-  history: the rows' History, counts [B, V] or [..., V] like the logits (prompt [B, V]); None
-  skips the penalties (no history: what a drafter that keeps none draws from). A logit_bias of
-  width M = 0 and history None cost nothing: the checks are on static shapes."""
+  history: the rows' History, counts [B, V] or [..., V] like the logits (prompt [B, V]), the
+  processors' states likewise; None skips the penalties and processors (no history: what a
+  drafter that keeps none draws from). A logit_bias of width M = 0 and history None cost
+  nothing: the checks are on static shapes."""
   x = logits.astype(jnp.float32)
   nd = x.ndim
   bias = sampling.logit_bias
@@ -251,7 +287,7 @@ def process_logits(logits, sampling: Sampling, history: Optional[History] = None
       rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
       dense = jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, ids].add(vals, mode="drop")
     x = x + _rows_like(dense, nd)
-  if history is not None:
+  if history is not None and history.counts is not None:
     counts = _rows_like(history.counts, nd)
     seen = _rows_like(history.prompt, nd) | (counts > 0)
     r = _per_row(sampling.repetition_penalty, nd).astype(jnp.float32)
@@ -262,6 +298,9 @@ def process_logits(logits, sampling: Sampling, history: Optional[History] = None
     freq = _per_row(sampling.frequency_penalty, nd).astype(jnp.float32)
     pres = _per_row(sampling.presence_penalty, nd).astype(jnp.float32)
     x = x - freq * counts.astype(jnp.float32) - pres * (counts > 0).astype(jnp.float32)
+  if history is not None and history.processors:
+    x = processors_lib.apply(history.processors, history.params, x, history.states,
+                             history.lead)
   return x
 
 

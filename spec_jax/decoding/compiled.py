@@ -22,7 +22,7 @@ from spec_jax.models.layout import prepare_params
 from spec_jax.sampling import Sampling
 
 _DECODE_STATIC = ("config", "drafter", "num_draft", "capacity", "tree", "mesh", "greedy",
-                  "governor", "strategy", "history")
+                  "governor", "strategy", "history", "processors")
 
 _COMPILED: dict = {}   # tree signature -> PackedDecode (see _compiled_decode)
 
@@ -158,7 +158,7 @@ def _signed_execution_params(target, mesh=None) -> tuple:
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
                          sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
                          strategy: Strategy, round_costs=None,
-                         history: bool = False) -> tuple:
+                         history: bool = False, processors: tuple = ()) -> tuple:
   """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
   mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
   per shapes and static configuration. The governor's calibration times this same executable.
@@ -168,7 +168,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
   stop: int32 [N]; strategy: the bound Strategy (strategies.strategy_for); round_costs: float32
   [len(candidates)] or None; history: (static) carry the penalties' token history
-  (Sampling.needs_history of the host settings)."""
+  (Sampling.needs_history of the host settings); processors: (static) LogitsProcessors, their
+  params passed as arguments (one executable per processors' shapes)."""
   drafter_params = None if drafter is None else drafter.params
   # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
   # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
@@ -182,7 +183,11 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                 sampling=sharding_lib.shard_rows(mesh, sampling),
                 stop_tokens=sharding_lib.replicate(mesh, np.asarray(stop, np.int32)))
   static = dict(config=target.config, drafter=drafter, strategy=strategy, capacity=capacity,
-                mesh=mesh, greedy=greedy, history=bool(history))
+                mesh=mesh, greedy=greedy, history=bool(history), processors=tuple(processors))
+  if processors:
+    kwargs["processor_params"] = sharding_lib.replicate(
+        mesh, tuple(jax.tree.map(lambda x: _host(x, np.asarray(x).dtype), p.params)
+                    for p in processors))
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
   return _compiled_decode((args, kwargs), static, params_signature), args, kwargs

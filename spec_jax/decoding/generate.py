@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import global_batch, sharding as sharding_lib
+from spec_jax import constraints as constraints_lib, global_batch, processors as processors_lib
+from spec_jax import sharding as sharding_lib
 from spec_jax.decoding import calibration
 from spec_jax.decoding.checks import is_static_int
 from spec_jax.decoding.compiled import compiled_decode_call
@@ -65,7 +66,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
              max_new_tokens: int = 128, sampling: Sampling = Sampling(), key=None,
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
              prompt_bucket: Optional[int] = None, governor=None, tree=None,
-             messages=None, strategy=None) -> GenerateOutput:
+             messages=None, strategy=None, constraint=None,
+             processors=()) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -111,6 +113,12 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       defaults.
     tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
       verify over N+1 tree nodes per round, lossless); num_draft is then ignored. None: a chain.
+    constraint: sj.constraints.regex(pattern) or sj.constraints.json_schema(schema): every
+      row's output matches it (then ends with a stop token), compiled for the target's
+      tokenizer on the host (cached) and applied inside the decode, losslessly under
+      speculation (spec_jax.constraints). None: unconstrained.
+    processors: LogitsProcessors of your own (spec_jax.processors), applied in order after
+      the penalties (and before the constraint) at every position, drafts included.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -132,7 +140,16 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
-  sampling.check(vocab_size=as_target(target.config).vocab_size)   # logit_bias ids
+  vocab_size = as_target(target.config).vocab_size
+  sampling.check(vocab_size=vocab_size)   # logit_bias ids
+  processors = processors_lib.check_processors(processors)
+  if constraint is not None:
+    if not isinstance(constraint, constraints_lib.Constraint):
+      raise ValueError(f"constraint must be sj.constraints.regex(...) or "
+                       f"sj.constraints.json_schema(...), got {type(constraint).__name__}")
+    ends = stop_array(target, stop_tokens).tolist() or list(
+        getattr(target.tokenizer, "eos_ids", ()) or ())
+    processors += (constraint.compile(target.tokenizer, vocab_size=vocab_size, end_ids=ends),)
   if key is None:
     key = _default_key()
   elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -152,7 +169,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       ids, error = [], str(e)
     ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
         target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens, capacity,
-        prompt_bucket), error=error)
+        prompt_bucket, processors), error=error)
   sharding_lib.check_mesh(mesh, len(ids))
   prompt_tokens, prompt_lens, capacity = pad_batch(target, ids, max_new_tokens, strategy.extent,
                                                      capacity, prompt_bucket)
@@ -170,7 +187,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
-      strategy=strategy, round_costs=costs, history=history)
+      strategy=strategy, round_costs=costs, history=history, processors=processors)
   compile_seconds = compiled.last_compile_seconds
   if compile_seconds > 0:
     # A fresh executable's first run sets its kernels up (~0.8 s for a 135M model on XLA:CPU,
@@ -207,7 +224,7 @@ def _shared_bias(sampling):
 
 
 def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens,
-                    capacity, prompt_bucket) -> dict:
+                    capacity, prompt_bucket, processors=()) -> dict:
   """What every process of a multi-process generate() must pass alike (global_batch.assemble
   compares fingerprints): all options but the prompts and per-row sampling arrays."""
   scalars = sampling.scalars()
@@ -220,4 +237,6 @@ def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, st
           "logit_bias": _shared_bias(sampling),
           "key": np.asarray(jax.random.key_data(key)).tolist(),
           "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
-          "capacity": capacity, "prompt_bucket": prompt_bucket}
+          "capacity": capacity, "prompt_bucket": prompt_bucket,
+          "processors": [repr(p) if getattr(p, "constraint", None) is None else
+                         [repr(p), p.constraint.source] for p in processors]}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import platform as kernel_platform
-from spec_jax import sampling as sampling_lib
+from spec_jax import processors as processors_lib, sampling as sampling_lib
 from spec_jax.decoding.checks import check_capacity, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
 from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv, RowCounts
@@ -30,7 +30,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
            governor=None, round_costs=None,
            prefill_chunk: int = PREFILL_CHUNK, strategy=None,
-           history: Optional[bool] = None) -> DecodeResult:
+           history: Optional[bool] = None, processors=(),
+           processor_params=None) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
   `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
 
@@ -39,6 +40,9 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     prompt_tokens: int32 [B, P] right-padded prompts (any valid id as padding).
     prompt_lens: int32 [B] real prompt lengths, >= 1.
     key: a jax PRNG key (the only source of randomness; same key -> same tokens).
+    processor_params: the processors' arrays, a tuple with one pytree per processor (a grammar's
+      tables); None takes each processor's own `params` (then compile-time constants of your
+      jit: pass them as an argument instead).
     drafter_params: the drafter's params (`drafter.params`); None uses `drafter.params`, which
       then become compile-time constants of your jit — pass them as an argument instead.
     sampling: Sampling with scalars or per-row [B] arrays.
@@ -71,6 +75,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     history: carry each row's token history (sampling.History) and apply the repetition,
       presence and frequency penalties. None: unless they are concretely off
       (Sampling.needs_history; traced values: True). False with a penalty on ignores it.
+    processors: a tuple of spec_jax.processors.LogitsProcessor (a compiled grammar constraint,
+      sj.constraints; your own): applied in order after the penalties to the target's
+      distribution at every position (each verify position with its own drafted prefix), and
+      by the draft model to its drafts; () none.
 
   Returns:
     DecodeResult (arrays). Host helpers: `new_tokens(result)`, `SpecStats.from_result`.
@@ -95,6 +103,13 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                      f"{type(drafter).__name__}")
   target = as_target(config)
   strategy = strategy_for(strategy, drafter, num_draft, tree, governor, target)
+  processors = processors_lib.check_processors(processors)
+  if processor_params is None:
+    processor_params = tuple(p.params for p in processors)
+  processor_params = tuple(processor_params)
+  if len(processor_params) != len(processors):
+    raise ValueError(f"processor_params must hold one entry per processor: {len(processors)} "
+                     f"processors, {len(processor_params)} params")
   if drafter is None:
     drafter = NoDrafter()
   if drafter_params is None:
@@ -126,7 +141,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                            drafter=drafter, drafter_params=drafter_params,
                            max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                            stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
-                           strategy=strategy, prefill_chunk=prefill_chunk, history=history)
+                           strategy=strategy, prefill_chunk=prefill_chunk, history=history,
+                           processors=processors, processor_params=processor_params)
     env = env._replace(round_costs=costs)
     final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
   return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final))
@@ -136,12 +152,15 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
               drafter: Drafter, drafter_params, max_new_tokens, capacity: int,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
               cache=None, strategy: Strategy, prefill_chunk: int = PREFILL_CHUNK,
-              history: Optional[bool] = None) -> tuple:
+              history: Optional[bool] = None, processors: tuple = (),
+              processor_params: tuple = ()) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
   with accepted_at [B, strategy.width] and no strategy state yet. config: a Target or a
   ModelConfig. strategy: a bound Strategy; its extent bounds the rows' lengths, and with
-  lazy_drafter the loop calls drafter.catch_up before drafting (PrefillInfo.lazy)."""
+  lazy_drafter the loop calls drafter.catch_up before drafting (PrefillInfo.lazy).
+  history: the penalties' token counts; processors (checked) with their params: the History
+  carries their states too (LoopEnv.history: either)."""
   target = as_target(config)
   b, p = prompt_tokens.shape
   extent = strategy.extent
@@ -149,7 +168,8 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
     greedy = _concretely_greedy(sampling)
   if history is None:
     history = sampling.needs_history
-  history = bool(history)
+  penalties = bool(history)
+  history = penalties or bool(processors)        # the loop carries a History
   sampling = sampling.rows(b)
   stop_tokens = jnp.asarray(stop_tokens, jnp.int32).reshape(-1)
   s = int(capacity)
@@ -177,9 +197,11 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
       keep_hidden=drafter.reads_prompt_hidden, return_layers=layers)
   last_logits = pre.last_logits
   key, first_key = jax.random.split(key)
-  # The penalties' history: the prompt, then every committed output token (the first one now).
-  hist = sampling_lib.History.of_prompt(prompt_tokens, prompt_lens,
-                                        last_logits.shape[-1]) if history else None
+  # The penalties' and processors' history: the prompt, then every committed output token (the
+  # first one now).
+  hist = sampling_lib.History.of_prompt(
+      prompt_tokens, prompt_lens, last_logits.shape[-1], penalties=penalties,
+      processors=processors, params=processor_params) if history else None
   if greedy:
     first = sampling_lib.greedy_tokens(last_logits, sampling, hist)
   else:

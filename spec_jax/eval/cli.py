@@ -8,6 +8,7 @@ import sys
 from spec_jax.bench.plots import PLOTS_HINT
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
+from spec_jax.__main__ import add_constraint_flags, constraint_of
 from spec_jax.sampling import OPTIONS
 
 
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     if name != "temperature":
       p.add_argument("--" + name.replace("_", "-"), type=opt.parse, default=None,
                      help=f"{opt.help} (default: off)")
+  add_constraint_flags(p)
+  p.add_argument("--category", action="append", default=None, metavar="NAME",
+                 help="run only this prompt category (repeat for several; default: all)")
   p.add_argument("--max-new-tokens", type=int, default=256)
   p.add_argument("--out", required=True, metavar="DIR", help="the run directory")
   p.add_argument("--strict", action="store_true",
@@ -59,7 +63,8 @@ def options_from(args) -> EvalOptions:
                      limit_per_category=args.limit_per_category, strict=args.strict,
                      repeats=args.repeats, seed=args.seed,
                      progress=not args.no_progress, mesh=args.mesh, dtype=args.dtype,
-                     plain_dtypes=tuple(args.plain_dtypes), sampling=sampling_from(args))
+                     plain_dtypes=tuple(args.plain_dtypes), sampling=sampling_from(args),
+                     categories=tuple(args.category or ()))
 
 
 def sampling_from(args) -> tuple:
@@ -70,6 +75,9 @@ def sampling_from(args) -> tuple:
     value = getattr(args, name, None)
     if name != "temperature" and value is not None:
       out.append((name, opt.scalar(value)))
+  constraint = constraint_of(args)           # --regex / --json-schema FILE
+  if constraint is not None:
+    out.append(("constraint", (constraint.kind, constraint.source)))
   return tuple(out)
 
 

@@ -56,7 +56,7 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
   return {"target": target, "prompts": str(source_path(opts.prompts).resolve()),
           "limit_per_category": opts.limit_per_category, "num_draft": opts.num_draft,
           "temperature": opts.temperature, "max_new_tokens": opts.max_new_tokens,
-          "sampling": [list(kv) for kv in opts.sampling],
+          "sampling": [list(kv) for kv in opts.sampling], "categories": list(opts.categories),
           "repeats": opts.repeats, "seed": opts.seed, "dtype": opts.dtype,
           "plain_dtypes": list(opts.plain_dtypes),
           "prompt_format": fmt}
@@ -122,7 +122,8 @@ def evaluate(opts: EvalOptions) -> dict:
   context = min([target.config.max_position_embeddings] + [
       draft_model_of(c.drafter).config.max_position_embeddings for c in configs
       if draft_model_of(c.drafter) is not None])
-  records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category)
+  records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category,
+                           opts.categories)
   fmt = prompt_format(target)
   run_dir = RunDir(opts.out)
   distributed.on_main(lambda: run_dir.open(fingerprint(opts, fmt)))

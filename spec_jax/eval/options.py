@@ -45,7 +45,9 @@ class EvalOptions:
   mesh: None or 'data=N,model=M' (spec_jax.sharding.parse_mesh): every generate() call on that
   mesh; needed when several processes run the evaluation (spec_jax.launch, a pod), and then
   every batch size must divide over N; sampling: the other sj.Sampling options as (name,
-  value) pairs (min_p, penalties, logit_bias as (id, bias) pairs; `sampling_of`)."""
+  value) pairs (min_p, penalties, logit_bias as (id, bias) pairs; `sampling_of`) and the
+  grammar constraint as ("constraint", ("regex" | "json_schema", source)); categories: run only
+  these prompt categories (() = all), e.g. one category under a JSON schema."""
   target: str
   drafters: tuple
   out: str
@@ -63,10 +65,13 @@ class EvalOptions:
   dtype: Optional[str] = None
   plain_dtypes: tuple = ()
   sampling: tuple = ()
+  categories: tuple = ()
 
   def sampling_of(self):
     """The sj.Sampling of every generate() call (ValueError naming a bad option)."""
-    return sj.Sampling(temperature=self.temperature, **dict(self.sampling))
+    options = dict(self.sampling)
+    options.pop("constraint", None)
+    return sj.Sampling(temperature=self.temperature, **options)
 
   def validate(self) -> "EvalOptions":
     """The options with batch sorted and num_draft parsed; ValueError saying what is wrong
@@ -95,6 +100,8 @@ class EvalOptions:
     if self.max_new_tokens < 1:
       raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
     self.sampling_of()
+    from spec_jax.eval.runner import constraint_of
+    constraint_of(dict(self.sampling).get("constraint"))     # ValueError for a bad grammar
     if self.limit_per_category is not None and self.limit_per_category < 1:
       raise ValueError(f"--limit-per-category must be >= 1, got {self.limit_per_category}")
     if self.repeats < 1:

@@ -27,8 +27,16 @@ class Request:
   ids: tuple
 
 
-def select_records(records, limit_per_category: Optional[int]) -> list:
-  """The first `limit_per_category` records of every category (all with None), file order."""
+def select_records(records, limit_per_category: Optional[int], categories=()) -> list:
+  """The first `limit_per_category` records of every category (all with None), file order;
+  only those of `categories` when given (ValueError naming the ones the file lacks)."""
+  if categories:
+    have = list(dict.fromkeys(r.category for r in records))
+    missing = [c for c in categories if c not in have]
+    if missing:
+      raise ValueError(f"--category {', '.join(missing)}: not in the prompts; they have "
+                       f"{', '.join(have)}")
+    records = [r for r in records if r.category in categories]
   if limit_per_category is None:
     return list(records)
   seen: dict = {}

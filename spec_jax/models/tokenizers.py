@@ -6,6 +6,8 @@ Both classes provide:
   decode(ids) -> str                        ids -> text, skipping BOS/EOS/special tokens
   vocab_size                                number of ids
   pieces() -> list[str]                     the token strings in id order (vocabulary checks)
+  token_bytes() -> list[bytes | None]        the bytes each id writes into the text (None:
+                                            special tokens), what grammars are built over
   bos_id, eos_ids                           int or None; tuple of ints
 """
 
@@ -118,6 +120,11 @@ class Llama2cTokenizer:
     """The merge score of every piece, in id order (higher merges first)."""
     return list(self._scores)
 
+  def token_bytes(self) -> list:
+    """The bytes of each id's piece in the text (a "<0xXX>" piece: its byte); None for the
+    special ids 0-2. (decode drops the leading space of the first piece after BOS.)"""
+    return [None if i < _NUM_SPECIAL else out for i, out in enumerate(self._output)]
+
   def _initial_ids(self, text: str) -> list[int]:
     ids = []
     if text:
@@ -222,6 +229,21 @@ def find_llama2c_tokenizer(folder, vocab_size: Optional[int] = None) -> Optional
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def _byte_alphabet() -> dict:
+  """GPT-2's byte-level alphabet, character -> byte (its `bytes_to_unicode`, inverted): the
+  printable bytes stand for themselves, the others for the characters from U+0100 on."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) +
+               list(range(0xAE, 0xFF + 1)))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
 class HFTokenizer:
   """A `transformers` tokenizer behind the common interface.
 
@@ -260,6 +282,32 @@ class HFTokenizer:
 
   def pieces(self) -> list[str]:
     return [str(p) for p in self.hf.convert_ids_to_tokens(list(range(len(self.hf))))]
+
+  def token_bytes(self) -> list:
+    """The bytes each id writes into the text; None for special and added control tokens.
+    Byte-level BPE vocabularies (GPT-2 / Llama-3 / Qwen / SmolLM: every piece spelled in
+    GPT-2's byte alphabet) map each character back to its byte; sentencepiece ones (Llama 2,
+    Mistral, Gemma) read "\u2581" as a space and "<0xXX>" as that byte."""
+    if getattr(self, "_token_bytes", None) is None:
+      pieces = self.pieces()
+      added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+      special = self._special | {int(i) for i, t in added.items() if getattr(t, "special", True)}
+      alphabet = _byte_alphabet()
+      text_pieces = [p for i, p in enumerate(pieces) if i not in special]
+      spelled = sum(all(c in alphabet for c in p) for p in text_pieces)
+      byte_level = spelled >= 0.99 * max(len(text_pieces), 1)   # odd added tokens aside
+      out = []
+      for i, piece in enumerate(pieces):
+        if i in special:
+          out.append(None)
+        elif byte_level:
+          out.append(bytes(alphabet[c] for c in piece) if all(c in alphabet for c in piece)
+                     else piece.encode())
+        else:
+          byte = _byte_of_piece(piece.encode())
+          out.append(bytes([byte]) if byte is not None else piece.replace("\u2581", " ").encode())
+      self._token_bytes = tuple(out)
+    return list(self._token_bytes)
 
   def encode(self, text: str, add_bos: bool = True) -> list[int]:
     ids = list(self.hf.encode(text, add_special_tokens=False))
