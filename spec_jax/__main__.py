@@ -38,7 +38,7 @@ def _generate(args) -> int:
           "a .gguf file or a llama2.c .bin)", file=sys.stderr)
     return 2
   from spec_jax import compile_cache
-  from spec_jax.bench.specs import make_drafter
+  from spec_jax.bench.specs import constraint_of, make_drafter
   from spec_jax.models.chat import chat_ids
   compile_cache.enable()
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
@@ -90,32 +90,6 @@ def _generate(args) -> int:
   if drafter is not None:
     print(s.summary())
   return 0
-
-
-def constraint_of(args):
-  """--regex PATTERN / --json-schema FILE as an sj.constraints constraint (None: neither);
-  ValueError naming the flag for an unreadable file or both flags."""
-  from spec_jax import constraints
-  pattern, schema = getattr(args, "regex", None), getattr(args, "json_schema", None)
-  if pattern is not None and schema is not None:
-    raise ValueError("give --regex or --json-schema, not both")
-  if pattern is not None:
-    return constraints.regex(pattern)
-  if schema is not None:
-    try:
-      text = pathlib.Path(schema).read_text()
-    except OSError as e:
-      raise ValueError(f"--json-schema: cannot read {schema!r}: {e}") from e
-    return constraints.json_schema(text)
-  return None
-
-
-def add_constraint_flags(parser) -> None:
-  """--regex and --json-schema (generate's and the eval's)."""
-  parser.add_argument("--regex", default=None, metavar="PATTERN",
-                      help="constrain every answer to match this regex (outlines-core syntax)")
-  parser.add_argument("--json-schema", default=None, metavar="FILE",
-                      help="constrain every answer to one JSON value valid under this schema")
 
 
 def _check_memory(model, drafter, prompts, args, mesh, history: bool = False):
@@ -184,6 +158,7 @@ def main(argv=None) -> int:
   for name, opt in OPTIONS.items():            # one option per Sampling field
     g.add_argument("--" + name.replace("_", "-"), type=opt.parse,
                    default=SAMPLING_DEFAULTS.get(name, opt.default), help=opt.help)
+  from spec_jax.bench.specs import add_constraint_flags
   add_constraint_flags(g)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--drafter", default=None,

@@ -351,3 +351,48 @@ def test_a_json_schema_over_the_real_49k_vocabulary():
   assert plain.tokens[0][-1] in model.tokenizer.eos_ids, plain.text   # it ends by itself
   assert _valid(json.loads(plain.text[0])), plain.text[0]
   assert g.accepts(plain.tokens[0][:-1])
+
+
+# ----------------------------------------------------------------------------- the CLIs
+
+def test_generate_command_line_takes_a_regex_and_a_schema_file(tmp_path, capsys):
+  from spec_jax.__main__ import main
+  model = str(need_shared("models", "stories260K"))
+  schema = tmp_path / "schema.json"
+  schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
+                                "required": ["n"]}))
+  assert main(["generate", "--model", model, "--prompt", "Once", "--max-new-tokens", "24",
+               "--json-schema", str(schema), "--drafter", "ngram"]) == 0
+  text = capsys.readouterr().out.splitlines()[0][len("Once"):]
+  assert isinstance(json.loads(text)["n"], int), text
+  for argv, match in ((["--regex", "a", "--json-schema", str(schema)], "not both"),
+                      (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
+                      (["--regex", "(a"], "regex")):
+    assert main(["generate", "--model", model, "--prompt", "Once", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_eval_runs_one_category_under_a_schema(tmp_path):
+  """python -m spec_jax.eval --category beta --json-schema FILE: only that category's
+  requests, every answer (plain and n-gram, equal under the greedy check) valid JSON."""
+  from spec_jax.eval import cli
+  from tests.test_eval import PROMPTS, TINY
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:3]))
+  schema = tmp_path / "schema.json"
+  schema.write_text(json.dumps({"enum": ["yes", "no", "maybe"]}))
+  out = tmp_path / "run"
+  assert cli.main(["--target", str(need_shared("models", TINY)), "--drafter", "ngram",
+                   "--prompts", str(prompts), "--max-new-tokens", "6", "--out", str(out),
+                   "--no-progress", "--category", "beta", "--json-schema", str(schema)]) == 0
+  res = json.loads((out / "results.json").read_text())
+  assert {r["category"] for r in res["requests"]} == {"beta"}
+  assert res["greedy_check"]["checked"]
+  units = [json.loads(p.read_text()) for p in (out / "units").glob("*.json")]
+  answers = [t for u in units for t in u["answers"]["text"]]
+  assert answers and all(json.loads(t) in ("yes", "no", "maybe") for t in answers), answers
+  with pytest.raises(SystemExit):
+    cli.main(["--target", "x", "--drafter", "ngram", "--out", str(out), "--category"])
+  assert cli.main(["--target", str(need_shared("models", TINY)), "--drafter", "ngram",
+                   "--prompts", str(prompts), "--out", str(tmp_path / "r2"), "--no-progress",
+                   "--category", "zeta"]) == 2

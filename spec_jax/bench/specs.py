@@ -228,3 +228,29 @@ def parse_pairs(pairs) -> list:
       seen.add(p)
       uniq.append(p)
   return uniq
+
+
+def constraint_of(args):
+  """--regex PATTERN / --json-schema FILE as an sj.constraints constraint (None: neither);
+  ValueError naming the flag for an unreadable file or both flags."""
+  constraints = sj.constraints
+  pattern, schema = getattr(args, "regex", None), getattr(args, "json_schema", None)
+  if pattern is not None and schema is not None:
+    raise ValueError("give --regex or --json-schema, not both")
+  if pattern is not None:
+    return constraints.regex(pattern)
+  if schema is not None:
+    try:
+      text = pathlib.Path(schema).read_text()
+    except OSError as e:
+      raise ValueError(f"--json-schema: cannot read {schema!r}: {e}") from e
+    return constraints.json_schema(text)
+  return None
+
+
+def add_constraint_flags(parser) -> None:
+  """--regex and --json-schema (generate's and the eval's)."""
+  parser.add_argument("--regex", default=None, metavar="PATTERN",
+                      help="constrain every answer to match this regex (outlines-core syntax)")
+  parser.add_argument("--json-schema", default=None, metavar="FILE",
+                      help="constrain every answer to one JSON value valid under this schema")

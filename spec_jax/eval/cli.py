@@ -8,7 +8,7 @@ import sys
 from spec_jax.bench.plots import PLOTS_HINT
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
-from spec_jax.__main__ import add_constraint_flags, constraint_of
+from spec_jax.bench.specs import add_constraint_flags, constraint_of
 from spec_jax.sampling import OPTIONS
 
 
