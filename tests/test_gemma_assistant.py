@@ -301,6 +301,29 @@ def test_tempered_top_p_drafts_are_lossless_and_untempered_draws_are_not():
   assert chi2_sf(stat, dof) < 1e-5, (stat, dof)
 
 
+@pytest.mark.slow   # one 40k-row generate
+def test_drafts_under_a_grammar_and_every_control_are_lossless():
+  """Issue 32's matrix for the assistant: a grammar constraint (tests/test_constraints.py's
+  letter grammar) with min-p, the penalties and a logit bias at T = 0.7. The assistant keeps
+  no history (its q has the bias and min-p, not the penalties nor the grammar): lossless all
+  the same, since q is what its drafts are drawn from and the target's p at every verify
+  position has its own prefix's grammar state and counts."""
+  from tests.test_constraints import CONTROLS, exact_joint as exact_processed, grammar
+  target, drafter = small_pair()
+  sampling = sj.Sampling(0.7, **CONTROLS)
+  processors = (grammar(),)
+  out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=3,
+                    sampling=sampling, key=jax.random.key(3), stop_tokens=[], capacity=16,
+                    processors=processors)
+  toks = np.asarray(out.tokens)
+  counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
+  assert 0.02 < out.stats.acceptance_rate < 0.98, out.stats.summary()
+  stat, dof, p_value = assert_same_distribution(
+      counts, exact_processed(target, PROMPT, sampling, processors), alpha=1e-3)
+  print(f"assistant under a grammar + every control at T=0.7: chi-square {stat:.1f} (dof "
+        f"{dof}), p = {p_value:.3f}, acceptance {out.stats.acceptance_rate:.2f}")
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 @pytest.mark.slow   # two CLI runs with their compiles (~1-2 min on the shared CPU)
