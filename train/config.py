@@ -38,7 +38,9 @@ DEFAULTS = {
                                    # of the training data (None: the whole vocabulary)
     },
     "data": {
-        "sources": ["generated"],   # generated (self-distillation) and/or text (dev.txt)
+        "sources": ["generated"],   # generated (self-distillation), text (dev.txt) and/or
+                                    # self_generated (an instruct target's own conversations:
+                                    # train.self_generate, Magpie; data.self_generate's knobs)
         "dev_path": "../shared/data/tinystories/dev.txt",
         "num_prompts": 256,    # dev.txt paragraphs used as prompts for self-distillation
         "prompt_tokens": 8,    # prompt length (tokens of the paragraph, BOS included)
@@ -52,6 +54,14 @@ DEFAULTS = {
                                # at `temperatures`; cached): training on target-regenerated
                                # responses instead of the written text
         "cache_dir": "runs/cache",
+        "self_generate": {     # the self_generated source (train.self_generate)
+            "conversations": 1000,   # distinct conversations (more extends a finished run)
+            "batch": 32,
+            "user_tokens": 64,       # budget of the self-written user message
+            "answer_tokens": 256,    # budget of the answer
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
     },
     "train": {
         "steps": 1000,
@@ -163,10 +173,14 @@ def validate(cfg: dict) -> dict:
   sources = cfg["data"]["sources"]
   if isinstance(sources, str):
     sources = cfg["data"]["sources"] = [sources]
-  bad = [s for s in sources if s not in ("generated", "text")]
+  bad = [s for s in sources if s not in ("generated", "text", "self_generated")]
   if bad or not sources:
-    raise ValueError(f"data.sources must be a non-empty list of 'generated' / 'text', got "
-                     f"{sources!r}")
+    raise ValueError(f"data.sources must be a non-empty list of 'generated' / 'text' / "
+                     f"'self_generated', got {sources!r}")
+  sg = cfg["data"]["self_generate"]
+  for name in ("conversations", "batch", "user_tokens", "answer_tokens"):
+    if isinstance(sg[name], bool) or not isinstance(sg[name], int) or sg[name] < 1:
+      raise ValueError(f"data.self_generate.{name} must be an integer >= 1, got {sg[name]!r}")
   if not isinstance(cfg["data"]["regenerate"], bool):
     raise ValueError(f"data.regenerate must be true or false, got {cfg['data']['regenerate']!r}")
   if cfg["data"]["regenerate"] and "text" not in sources:

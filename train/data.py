@@ -2,6 +2,9 @@
 
 - generated (self-distillation): the first `prompt_tokens` tokens of dev.txt paragraphs are
   continued by the target itself with sj.generate (batched, temperatures cycled over rows).
+- self_generated: an instruct target's own conversations, user turns included (the Magpie
+  recipe, train.self_generate; resumable shards under cache_dir): for chat targets, whose
+  drafters must never see an evaluation prompt set.
 - text: dev.txt paragraphs (teacher forcing; labels are the target's soft predictions anyway).
   With `regenerate: true` each paragraph keeps its first `prompt_tokens` tokens and the target
   rewrites the rest, as many tokens as the paragraph had (or fewer, where it ends its story),
@@ -32,6 +35,7 @@ import jax
 import numpy as np
 
 import spec_jax as sj
+from train.self_generate import self_generate
 
 
 def read_paragraphs(path) -> list[str]:
@@ -132,8 +136,17 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
   """int32 [N, window] training windows (cached for the generated source)."""
   if target.tokenizer is None:
     raise ValueError("training data is text: the target needs a tokenizer")
-  paragraphs = read_paragraphs(data_cfg["dev_path"])
   seqs = []
+  if "self_generated" in data_cfg["sources"]:
+    knobs = dict(data_cfg["self_generate"])
+    conversations = knobs.pop("conversations")
+    # The shard directory's key leaves `conversations` out: asking for more extends it.
+    out = pathlib.Path(data_cfg["cache_dir"]) / \
+        f"selfgen_{data_key(fingerprint_sha, dict(knobs, seed=seed))}"
+    seqs += self_generate(target, conversations, out, seed=seed, log=log, **knobs)
+    if data_cfg["sources"] == ["self_generated"]:
+      return _windows(seqs, data_cfg, log)
+  paragraphs = read_paragraphs(data_cfg["dev_path"])
   if "generated" in data_cfg["sources"]:
     gen_cfg = {k: data_cfg[k] for k in ("dev_path", "num_prompts", "prompt_tokens", "gen_tokens",
                                         "temperatures", "gen_batch")}
@@ -162,6 +175,10 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
           target, text, data_cfg["prompt_tokens"], list(data_cfg["temperatures"]),
           data_cfg["gen_batch"], seed, log), log, "regenerated paragraphs")
     seqs += text
+  return _windows(seqs, data_cfg, log)
+
+
+def _windows(seqs, data_cfg, log) -> np.ndarray:
   windows = pack_windows(seqs, data_cfg["window"])
   log(f"data: {windows.shape[0]} windows of {windows.shape[1]} tokens "
       f"({windows.size} tokens)")

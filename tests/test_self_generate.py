@@ -1,0 +1,63 @@
+"""train.self_generate (issue 31): an instruct target writes its own training conversations
+(Magpie): the user turn from the template's user-turn prefix alone, then the answer; batched,
+deduplicated, resumable shards; the trainer's `self_generated` data source."""
+
+import numpy as np
+import pytest
+
+import spec_jax as sj
+from tests.conftest import need_shared
+from train import config as train_config, data as train_data
+
+
+def resolve(raw: dict) -> dict:
+  """A config dict as load_config makes it from YAML (checked keys, defaults, validated)."""
+  train_config._check(raw, train_config.DEFAULTS)
+  return train_config.validate(train_config._merge(train_config.DEFAULTS, raw))
+from train.self_generate import load_conversations, self_generate, user_turn_prefix
+
+
+@pytest.fixture(scope="module")
+def smol():
+  return sj.load(need_shared("models", "smollm2-135m-instruct"), dtype="bfloat16")
+
+
+def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monkeypatch):
+  prefix = user_turn_prefix(smol)
+  hf = smol.tokenizer.hf
+  assert hf.decode(prefix).endswith("<|im_start|>user\n"), hf.decode(prefix)
+  out = tmp_path / "sg"
+  kw = dict(batch=4, user_tokens=40, answer_tokens=16, seed=0, log=lambda m: None)
+  seqs = self_generate(smol, 3, out, **kw)
+  assert len(seqs) == 3
+  stored, users = load_conversations(out)
+  assert len(stored) == len(users) >= 3 and len({u.lower() for u in users}) == len(users)
+  for seq, user in zip(stored, users):
+    assert seq[:len(prefix)] == prefix                      # the template, then the message
+    decoded = hf.decode(seq)
+    assert user in decoded and "<|im_start|>assistant\n" in decoded
+  # Resumed: the finished shards are read, not regenerated; asking for more extends them.
+  shards = sorted(p.name for p in out.glob("shard_*.npz"))
+  calls = []
+  real = sj.generate
+  monkeypatch.setattr(sj, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+  assert self_generate(smol, 3, out, **kw) == seqs and not calls
+  more = self_generate(smol, len(stored) + 1, out, **kw)
+  assert more[:len(stored)] == stored and len(more) == len(stored) + 1 and calls
+  assert sorted(p.name for p in out.glob("shard_*.npz"))[:len(shards)] == shards
+
+
+def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
+  cfg = resolve({"target": "x", "out_dir": str(tmp_path), "head": {"kind": "eagle3"},
+                              "data": {"sources": ["self_generated"], "window": 16,
+                                       "cache_dir": str(tmp_path / "cache"),
+                                       "self_generate": {"conversations": 2, "batch": 4,
+                                                         "user_tokens": 40,
+                                                         "answer_tokens": 16}}})
+  windows = train_data.build_windows(smol, cfg["data"], "fp", seed=1, log=lambda m: None)
+  assert windows.shape[1] == 16 and windows.shape[0] >= 2
+  assert np.isin(user_turn_prefix(smol)[:4], windows).all()
+  with pytest.raises(ValueError, match="self_generate.batch"):
+    resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
+                          "data": {"sources": ["self_generated"],
+                                   "self_generate": {"batch": 0}}})

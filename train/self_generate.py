@@ -1,0 +1,171 @@
+"""Conversations an instruct target writes itself (the Magpie recipe, Xu et al. 2024): training
+data for its drafters whose prompts AND responses follow the target's own distribution, and
+never touch an evaluation prompt set.
+
+  1. The user turn: the chat template rendered up to the start of a user message (its default
+     system prompt included, as the template writes it) and nothing else; the target continues
+     it, writing a user message, until its end-of-turn token.
+  2. The answer: that message as a one-turn conversation with the generation prompt; the
+     target answers until its end-of-turn token.
+
+Rows are batched (one compiled shape per phase: fixed batch and token budgets), deduplicated by
+the normalised user message, and stored as the chat-templated token ids of the whole
+conversation (prompt + answer), the sequences `train.data` packs into windows. Progress is
+kept in shards (one npz per batch, written atomically): a killed run resumes at the next batch
+with the same seeds, and `conversations` more than a finished run extends it.
+
+    python -m train.self_generate --target ../shared/models/smollm2-135m-instruct \\
+        --conversations 2000 --out runs/cache/smollm2_selfgen
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+
+import spec_jax as sj
+from spec_jax.decoding.prompts import stop_array
+from spec_jax.models.chat import chat_ids, hf_chat_tokenizer
+
+_MARK = "\x00SPECJAXUSER\x00"
+
+
+def user_turn_prefix(target) -> list:
+  """Token ids of the chat template up to where a user message's text starts (the template's
+  default system prompt included). ValueError without a chat template."""
+  hf = hf_chat_tokenizer(target.tokenizer)
+  if hf is None:
+    raise ValueError("self-generated conversations need an instruct target with a chat "
+                     "template")
+  text = hf.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                add_generation_prompt=False)
+  if _MARK not in text:
+    raise ValueError("the chat template does not render the user's message verbatim")
+  return list(hf.encode(text[:text.index(_MARK)], add_special_tokens=False))
+
+
+def _normal(text: str) -> str:
+  return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def _shard(out: pathlib.Path, i: int) -> pathlib.Path:
+  return out / f"shard_{i:05d}.npz"
+
+
+def _save_atomic(path: pathlib.Path, **arrays) -> None:
+  tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+  np.savez(tmp, **arrays)
+  os.replace(tmp, path)
+
+
+def load_conversations(out) -> tuple:
+  """(token sequences, user messages) of every finished shard of `out`, in order."""
+  out = pathlib.Path(out)
+  seqs, users = [], []
+  i = 0
+  while _shard(out, i).is_file():
+    z = np.load(_shard(out, i), allow_pickle=False)
+    tokens, offsets = z["tokens"], z["offsets"]
+    seqs += [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    users += [str(u) for u in z["users"]]
+    i += 1
+  return seqs, users
+
+
+def self_generate(target, conversations: int, out, *, batch: int = 32,
+                  user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
+                  top_p: float = 1.0, min_user_chars: int = 8, seed: int = 0,
+                  max_batches=None, log=lambda m: print(m, file=sys.stderr)) -> list:
+  """At least `conversations` distinct conversations (token ids, chat-templated), written to
+  and resumed from the shards in `out`. A batch whose rows are all duplicates or empty still
+  counts against max_batches (default: 4x the batches needed), so a target that repeats
+  itself cannot loop forever."""
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  if conversations < 1 or batch < 1:
+    raise ValueError(f"conversations and batch must be >= 1, got {conversations}, {batch}")
+  seqs, users = load_conversations(out)
+  seen = {_normal(u) for u in users}
+  prefix = user_turn_prefix(target)
+  sampling = sj.Sampling(temperature=temperature, top_p=top_p)
+  if max_batches is None:
+    max_batches = 4 * -(-conversations // batch) + 4
+  shard = len(list(out.glob("shard_*.npz")))
+  stops = set(stop_array(target, None).tolist())
+  start = time.perf_counter()
+  while len(seqs) < conversations:
+    if shard >= max_batches:
+      raise RuntimeError(f"{len(seqs)} distinct conversations after {shard} batches "
+                         f"(wanted {conversations}): the target repeats itself; raise the "
+                         f"temperature or max_batches")
+    key = jax.random.fold_in(jax.random.key(seed), shard)
+    asked = sj.generate(target, [prefix] * batch, max_new_tokens=user_tokens, sampling=sampling,
+                        key=jax.random.fold_in(key, 0))
+    new_users, convs = [], []
+    for toks, text in zip(asked.tokens, asked.text):
+      ended = bool(toks) and toks[-1] in stops
+      message = text.strip()
+      if not ended or len(message) < min_user_chars or _normal(message) in seen:
+        continue                           # cut off, empty or a duplicate
+      seen.add(_normal(message))
+      new_users.append(message)
+      convs.append([{"role": "user", "content": message}])
+    kept_seqs = []
+    if convs:
+      rows = convs + [convs[0]] * (batch - len(convs))       # one compiled shape
+      answered = sj.generate(target, messages=rows, max_new_tokens=answer_tokens,
+                             sampling=sampling, key=jax.random.fold_in(key, 1))
+      for conv, toks in zip(convs, answered.tokens):
+        kept_seqs.append(chat_ids(target, conv) + list(toks))
+    offsets = np.cumsum([0] + [len(s) for s in kept_seqs])
+    tokens = (np.concatenate([np.asarray(s, np.int32) for s in kept_seqs]) if kept_seqs
+              else np.zeros((0,), np.int32))
+    _save_atomic(_shard(out, shard), tokens=tokens, offsets=offsets,
+                 users=np.asarray(new_users, dtype=str))
+    seqs += kept_seqs
+    users += new_users
+    shard += 1
+    rate = sum(len(s) for s in seqs) / max(time.perf_counter() - start, 1e-9)
+    log(f"self-generated {len(seqs)}/{conversations} conversations ({shard} batches, "
+        f"{len(kept_seqs)}/{batch} kept this batch, ~{rate:.0f} tokens/s this run)")
+  return seqs[:conversations]
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m train.self_generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--target", required=True)
+  p.add_argument("--conversations", type=int, required=True)
+  p.add_argument("--out", required=True, help="the shard directory (resumed when it exists)")
+  p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--user-tokens", type=int, default=64)
+  p.add_argument("--answer-tokens", type=int, default=256)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  try:
+    target = sj.load(args.target, dtype=args.dtype)
+    seqs = self_generate(target, args.conversations, args.out, batch=args.batch,
+                         user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  _, users = load_conversations(args.out)
+  print(json.dumps({"conversations": len(seqs), "tokens": int(sum(map(len, seqs))),
+                    "example_user_messages": users[:3]}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
