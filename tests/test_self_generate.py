@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
-from tests.conftest import need_shared
+from tests.conftest import ROOT, need_shared
 from train import config as train_config, data as train_data
 
 
@@ -61,3 +61,26 @@ def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
     resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
                           "data": {"sources": ["self_generated"],
                                    "self_generate": {"batch": 0}}})
+
+
+def test_evaluation_prompts_from_a_prompt_set_use_the_chat_template(smol):
+  """eval.path: spec_bench gives the first turns of its questions, round-robin over its
+  categories, in the chat template; a text file keeps its paragraphs' first tokens."""
+  from spec_jax.bench.prompts import read_prompt_records
+  from train.evaluate import heldout_prompts
+  prompts = heldout_prompts(smol, "spec_bench", 13, 12)
+  records = read_prompt_records("spec_bench")
+  categories = list(dict.fromkeys(r.category for r in records))
+  assert len(prompts) == 13 and len(categories) >= 13
+  firsts = [next(r for r in records if r.category == c).turns[0] for c in categories[:13]]
+  hf = smol.tokenizer.hf
+  for ids, question in zip(prompts, firsts):
+    text = hf.decode(ids)
+    assert question.strip()[:40] in text and text.endswith("<|im_start|>assistant\n"), text
+  assert all(len(p) == 12 for p in heldout_prompts(smol, "tinystories", 3, 12))
+
+
+def test_shipped_smollm2_configs_validate():
+  for name in ("distill_smollm2_eagle3", "distill_smollm2_dflash"):
+    cfg = train_config.load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg["data"]["sources"] == ["self_generated"] and cfg["target_dtype"] == "bfloat16"

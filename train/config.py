@@ -23,6 +23,7 @@ from train import losses
 
 DEFAULTS = {
     "target": None,            # path of the frozen target (sj.load)
+    "target_dtype": None,      # its weights: None (as stored; GGUF: float32) | float32 | bfloat16
     "out_dir": None,           # checkpoints/, heads/, eval.json go here
     "seed": 0,
     "mesh": {                  # data parallelism (and the target's tensor parallelism)
@@ -159,6 +160,9 @@ def apply_sets(cfg: dict, sets: Sequence[str]) -> dict:
 
 def validate(cfg: dict) -> dict:
   _check(cfg, DEFAULTS)
+  if cfg["target_dtype"] not in (None, "float32", "bfloat16"):
+    raise ValueError(f"target_dtype must be null, float32 or bfloat16, got "
+                     f"{cfg['target_dtype']!r}")
   for key in ("target", "out_dir"):
     if not cfg.get(key):
       raise ValueError(f"config needs a top-level {key!r}")

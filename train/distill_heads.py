@@ -151,7 +151,7 @@ def run(cfg: dict) -> dict:
   out_dir = pathlib.Path(cfg["out_dir"])
   out_dir.mkdir(parents=True, exist_ok=True)
   tcfg, ecfg, hcfg = cfg["train"], cfg["eval"], cfg["head"]
-  target = sj.load(cfg["target"])
+  target = sj.load(cfg["target"], dtype=cfg["target_dtype"])
   fp = heads_folder.fingerprint(target)
   windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
   draft_tokens = None

@@ -5,12 +5,33 @@ from __future__ import annotations
 import jax
 
 import spec_jax as sj
+from spec_jax.bench.prompts import PROMPT_SETS, read_prompt_records, source_path
+from spec_jax.models.chat import chat_ids, hf_chat_tokenizer
 from train.data import read_paragraphs
 
 
 def heldout_prompts(target, path, num_prompts: int, prompt_tokens: int) -> list:
-  paragraphs = read_paragraphs(path)[:num_prompts]
-  return [target.encode(p)[:prompt_tokens] for p in paragraphs]
+  """Evaluation prompts: a text file's paragraphs cut to their first prompt_tokens tokens, or
+  (a prompt set: a PROMPT_SETS name such as spec_bench, or a .jsonl) the first turns of
+  num_prompts questions taken round-robin over its categories, in the target's chat template
+  when it has one (whole questions: prompt_tokens is not applied)."""
+  if path in PROMPT_SETS and PROMPT_SETS[path].endswith(".txt"):
+    path = PROMPT_SETS[path]
+  if not (path in PROMPT_SETS or ".jsonl" in str(path)):
+    paragraphs = read_paragraphs(path)[:num_prompts]
+    return [target.encode(p)[:prompt_tokens] for p in paragraphs]
+  source_path(path)                           # ValueError naming the sets when missing
+  by_category: dict = {}
+  for r in read_prompt_records(path):
+    by_category.setdefault(r.category, []).append(r.turns[0])
+  picked, i = [], 0
+  while len(picked) < num_prompts and any(i < len(q) for q in by_category.values()):
+    picked += [q[i] for q in by_category.values() if i < len(q)]
+    i += 1
+  picked = picked[:num_prompts]
+  if hf_chat_tokenizer(target.tokenizer) is not None:
+    return [chat_ids(target, [{"role": "user", "content": q}]) for q in picked]
+  return [target.encode(q) for q in picked]
 
 
 def measure(target, drafter, prompts, num_draft: int, temperatures, max_new_tokens: int,
