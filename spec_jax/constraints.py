@@ -37,6 +37,7 @@ step, which cannot advance along drafted prefixes inside a jitted loop.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Optional, Sequence
 
@@ -104,11 +105,14 @@ def json_schema(schema, whitespace: Optional[str] = None) -> Constraint:
 @dataclasses.dataclass(frozen=True)
 class Grammar(LogitsProcessor):
   """A compiled constraint as a LogitsProcessor (module docstring). Static: the padded table
-  sizes (grammars of equal sizes share a compiled decode); params: (classes int32 [V],
+  sizes and the tables' fingerprint (so a jit that reads `params` as constants never mixes up
+  two grammars); generate() shares one compiled decode between grammars of equal sizes
+  (`shape_key`), since it passes the tables as arguments. params: (classes int32 [V],
   next int32 [S, C], initial int32 []). State: int32 [] the automaton's state."""
   num_states: int
   num_classes: int
   vocab_size: int
+  fingerprint: str = ""
   tables: Any = params_field(default=None)
   constraint: Optional[Constraint] = params_field(default=None)
   accepting: Any = params_field(default=None)      # bool [S] host-side: the accepting states
@@ -118,6 +122,10 @@ class Grammar(LogitsProcessor):
   @property
   def params(self):
     return self.tables
+
+  def shape_key(self) -> tuple:
+    """What a compiled decode that takes the tables as arguments depends on."""
+    return ("Grammar", self.num_states, self.num_classes, self.vocab_size)
 
   @property
   def dead(self) -> int:
@@ -289,7 +297,9 @@ def _tables(constraint, states, trans, initial, finals, vocab_size, end_ids) -> 
   info = np.zeros(num_states, bool)
   info[:n] = accepting & live
   tables = (classes, nxt, np.asarray(start, np.int32))
+  digest = hashlib.sha256(b"".join(np.ascontiguousarray(t).tobytes() for t in tables))
   return Grammar(num_states=num_states, num_classes=num_classes, vocab_size=vocab_size,
+                 fingerprint=digest.hexdigest()[:16],
                  tables=tables, constraint=constraint, accepting=info,
                  sizes={"states": n, "classes": end_class + 1, "transitions": int(len(tok))})
 

@@ -24,7 +24,12 @@ from spec_jax.models.transformer import KVCache, forward
 from spec_jax.sampling import History
 from tests.conftest import need_shared
 from tests.stats_helpers import assert_same_distribution, chi2_sf, chi_square
-from tests.test_lossless import N, PROMPT, V, _models, joint_counts
+from tests.test_lossless import PROMPT, V, _models, joint_counts
+
+# Rows per sampled joint: half of test_lossless's 40k. Enough power here: a lossy grammar
+# state emits tokens of probability 0 (chi-square = inf), and every joint below has ~100 bins
+# of non-zero probability (expected counts >= 5 pooled).
+N = 20_000
 
 LETTERS = [bytes([ord("a") + i]) for i in range(V - 1)] + [None]
 END = V - 1
@@ -396,3 +401,18 @@ def test_eval_runs_one_category_under_a_schema(tmp_path):
   assert cli.main(["--target", str(need_shared("models", TINY)), "--drafter", "ngram",
                    "--prompts", str(prompts), "--out", str(tmp_path / "r2"), "--no-progress",
                    "--category", "zeta"]) == 2
+
+
+def test_grammars_of_one_size_share_a_compiled_decode_and_differ_as_statics():
+  """Two grammars with equal table sizes: generate() compiles once (the tables are arguments)
+  and each decode follows its own grammar; as jit statics they differ (their fingerprints), so
+  a user's jit that reads `params` as constants never mixes them up."""
+  from spec_jax.decoding import compiled
+  target, _ = _models()
+  g1, g2 = grammar("(ab)+"), grammar("(dg)+")
+  assert g1.shape_key() == g2.shape_key() and g1 != g2 and hash(g1) != hash(g2)
+  clear_compiled()
+  outs = [np.asarray(sj.generate(target, [PROMPT], max_new_tokens=6, sampling=sj.Sampling(0.0),
+                                 stop_tokens=[], processors=(g,)).tokens)[0] for g in (g1, g2)]
+  assert len(compiled._COMPILED) == 1
+  assert set(outs[0]) <= {0, 1, END} and set(outs[1]) <= {3, 6, END}, outs

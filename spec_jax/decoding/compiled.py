@@ -77,8 +77,12 @@ def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
   positional, keywords = args
   if params_signature is None:
     params_signature = tree_signature(positional[0])
-  # static items in the caller's (fixed) order; shapes and dtypes as they are (hashable).
-  sig = (tuple(static.items()), params_signature, tree_signature((positional[1:], keywords)))
+  # static items in the caller's (fixed) order; shapes and dtypes as they are (hashable). A
+  # processor whose arrays are arguments is keyed by its shapes (a grammar's shape_key):
+  # grammars of equal table sizes share one executable.
+  keyed = {k: (tuple(getattr(p, "shape_key", lambda p=p: p)() for p in v)
+               if k == "processors" else v) for k, v in static.items()}
+  sig = (tuple(keyed.items()), params_signature, tree_signature((positional[1:], keywords)))
   hit = _COMPILED.get(sig)
   if hit is None:
     layout = []
