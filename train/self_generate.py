@@ -99,6 +99,7 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
   if max_batches is None:
     max_batches = 4 * -(-conversations // batch) + 4
   shard = len(list(out.glob("shard_*.npz")))
+  resumed = sum(len(s) for s in seqs)
   stops = set(stop_array(target, None).tolist())
   start = time.perf_counter()
   while len(seqs) < conversations:
@@ -133,7 +134,7 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
     seqs += kept_seqs
     users += new_users
     shard += 1
-    rate = sum(len(s) for s in seqs) / max(time.perf_counter() - start, 1e-9)
+    rate = (sum(len(s) for s in seqs) - resumed) / max(time.perf_counter() - start, 1e-9)
     log(f"self-generated {len(seqs)}/{conversations} conversations ({shard} batches, "
         f"{len(kept_seqs)}/{batch} kept this batch, ~{rate:.0f} tokens/s this run)")
   return seqs[:conversations]
