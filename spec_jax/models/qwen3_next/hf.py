@@ -1,0 +1,240 @@
+"""The hybrid family's Hugging Face reading: config.json and tensors -> forward.py's layout.
+
+config.json model_type: qwen3_next (Qwen3NextForCausalLM), qwen3_5_text (Qwen3_5ForCausalLM),
+qwen3_5 (Qwen3_5ForConditionalGeneration: its text_config; the vision tower is skipped).
+Tensors below `model.` or `model.language_model.`; HF [out, in] weights transposed:
+
+  embed_tokens.weight  embed       norm.weight  final_norm       lm_head.weight  lm_head
+  layers.N.input_layernorm / post_attention_layernorm .weight      attn_norm / mlp_norm
+  layers.N.linear_attn.
+    in_proj_qkvz [Hk (2 Dk + 2 r Dv), D] (Qwen3-Next: grouped per key head: q, k, r v heads,
+      r z heads) and in_proj_ba [Hk 2 r, D] (per key head: r b, r a), or Qwen3.5's split
+      in_proj_qkv / in_proj_z / in_proj_b / in_proj_a        -> w_qkv, w_z, w_b, w_a
+    conv1d.weight [C, 1, W] conv_w   dt_bias, A_log   norm.weight gnorm   out_proj w_out
+  layers.N.self_attn.{q,k,v,o}_proj.weight, {q,k}_norm.weight     wq, wk, wv, wo, q/k_norm
+  layers.N.mlp.{gate,up,down}_proj.weight                         w_gate, w_up, w_down
+  layers.N.mlp.gate.weight router; mlp.experts.E.{gate,up,down}_proj.weight (or fused
+    mlp.experts.gate_up_proj [E, 2 Fe, D] / down_proj [E, D, Fe]) experts_*;
+    mlp.shared_expert.{gate,up,down}_proj.weight shared_*; mlp.shared_expert_gate.weight
+  mtp.*  collected raw (the native MTP head, spec_jax.drafters.hybrid_mtp)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+
+from spec_jax.models import hf_reader
+from spec_jax.models.hf_reader import get, listing
+from spec_jax.models.qwen3_next import plan as hplan
+from spec_jax.models.qwen3_next.forward import init_params
+
+HF_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5_text",
+                  "qwen3_5": "qwen3_5_text"}
+_PREFIXES = ("model.language_model.", "model.")
+_SKIPPED = re.compile(r"^(model\.)?(visual|vision_tower)\.")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PLAIN = {"input_layernorm.weight": ("attn_norm", False),
+          "post_attention_layernorm.weight": ("mlp_norm", False),
+          "linear_attn.in_proj_qkv.weight": ("w_qkv", True),
+          "linear_attn.in_proj_z.weight": ("w_z", True),
+          "linear_attn.in_proj_b.weight": ("w_b", True),
+          "linear_attn.in_proj_a.weight": ("w_a", True),
+          "linear_attn.dt_bias": ("dt_bias", False), "linear_attn.A_log": ("A_log", False),
+          "linear_attn.norm.weight": ("gnorm", False),
+          "linear_attn.out_proj.weight": ("w_out", True),
+          "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True),
+          "self_attn.v_proj.weight": ("wv", True), "self_attn.o_proj.weight": ("wo", True),
+          "self_attn.q_norm.weight": ("q_norm", False),
+          "self_attn.k_norm.weight": ("k_norm", False),
+          "mlp.gate_proj.weight": ("w_gate", True), "mlp.up_proj.weight": ("w_up", True),
+          "mlp.down_proj.weight": ("w_down", True), "mlp.gate.weight": ("router", True),
+          "mlp.shared_expert.gate_proj.weight": ("shared_gate", True),
+          "mlp.shared_expert.up_proj.weight": ("shared_up", True),
+          "mlp.shared_expert.down_proj.weight": ("shared_down", True),
+          "mlp.shared_expert_gate.weight": ("shared_expert_gate", True)}
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def text_config(cfg):
+  return cfg.get_text_config() if getattr(cfg, "model_type", None) == "qwen3_5" else cfg
+
+
+def config_fields(cfg, source: str = "config.json") -> dict:
+  """A transformers Qwen3NextConfig / Qwen3_5TextConfig / Qwen3_5Config -> ModelConfig fields;
+  ValueError naming the field for what spec_jax does not run."""
+  t = text_config(cfg)
+  model_type = HF_MODEL_TYPES.get(getattr(t, "model_type", None))
+  if model_type is None:
+    raise ValueError(f"{source}: not a Qwen3-Next / Qwen3.5 config (model_type "
+                     f"{getattr(cfg, 'model_type', None)!r})")
+  act = get(t, "hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"{source}: unsupported hidden_act {act!r}; supported: silu")
+  if get(t, "attention_bias", False):
+    raise ValueError(f"{source}: attention_bias is true; the hybrid family has no attention "
+                     "biases")
+  n = int(t.num_hidden_layers)
+  types = get(t, "layer_types", None)
+  if types is None or len(types) != n:
+    raise ValueError(f"{source}: layer_types must list {n} layer types (num_hidden_layers), "
+                     f"got {types!r}")
+  rope = dict(get(t, "rope_parameters", None) or {})
+  theta = float(rope.pop("rope_theta", get(t, "rope_theta", 10000.0)))
+  partial = float(rope.pop("partial_rotary_factor", get(t, "partial_rotary_factor", 1.0)))
+  kind = rope.pop("rope_type", "default")
+  if kind != "default":
+    raise ValueError(f"{source}: rope_parameters.rope_type {kind!r} is not supported; "
+                     "supported: default")
+  heads = int(t.num_attention_heads)
+  hidden = int(t.hidden_size)
+  bos = getattr(t, "bos_token_id", None)
+  num_mtp = int(get(t, "mtp_num_hidden_layers", 0) or 0)
+  next_moe = model_type == "qwen3_next"
+  tie = bool(get(cfg, "tie_word_embeddings", get(t, "tie_word_embeddings", False)))
+  return dict(
+      vocab_size=int(t.vocab_size), hidden_size=hidden,
+      intermediate_size=int(t.intermediate_size), num_layers=n, num_heads=heads,
+      num_kv_heads=int(get(t, "num_key_value_heads", heads)),
+      head_dim=int(get(t, "head_dim", None) or hidden // heads), rope_theta=theta,
+      rms_norm_eps=float(get(t, "rms_norm_eps", 1e-6)), tie_embeddings=tie,
+      max_position_embeddings=int(get(t, "max_position_embeddings", 32768)),
+      model_type=model_type, bos_token_id=None if bos is None else int(bos),
+      eos_token_ids=hf_reader.token_ids(getattr(t, "eos_token_id", None)),
+      num_mtp_layers=num_mtp, layer_types=tuple(str(x) for x in types),
+      partial_rotary_factor=partial,
+      linear_num_key_heads=int(t.linear_num_key_heads),
+      linear_num_value_heads=int(t.linear_num_value_heads),
+      linear_key_head_dim=int(t.linear_key_head_dim),
+      linear_value_head_dim=int(t.linear_value_head_dim),
+      linear_conv_kernel_dim=int(t.linear_conv_kernel_dim),
+      num_experts=int(get(t, "num_experts", 0) or 0) if next_moe else 0,
+      num_experts_per_tok=int(get(t, "num_experts_per_tok", 0) or 0) if next_moe else 0,
+      moe_intermediate_size=int(get(t, "moe_intermediate_size", 0) or 0) if next_moe else 0,
+      shared_expert_intermediate_size=(int(get(t, "shared_expert_intermediate_size", 0) or 0)
+                                       if next_moe else 0),
+      norm_topk_prob=bool(get(t, "norm_topk_prob", True)),
+      decoder_sparse_step=int(get(t, "decoder_sparse_step", 1) or 1),
+      mlp_only_layers=tuple(int(i) for i in (get(t, "mlp_only_layers", None) or ())))
+
+
+def _prefix(names) -> str:
+  for p in _PREFIXES:
+    if p + "embed_tokens.weight" in names:
+      return p
+  raise ValueError("no text embedding found (looked for "
+                   + ", ".join(p + "embed_tokens.weight" for p in _PREFIXES) + ")")
+
+
+def _grouped_qkvz(config, qkvz, ba):
+  """Qwen3-Next's grouped in_proj_qkvz [Hk (2Dk + 2 r Dv), D] and in_proj_ba [Hk 2r, D] ->
+  (w_qkv [D, 2 Hk Dk + Hv Dv], w_z [D, Hv Dv], w_b, w_a [D, Hv]) in Qwen3.5's flat order
+  (fix_query_key_value_ordering)."""
+  c = config
+  hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+  r = c.linear_num_value_heads // hk
+  d = qkvz.shape[1]
+  g = qkvz.reshape(hk, 2 * dk + 2 * r * dv, d)
+  q, k = g[:, :dk], g[:, dk:2 * dk]
+  v, z = g[:, 2 * dk:2 * dk + r * dv], g[:, 2 * dk + r * dv:]
+  flat = lambda x: x.reshape(-1, d)
+  w_qkv = np.concatenate([flat(q), flat(k), flat(v)], axis=0)
+  gba = ba.reshape(hk, 2 * r, d)
+  return w_qkv.T, flat(z).T, flat(gba[:, :r]).T, flat(gba[:, r:]).T
+
+
+def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tuple:
+  """Tensors (`where`: {name: file}) -> (config with dtype, numpy params in forward.py's
+  layout, {mtp.* name: array} or None). Every shape is checked before the data is used."""
+  prefix = _prefix(where)
+  embed = prefix + "embed_tokens.weight"
+  config = config.replace(dtype=dtype or hf_reader.checkpoint_dtype(where[embed].meta[embed][0]))
+  shapes = hf_reader.param_shapes(init_params, config)
+  np_dtype = hf_reader.np_dtype(config.dtype)
+  read = lambda name: np.asarray(where[name].read(name), np.float32)
+  layers = [dict() for _ in range(config.num_layers)]
+  params = {"layers": layers}
+  mtp, unknown, grouped, experts = {}, [], {}, {}
+
+  def put(node, leaf, value, name):
+    want = tuple(shapes["layers"][node][leaf]) if isinstance(node, int) else tuple(shapes[leaf])
+    if tuple(value.shape) != want:
+      raise ValueError(f"{folder}: tensor {name} gives {leaf} of shape {tuple(value.shape)}; "
+                       f"the config implies {want}")
+    (layers[node] if isinstance(node, int) else params)[leaf] = value.astype(np_dtype)
+
+  for name in where:
+    if name.startswith("mtp."):
+      mtp[name] = where[name]
+      continue
+    if _SKIPPED.match(name) or hf_reader.IGNORED.search(name):
+      continue
+    if name == "lm_head.weight":
+      if not config.tie_embeddings:
+        put(None, "lm_head", read(name).T, name)
+      continue
+    rel = name[len(prefix):] if name.startswith(prefix) else None
+    if rel == "embed_tokens.weight":
+      put(None, "embed", read(name), name)
+      continue
+    if rel == "norm.weight":
+      put(None, "final_norm", read(name), name)
+      continue
+    m = _LAYER_RE.match(rel or "")
+    if not m or int(m.group(1)) >= config.num_layers:
+      unknown.append(name)
+      continue
+    i, suffix = int(m.group(1)), m.group(2)
+    want = shapes["layers"][i]
+    if suffix in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"):
+      grouped.setdefault(i, {})[suffix.split(".")[1]] = name
+    elif suffix == "linear_attn.conv1d.weight" and "conv_w" in want:
+      put(i, "conv_w", read(name).reshape(read(name).shape[0], -1), name)
+    elif _EXPERT_RE.match(suffix) and "router" in want:
+      e, which = _EXPERT_RE.match(suffix).groups()
+      experts.setdefault(i, {})[(int(e), which)] = name
+    elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") and "router" in want:
+      experts.setdefault(i, {})[suffix] = name
+    elif suffix in _PLAIN and _PLAIN[suffix][0] in want:
+      leaf, transpose = _PLAIN[suffix]
+      value = read(name)
+      put(i, leaf, value.T if transpose else value, name)
+    else:
+      unknown.append(name)
+  if unknown:
+    raise ValueError(f"{folder}: {len(unknown)} tensor(s) this {config.model_type} config does "
+                     f"not use: {listing(sorted(unknown))}")
+  for i, names in grouped.items():
+    if set(names) != {"in_proj_qkvz", "in_proj_ba"}:
+      raise ValueError(f"{folder}: layer {i} has {sorted(names)} but needs both in_proj_qkvz "
+                       "and in_proj_ba")
+    parts = _grouped_qkvz(config, read(names["in_proj_qkvz"]), read(names["in_proj_ba"]))
+    for leaf, value in zip(("w_qkv", "w_z", "w_b", "w_a"), parts):
+      put(i, leaf, value, names["in_proj_qkvz"])
+  for i, names in experts.items():
+    e = config.num_experts
+    if "mlp.experts.gate_up_proj" in names:
+      gu = read(names["mlp.experts.gate_up_proj"])                     # [E, 2F, D]
+      f = gu.shape[1] // 2
+      put(i, "experts_gate", np.swapaxes(gu[:, :f], 1, 2), names["mlp.experts.gate_up_proj"])
+      put(i, "experts_up", np.swapaxes(gu[:, f:], 1, 2), names["mlp.experts.gate_up_proj"])
+      if "mlp.experts.down_proj" in names:
+        put(i, "experts_down", np.swapaxes(read(names["mlp.experts.down_proj"]), 1, 2),
+            names["mlp.experts.down_proj"])
+      continue
+    for which, leaf in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+      got = [names.get((j, which)) for j in range(e)]
+      if None in got:
+        raise ValueError(f"{folder}: layer {i} lacks mlp.experts.{got.index(None)}.{which}_proj"
+                         f".weight (num_experts is {e})")
+      put(i, leaf, np.stack([read(n).T for n in got]), got[0])
+  missing = [f"layers/{i}/{leaf}" for i, lp in enumerate(shapes["layers"]) for leaf in lp
+             if leaf not in layers[i]]
+  missing += [leaf for leaf in shapes if leaf != "layers" and leaf not in params]
+  if missing:
+    raise ValueError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) (spec_jax names): "
+                     f"{listing(missing)}")
+  raw_mtp = {name: f.read(name) for name, f in mtp.items()} or None
+  return config, params, raw_mtp
