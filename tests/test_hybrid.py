@@ -97,15 +97,19 @@ def test_logits_match_transformers_over_several_chunks(models, kind):
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
 def test_greedy_tokens_match_transformers_generate(models, kind):
-  """32 greedy tokens after a 100-token prompt: identical to transformers' generate."""
+  """32 greedy tokens after prompts of 64 (one prefill chunk exactly: the next chunk is all
+  padding for that row) and 100 tokens, batched: each identical to transformers' generate."""
   tm, model, _ = models[kind]
-  toks = prompt(100, seed=3, batch=1)
-  with torch.no_grad():
-    ref = tm.generate(torch.tensor(toks, dtype=torch.long), max_new_tokens=32, do_sample=False,
-                      min_new_tokens=32)[0, 100:].tolist()
-  out = sj.generate(model, [toks[0].tolist()], max_new_tokens=32,
-                    sampling=sj.Sampling(temperature=0.0), stop_tokens=[], capacity=160)
-  assert out.tokens[0] == ref
+  toks = prompt(100, seed=3, batch=2)
+  rows = [toks[0, :64].tolist(), toks[1].tolist()]
+  refs = []
+  for row in rows:
+    with torch.no_grad():
+      refs.append(tm.generate(torch.tensor([row], dtype=torch.long), max_new_tokens=32,
+                              do_sample=False, min_new_tokens=32)[0, len(row):].tolist())
+  out = sj.generate(model, rows, max_new_tokens=32, sampling=sj.Sampling(temperature=0.0),
+                    stop_tokens=[], capacity=160)
+  assert out.tokens == refs
 
 
 def test_200_decoded_tokens_keep_the_state_exact(models):
@@ -248,6 +252,11 @@ def test_committing_every_verified_position_fails_greedy_equality(models, plain,
   res = run(model.params)
   wrong = [np.asarray(res.tokens)[i, lens[i]:lens[i] + 40].tolist() for i in range(2)]
   assert wrong != plain["qwen3_5_text"]
+
+
+def test_a_hybrid_draft_model_is_refused(models):
+  with pytest.raises(ValueError, match="recurrent state"):
+    sj.drafters.DraftModel(models["qwen3_5_text"][1])
 
 
 def test_trees_are_refused_with_a_clear_error(models):
