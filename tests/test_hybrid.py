@@ -382,3 +382,137 @@ def test_commit_cache_selects_the_accepted_position():
   for b in range(2):
     np.testing.assert_array_equal(out.state[:, b], steps[:, b, int(n[b])])
     np.testing.assert_array_equal(out.conv[:, b], conv[:, b, int(n[b]) + 1:int(n[b]) + 4])
+
+
+# ----------------------------------------------------------------------------- native MTP
+
+def torch_mtp_modules(tm, seed: int):
+  """The MTP module of tm's kind in transformers' own classes (a full-attention decoder layer
+  of the target's kind, its MoE or dense MLP, three zero-centred norms, fc), random weights."""
+  import copy
+  cfg = copy.deepcopy(tm.config)
+  cfg.layer_types = ["full_attention"] + list(cfg.layer_types[1:])
+  cfg._attn_implementation = "eager"
+  d = cfg.hidden_size
+  norm_cls = type(tm.model.norm)
+  torch.manual_seed(seed)
+  mods = torch.nn.ModuleDict(dict(
+      fc=torch.nn.Linear(2 * d, d, bias=False), layer=type(tm.model.layers[0])(cfg, 0),
+      pre_fc_norm_embedding=norm_cls(d, eps=cfg.rms_norm_eps),
+      pre_fc_norm_hidden=norm_cls(d, eps=cfg.rms_norm_eps), norm=norm_cls(d, eps=cfg.rms_norm_eps)))
+  with torch.no_grad():
+    for name, p in mods.named_parameters():
+      p.copy_((0.1 if p.ndim == 1 else 0.15) * torch.randn_like(p))
+  return mods.eval()
+
+
+def mtp_tensors(mods) -> dict:
+  out = {}
+  for name, value in mods.state_dict().items():
+    name = name.replace("layer.", "layers.0.", 1) if name.startswith("layer.") else name
+    out["mtp." + name] = value.detach().clone().contiguous()
+  return out
+
+
+@pytest.fixture(scope="module")
+def mtp_models(models, tmp_path_factory):
+  """kind -> (torch target, torch MTP modules, sj target loaded from a folder with mtp.*)."""
+  from safetensors.torch import load_file, save_file
+  out = {}
+  for i, kind in enumerate(models):
+    tm, _, folder = models[kind]
+    mods = torch_mtp_modules(tm, seed=10 + i)
+    new = tmp_path_factory.mktemp(f"{kind}_mtp")
+    for f in folder.iterdir():
+      shutil.copy(f, new / f.name)
+    tensors = load_file(new / "model.safetensors")
+    tensors.update(mtp_tensors(mods))
+    save_file(tensors, new / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((new / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (new / "config.json").write_text(json.dumps(cfg))
+    out[kind] = (tm, mods, sj.load(new), new)
+  return out
+
+
+def torch_mtp_logits(tm, mods, toks, drafts):
+  """Reference: slot j holds (target hidden after its final norm at j, token j+1), RoPE position
+  j; the chained slots hold (the module's previous normed output, the draft). Returns the
+  logits at the last prompt slot and after each chained draft [1 + len(drafts), V]."""
+  with torch.no_grad():
+    ids = torch.tensor([toks], dtype=torch.long)
+    feats = tm.model(ids[:, :-1]).last_hidden_state[0]                  # [P, D]
+    emb = tm.model.embed_tokens
+    x = mods["fc"](torch.cat([mods["pre_fc_norm_embedding"](emb(ids[0, 1:])),
+                              mods["pre_fc_norm_hidden"](feats)], -1))
+    logits = []
+    for step in range(len(drafts) + 1):
+      t = x.shape[0]
+      pos = torch.arange(t)[None]
+      cos, sin = tm.model.rotary_emb(x[None], pos)
+      mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+      o = mods["layer"](x[None], position_embeddings=(cos, sin), attention_mask=mask,
+                        position_ids=pos)
+      o = o[0] if isinstance(o, tuple) else o
+      n = mods["norm"](o[0])
+      logits.append(tm.lm_head(n[-1]))
+      if step < len(drafts):
+        nxt = mods["fc"](torch.cat([mods["pre_fc_norm_embedding"](emb(torch.tensor([drafts[step]]))),
+                                    mods["pre_fc_norm_hidden"](n[-1:])], -1))
+        x = torch.cat([x, nxt], 0)
+    return torch.stack(logits).numpy()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
+def test_mtp_draft_logits_match_an_independent_torch_forward(mtp_models, kind):
+  """sj.drafters.load(folder, target) finds mtp.* in the target's own folder; its first draft's
+  logits and the chained second and third drafts' equal transformers' modules run by hand."""
+  tm, mods, model, folder = mtp_models[kind]
+  drafter = sj.drafters.load(folder, model)
+  assert isinstance(drafter, sj.drafters.HybridMTP) and drafter.kind == "mtp"
+  assert ("router" in drafter.params["layer"]) == (kind == "qwen3_next")    # MoE vs dense
+  toks = prompt(41, seed=9, batch=1)[0].tolist()          # prompt of 40, then token P
+  drafts = [17, 200]
+  ref = torch_mtp_logits(tm, mods, toks, drafts)
+  p = 40
+  cfg, params = model.config, model.params
+  buf = jnp.zeros((1, 64), jnp.int32).at[0, :p + 1].set(jnp.asarray(toks))
+  pre = sj.forward(params, cfg, buf[:, :p], sj.KVCache.zeros(cfg, 1, 64), jnp.zeros(1, jnp.int32))
+  info = sj.drafters.PrefillInfo(tokens=buf, prompt_tokens=buf[:, :p],
+                                 prompt_lens=jnp.array([p], jnp.int32), hidden=pre.hidden,
+                                 layer_hidden=(), target_params=params,
+                                 sampling=sj.Sampling(temperature=1.0).rows(1))
+  state = drafter.init_state(drafter.params, info)
+  got = [drafter.logits(drafter.params, params, state.next_feature)[0]]
+  feature, k, v = state.next_feature, state.k, state.v
+  for i, d in enumerate(drafts):
+    o, k, v = drafter._step(drafter.params, params, jnp.array([[d]], jnp.int32), feature[:, None],
+                            k, v, jnp.array([p + i], jnp.int32))
+    feature = o[:, 0]
+    got.append(drafter.logits(drafter.params, params, feature)[0])
+  got = np.stack([np.asarray(g) for g in got])
+  scale = np.abs(ref).max()
+  diff = np.abs(got - ref).max()
+  print(f"{kind} MTP: max draft-logit diff {diff:.2e} (scale {scale:.2f})")
+  assert diff <= REL_TOL * scale, (diff, scale)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_speculation_with_the_native_mtp_head_equals_plain_greedy(mtp_models, plain, k):
+  _, _, model, folder = mtp_models["qwen3_next"]
+  drafter = sj.drafters.load(folder, model)
+  out = greedy_run(model, drafter, k)
+  assert out.tokens == plain["qwen3_next"]
+  assert out.stats.drafted > 0
+  print(f"native MTP K={k}: {out.stats.summary()}")
+
+
+def test_cli_drafter_mtp_reads_the_targets_own_folder(mtp_models):
+  from spec_jax.bench.specs import make_drafter
+  _, _, model, _ = mtp_models["qwen3_5_text"]
+  drafter = make_drafter("mtp", model)
+  assert isinstance(drafter, sj.drafters.HybridMTP)
+  with pytest.raises(ValueError, match="mtp"):
+    make_drafter("mtp", mtp_models["qwen3_5_text"][2].replace(source=None)
+                 if hasattr(mtp_models["qwen3_5_text"][2], "replace") else
+                 sj.Model(config=model.config, params=model.params))

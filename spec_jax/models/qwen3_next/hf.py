@@ -238,3 +238,43 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
                      f"{listing(missing)}")
   raw_mtp = {name: f.read(name) for name, f in mtp.items()} or None
   return config, params, raw_mtp
+
+
+def read_layer(config, tensors: dict, source: str) -> dict:
+  """One layer's tensors {suffix after "layers.N.": array} -> its params, layer 0 of `config`
+  (a one-layer config: what the native MTP module's decoder layer is). ValueError for an
+  unknown, missing or misshapen tensor."""
+  want = hf_reader.param_shapes(init_params, config)["layers"][0]
+  out, experts = {}, {}
+  for suffix, value in tensors.items():
+    value = np.asarray(value, np.float32)
+    m = _EXPERT_RE.match(suffix)
+    if m:
+      experts[(int(m.group(1)), m.group(2))] = value
+    elif suffix == "mlp.experts.gate_up_proj":
+      f = value.shape[1] // 2
+      out["experts_gate"] = np.swapaxes(value[:, :f], 1, 2)
+      out["experts_up"] = np.swapaxes(value[:, f:], 1, 2)
+    elif suffix == "mlp.experts.down_proj":
+      out["experts_down"] = np.swapaxes(value, 1, 2)
+    elif suffix in _PLAIN and _PLAIN[suffix][0] in want:
+      leaf, transpose = _PLAIN[suffix]
+      out[leaf] = value.T if transpose else value
+    else:
+      raise ValueError(f"{source}: tensor {suffix} is not part of this layer")
+  for which, leaf in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+    if (0, which) in experts:
+      got = [experts.get((j, which)) for j in range(config.num_experts)]
+      if any(g is None for g in got):
+        raise ValueError(f"{source}: lacks some mlp.experts.N.{which}_proj.weight (num_experts "
+                         f"{config.num_experts})")
+      out[leaf] = np.stack([g.T for g in got])
+  missing = sorted(set(want) - set(out))
+  if missing:
+    raise ValueError(f"{source}: lacks {len(missing)} tensor(s) (spec_jax names): "
+                     f"{listing(missing)}")
+  for leaf, value in out.items():
+    if tuple(value.shape) != tuple(want[leaf]):
+      raise ValueError(f"{source}: {leaf} has shape {tuple(value.shape)}; the config implies "
+                       f"{tuple(want[leaf])}")
+  return out
