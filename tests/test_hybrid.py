@@ -516,3 +516,49 @@ def test_cli_drafter_mtp_reads_the_targets_own_folder(mtp_models):
     make_drafter("mtp", mtp_models["qwen3_5_text"][2].replace(source=None)
                  if hasattr(mtp_models["qwen3_5_text"][2], "replace") else
                  sj.Model(config=model.config, params=model.params))
+
+
+# ----------------------------------------------------------------------------- sharding
+
+MESH_SCRIPT = """
+import jax, numpy as np
+import spec_jax as sj
+from spec_jax.sharding import param_shardings
+assert jax.device_count() == 4, jax.devices()
+cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                     num_heads=2, num_kv_heads=2, head_dim=16, model_type="qwen3_next",
+                     partial_rotary_factor=0.5, eos_token_ids=(),
+                     layer_types=("linear_attention",) * 3 + ("full_attention",),
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                     linear_value_head_dim=4, linear_conv_kernel_dim=4, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=16)
+target = sj.init_model(cfg, jax.random.key(1))
+target.params["embed"] = target.params["embed"] * 40
+mesh = jax.make_mesh((2, 2), ("data", "model"))
+specs = param_shardings(mesh, target.params)
+lay = specs["layers"]
+assert lay[0]["w_qkv"].spec[-1] == "model" and lay[0]["w_out"].spec[0] == "model"
+assert lay[0]["experts_gate"].spec[0] == "model" and lay[3]["wq"].spec[-1] == "model"
+prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5], [1, 9, 9, 9, 9]]
+kw = dict(max_new_tokens=12, stop_tokens=[], sampling=sj.Sampling(0.0))
+one = sj.generate(target, prompts, **kw)
+for drafter, k in [(None, 0), (sj.drafters.NGram(), 3)]:
+  many = sj.generate(target, prompts, drafter=drafter, num_draft=k, mesh=mesh, **kw)
+  assert many.tokens == one.tokens, (k, many.tokens, one.tokens)
+print("OK")
+"""
+
+
+def test_generate_on_a_mesh_matches_one_device():
+  """The hybrid family's weights by their leaf-name rules and its cache (KV heads, recurrent
+  rows) on a (data 2, model 2) mesh of 4 fake CPU devices: greedy tokens as on one device."""
+  import os
+  import subprocess
+  import sys
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+  assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
