@@ -234,6 +234,20 @@ def test_greedy_speculation_with_partial_acceptances_equals_plain_greedy(models,
   assert 0 < out.stats.acceptance_rate < 1 and hist[1] > 0, out.stats.summary()
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_greedy_speculation_with_feature_heads_equals_plain_greedy(models, plain, kind):
+  """EAGLE-3 (three target layers' features) and DFlash (a block drafter) heads, random, on the
+  hybrid target: its layer features feed them; output equal to plain greedy."""
+  model = models["qwen3_next"][1]
+  if kind == "eagle3":
+    drafter = sj.drafters.EAGLE3.init(model, key=jax.random.key(4), init_std=0.3)
+  else:
+    drafter = sj.drafters.DFlash.init(model, key=jax.random.key(4), block_size=4, init_std=0.3)
+  out = greedy_run(model, drafter, 3)
+  assert out.tokens == plain["qwen3_next"]
+  assert out.stats.drafted > 0
+
+
 def test_committing_every_verified_position_fails_greedy_equality(models, plain, monkeypatch):
   """The wrong variant: keep the state after all K+1 verified tokens (no commit_cache). Its
   greedy output departs from plain greedy: the rollback is what makes the rounds exact."""

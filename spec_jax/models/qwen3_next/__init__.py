@@ -29,4 +29,5 @@ FAMILY = Family(
     tree_capable=False,
     commit_cache=cache.commit_cache,
     constrain_cache=cache.constrain_cache,
+    llama_view=plan.llama_view,
 )

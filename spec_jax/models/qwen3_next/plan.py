@@ -156,3 +156,11 @@ def num_params(config) -> int:
     else:
       total += 3 * d * c.intermediate_size
   return total
+
+
+def llama_view(config):
+  """A llama-family ModelConfig of this model's sizes (width, vocabulary, attention heads,
+  head_dim, RoPE theta, full rotary): what draft heads with a llama-style layer of their own
+  (EAGLE, EAGLE-3, DFlash) build on for a hybrid target."""
+  return dataclasses.replace(config, model_type="llama", qk_norm=False, rope_scaling=None,
+                             num_mtp_layers=0, **HYBRID_ONLY)
