@@ -28,7 +28,6 @@ import numpy as np
 
 from spec_jax.models import hf_reader
 from spec_jax.models.hf_reader import get, listing
-from spec_jax.models.qwen3_next import plan as hplan
 from spec_jax.models.qwen3_next.forward import init_params
 
 HF_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5_text",
@@ -191,7 +190,8 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
     if suffix in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"):
       grouped.setdefault(i, {})[suffix.split(".")[1]] = name
     elif suffix == "linear_attn.conv1d.weight" and "conv_w" in want:
-      put(i, "conv_w", read(name).reshape(read(name).shape[0], -1), name)
+      value = read(name)                                               # [C, 1, W]
+      put(i, "conv_w", value.reshape(value.shape[0], -1), name)
     elif _EXPERT_RE.match(suffix) and "router" in want:
       e, which = _EXPERT_RE.match(suffix).groups()
       experts.setdefault(i, {})[(int(e), which)] = name
