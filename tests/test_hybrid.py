@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import spec_jax as sj
 from spec_jax.models.qwen3_next import cache as hybrid_cache
-from tests.hybrid_helpers import (REL_TOL, build_models, build_mtp_models, greedy_run, prompt,
+from tests.hybrid_helpers import (REL_TOL, SIZES, build_models, build_mtp_models, greedy_run, prompt,
                                   torch_mtp_logits)
 
 
@@ -76,6 +76,29 @@ def test_greedy_tokens_match_transformers_generate(models, kind):
   out = sj.generate(model, rows, max_new_tokens=32, sampling=sj.Sampling(temperature=0.0),
                     stop_tokens=[], capacity=160)
   assert out.tokens == refs
+
+
+def test_a_multimodal_qwen3_5_folder_loads_its_text_model(tmp_path):
+  """A Qwen3_5ForConditionalGeneration folder (model_type qwen3_5: the text model under
+  model.language_model., a vision tower beside it): its text part, logits as transformers'."""
+  cfg = transformers.Qwen3_5Config(
+      text_config=dict(SIZES), vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                   num_heads=2, out_hidden_size=64))
+  torch.manual_seed(3)
+  tm = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+  with torch.no_grad():
+    for name, p in tm.named_parameters():
+      if "A_log" not in name:
+        p.add_(0.1 * torch.randn_like(p))
+  tm.save_pretrained(tmp_path)
+  model = sj.load(tmp_path)
+  assert model.config.model_type == "qwen3_5_text"
+  toks = prompt(80, seed=4, batch=1)
+  with torch.no_grad():
+    ref = tm(input_ids=torch.tensor(toks, dtype=torch.long)).logits.numpy()
+  out = sj.forward(model.params, model.config, jnp.asarray(toks), sj.KVCache.zeros(model.config, 1, 96),
+                   jnp.zeros(1, jnp.int32))
+  assert np.abs(np.asarray(out.logits) - ref).max() <= REL_TOL * np.abs(ref).max()
 
 
 def test_200_decoded_tokens_keep_the_state_exact(models):
@@ -274,3 +297,25 @@ def test_generate_on_a_mesh_matches_one_device():
   res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=600, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_pallas_attention_and_bfloat16_run_the_hybrid_layers(models):
+  """The attention layers go through kernels_pallas (interpret mode on CPU): a 4-token verify
+  with attention_impl="pallas" gives the reference's logits. A bfloat16 copy runs the prefill
+  (chunked) and a verify within bf16 rounding of float32 (the state stays float32)."""
+  _, model, _ = models["qwen3_5_text"]
+  toks = jnp.asarray(prompt(74, seed=6))
+  outs = {}
+  for name, cfg, params in [
+      ("reference", model.config.replace(attention_impl="reference"), model.params),
+      ("pallas", model.config.replace(attention_impl="pallas"), model.params),
+      ("bf16", model.config.replace(dtype="bfloat16", attention_impl="reference"),
+       jax.tree.map(lambda x: x.astype(jnp.bfloat16), model.params))]:
+    cache = sj.KVCache.zeros(cfg, 2, 96)
+    pre = sj.forward(params, cfg, toks[:, :70], cache, jnp.zeros(2, jnp.int32))
+    ver = sj.forward(params, cfg, toks[:, 70:], pre.cache, jnp.full((2,), 70, jnp.int32))
+    assert ver.cache.state.dtype == jnp.float32
+    outs[name] = np.asarray(ver.logits, np.float32)
+  scale = np.abs(outs["reference"]).max()
+  np.testing.assert_allclose(outs["pallas"], outs["reference"], atol=1e-5 * scale)
+  assert np.abs(outs["bf16"] - outs["reference"]).max() < 0.1 * scale

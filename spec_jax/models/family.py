@@ -58,9 +58,9 @@ state [L_lin, B, H, Dk, Dv], conv [L_lin, B, W, C], and per-position buffers of 
 T verify positions); its forward writes the KV as usual and the state after every new
 position into those buffers; commit_cache(cache, lengths, n_accepted) copies position
 n_accepted (the accepted prefix's last) into state and conv; tree_capable=False (or a move_kv
-that recomputes the state along the path). ModelTarget.commit_cache calls it; the decode
-core's commit step is where Target.commit_cache is to be called after acceptance (not yet
-wired: the KV-cache families need nothing there).
+that recomputes the state along the path). ModelTarget.commit_cache calls it; the chain round
+(decoding/rounds.chain_round) calls Target.commit_cache after acceptance (the KV-cache
+families' None makes it the identity). spec_jax.models.qwen3_next is such a family.
 """
 
 from __future__ import annotations
