@@ -110,6 +110,13 @@ def test_a_hybrid_draft_model_is_refused(models):
     sj.drafters.DraftModel(models["qwen3_5_text"][1])
 
 
+def test_chains_longer_than_the_verify_buffers_are_refused(models):
+  with pytest.raises(ValueError, match="at most 16 tokens per round"):
+    sj.generate(models["qwen3_5_text"][1], REPEAT_PROMPTS, drafter=sj.drafters.NGram(),
+                num_draft=16, max_new_tokens=4, sampling=sj.Sampling(temperature=0.0),
+                capacity=80)
+
+
 def test_trees_are_refused_with_a_clear_error(models):
   model = models["qwen3_5_text"][1]
   with pytest.raises(ValueError, match="qwen3_5_text.*chain|tree=None"):

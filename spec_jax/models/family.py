@@ -24,6 +24,9 @@ The functions a family provides (config is a ModelConfig of one of its model_typ
                                             contiguous slots (tree_capable: False when a family
                                             cannot, e.g. a recurrent state that must be
                                             recomputed along the path)
+  max_verify: None, or the most tokens one verify may cover (K + 1) for commit_cache to work
+                                            (a hybrid's per-position buffers); strategies that
+                                            draft more are refused when they bind
   commit_cache(cache, lengths, n_accepted) -> cache
                                             after a chain round's acceptance: what a cache that
                                             is not positional must do to keep only the accepted
@@ -107,6 +110,7 @@ class Family:
   move_kv: Callable = cache_lib.move_kv
   tree_capable: bool = True
   commit_cache: Optional[Callable] = None
+  max_verify: Optional[int] = None
   constrain_cache: Callable = cache_lib.constrain_cache
   prepare: Callable = same_params
   execution_layout: Callable = same_params

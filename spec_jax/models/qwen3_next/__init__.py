@@ -28,6 +28,7 @@ FAMILY = Family(
     config_fields=plan.HYBRID_ONLY,
     tree_capable=False,
     commit_cache=cache.commit_cache,
+    max_verify=cache.VERIFY_SLOTS,
     constrain_cache=cache.constrain_cache,
     llama_view=plan.llama_view,
 )
