@@ -16,7 +16,8 @@ Tensors below `model.` or `model.language_model.`; HF [out, in] weights transpos
   layers.N.mlp.gate.weight router; mlp.experts.E.{gate,up,down}_proj.weight (or fused
     mlp.experts.gate_up_proj [E, 2 Fe, D] / down_proj [E, D, Fe]) experts_*;
     mlp.shared_expert.{gate,up,down}_proj.weight shared_*; mlp.shared_expert_gate.weight
-  mtp.*  collected raw (the native MTP head, spec_jax.drafters.hybrid_mtp)
+  mtp.* (or model.mtp.*, language_model.mtp.*, model.language_model.mtp.*)  collected raw as
+    mtp.* (the native MTP head, spec_jax.drafters.hybrid_mtp)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ _PLAIN = {"input_layernorm.weight": ("attn_norm", False),
           "mlp.shared_expert.up_proj.weight": ("shared_up", True),
           "mlp.shared_expert.down_proj.weight": ("shared_down", True),
           "mlp.shared_expert_gate.weight": ("shared_expert_gate", True)}
+_MTP_RE = re.compile(r"^(model\.)?(language_model\.)?mtp\.")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -165,8 +167,9 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
     (layers[node] if isinstance(node, int) else params)[leaf] = value.astype(np_dtype)
 
   for name in where:
-    if name.startswith("mtp."):
-      mtp[name] = where[name]
+    m = _MTP_RE.match(name)
+    if m:                            # kept raw under "mtp." (converted layouts prefix it)
+      mtp["mtp." + name[m.end():]] = (where[name], name)
       continue
     if _SKIPPED.match(name) or hf_reader.IGNORED.search(name):
       continue
@@ -236,7 +239,7 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
   if missing:
     raise ValueError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) (spec_jax names): "
                      f"{listing(missing)}")
-  raw_mtp = {name: f.read(name) for name, f in mtp.items()} or None
+  raw_mtp = {name: f.read(stored) for name, (f, stored) in mtp.items()} or None
   return config, params, raw_mtp
 
 
