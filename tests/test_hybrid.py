@@ -168,6 +168,8 @@ def test_malformed_configs_are_refused_naming_the_field(changes, field):
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c.update(layer_types=c["layer_types"][:3]), "layer_types"),
     (lambda c: c.update(linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
+    (lambda c: c.update(linear_value_head_dim=4),          # every tensor shape, before reading
+     r"tensor model.layers.0.linear_attn.\S+ has shape"),
     (lambda c: c.update(linear_num_value_heads=3), "linear_num_value_heads"),
 ])
 def test_load_refuses_malformed_folders_naming_the_field(models, tmp_path, edit, field):

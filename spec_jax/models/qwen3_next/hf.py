@@ -29,6 +29,7 @@ import numpy as np
 
 from spec_jax.models import hf_reader
 from spec_jax.models.hf_reader import get, listing
+from spec_jax.models.qwen3_next import plan as hplan
 from spec_jax.models.qwen3_next.forward import init_params
 
 HF_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5_text",
@@ -148,23 +149,20 @@ def _grouped_qkvz(config, qkvz, ba):
 
 def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tuple:
   """Tensors (`where`: {name: file}) -> (config with dtype, numpy params in forward.py's
-  layout, {mtp.* name: array} or None). Every shape is checked before the data is used."""
+  layout, {mtp.* name: array} or None). Every stored shape, unknown and missing tensor is
+  checked (from the files' headers) before any data is read."""
   prefix = _prefix(where)
   embed = prefix + "embed_tokens.weight"
   config = config.replace(dtype=dtype or hf_reader.checkpoint_dtype(where[embed].meta[embed][0]))
   shapes = hf_reader.param_shapes(init_params, config)
   np_dtype = hf_reader.np_dtype(config.dtype)
-  read = lambda name: np.asarray(where[name].read(name), np.float32)
-  layers = [dict() for _ in range(config.num_layers)]
-  params = {"layers": layers}
-  mtp, unknown, grouped, experts = {}, [], {}, {}
+  c = config
+  s = hplan.linear_sizes(c) if hplan.LINEAR in c.layer_types else None
+  mtp, unknown, expect, grouped, experts = {}, [], {}, {}, {}
+  plain = []                     # (name, node: None or layer index, leaf, transpose)
 
-  def put(node, leaf, value, name):
-    want = tuple(shapes["layers"][node][leaf]) if isinstance(node, int) else tuple(shapes[leaf])
-    if tuple(value.shape) != want:
-      raise ValueError(f"{folder}: tensor {name} gives {leaf} of shape {tuple(value.shape)}; "
-                       f"the config implies {want}")
-    (layers[node] if isinstance(node, int) else params)[leaf] = value.astype(np_dtype)
+  def want(node, leaf):
+    return tuple(shapes["layers"][node][leaf] if isinstance(node, int) else shapes[leaf])
 
   for name in where:
     m = _MTP_RE.match(name)
@@ -173,72 +171,102 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
       continue
     if _SKIPPED.match(name) or hf_reader.IGNORED.search(name):
       continue
-    if name == "lm_head.weight":
-      if not config.tie_embeddings:
-        put(None, "lm_head", read(name).T, name)
-      continue
     rel = name[len(prefix):] if name.startswith(prefix) else None
-    if rel == "embed_tokens.weight":
-      put(None, "embed", read(name), name)
+    top = {"embed_tokens.weight": ("embed", False), "norm.weight": ("final_norm", False)}
+    if name == "lm_head.weight":
+      if not c.tie_embeddings:
+        plain.append((name, None, "lm_head", True))
       continue
-    if rel == "norm.weight":
-      put(None, "final_norm", read(name), name)
+    if rel in top:
+      plain.append((name, None) + top[rel])
       continue
     m = _LAYER_RE.match(rel or "")
-    if not m or int(m.group(1)) >= config.num_layers:
+    if not m or int(m.group(1)) >= c.num_layers:
       unknown.append(name)
       continue
     i, suffix = int(m.group(1)), m.group(2)
-    want = shapes["layers"][i]
-    if suffix in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"):
-      grouped.setdefault(i, {})[suffix.split(".")[1]] = name
-    elif suffix == "linear_attn.conv1d.weight" and "conv_w" in want:
-      value = read(name)                                               # [C, 1, W]
-      put(i, "conv_w", value.reshape(value.shape[0], -1), name)
-    elif _EXPERT_RE.match(suffix) and "router" in want:
+    leaves = shapes["layers"][i]
+    if suffix in ("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight") and \
+        "w_qkv" in leaves:
+      qkvz = suffix.startswith("linear_attn.in_proj_qkvz")
+      grouped.setdefault(i, {})["qkvz" if qkvz else "ba"] = name
+      expect[name] = ((s["conv_dim"] + s["value_dim"]) if qkvz else 2 * c.linear_num_value_heads,
+                      c.hidden_size)
+    elif suffix == "linear_attn.conv1d.weight" and "conv_w" in leaves:
+      plain.append((name, i, "conv_w", False))
+      conv, w = leaves["conv_w"]
+      expect[name] = (conv, 1, w)
+    elif _EXPERT_RE.match(suffix) and "router" in leaves:
       e, which = _EXPERT_RE.match(suffix).groups()
       experts.setdefault(i, {})[(int(e), which)] = name
-    elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") and "router" in want:
+      fe = c.moe_intermediate_size
+      expect[name] = (c.hidden_size, fe) if which == "down" else (fe, c.hidden_size)
+    elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") and "router" in leaves:
       experts.setdefault(i, {})[suffix] = name
-    elif suffix in _PLAIN and _PLAIN[suffix][0] in want:
-      leaf, transpose = _PLAIN[suffix]
-      value = read(name)
-      put(i, leaf, value.T if transpose else value, name)
+      e, fe, d = c.num_experts, c.moe_intermediate_size, c.hidden_size
+      expect[name] = (e, 2 * fe, d) if suffix.endswith("gate_up_proj") else (e, d, fe)
+    elif suffix in _PLAIN and _PLAIN[suffix][0] in leaves:
+      plain.append((name, i) + _PLAIN[suffix])
     else:
       unknown.append(name)
   if unknown:
-    raise ValueError(f"{folder}: {len(unknown)} tensor(s) this {config.model_type} config does "
+    raise ValueError(f"{folder}: {len(unknown)} tensor(s) this {c.model_type} config does "
                      f"not use: {listing(sorted(unknown))}")
+  for name, node, leaf, transpose in plain:
+    if name not in expect:
+      shape = want(node, leaf)
+      expect[name] = tuple(reversed(shape)) if transpose else shape
+  for name, shape in expect.items():
+    got = tuple(where[name].meta[name][1])
+    if got != tuple(shape):
+      raise ValueError(f"{where[name].path}: tensor {name} has shape {got} but config.json "
+                       f"implies {tuple(shape)}")
+  filled = {(node, leaf) for _, node, leaf, _ in plain}
   for i, names in grouped.items():
-    if set(names) != {"in_proj_qkvz", "in_proj_ba"}:
-      raise ValueError(f"{folder}: layer {i} has {sorted(names)} but needs both in_proj_qkvz "
-                       "and in_proj_ba")
-    parts = _grouped_qkvz(config, read(names["in_proj_qkvz"]), read(names["in_proj_ba"]))
-    for leaf, value in zip(("w_qkv", "w_z", "w_b", "w_a"), parts):
-      put(i, leaf, value, names["in_proj_qkvz"])
+    if set(names) != {"qkvz", "ba"}:
+      raise ValueError(f"{folder}: layer {i} needs both linear_attn.in_proj_qkvz and "
+                       "linear_attn.in_proj_ba")
+    filled |= {(i, leaf) for leaf in ("w_qkv", "w_z", "w_b", "w_a")}
   for i, names in experts.items():
-    e = config.num_experts
-    if "mlp.experts.gate_up_proj" in names:
-      gu = read(names["mlp.experts.gate_up_proj"])                     # [E, 2F, D]
-      f = gu.shape[1] // 2
-      put(i, "experts_gate", np.swapaxes(gu[:, :f], 1, 2), names["mlp.experts.gate_up_proj"])
-      put(i, "experts_up", np.swapaxes(gu[:, f:], 1, 2), names["mlp.experts.gate_up_proj"])
-      if "mlp.experts.down_proj" in names:
-        put(i, "experts_down", np.swapaxes(read(names["mlp.experts.down_proj"]), 1, 2),
-            names["mlp.experts.down_proj"])
-      continue
+    fused = "mlp.experts.gate_up_proj" in names
     for which, leaf in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
-      got = [names.get((j, which)) for j in range(e)]
-      if None in got:
-        raise ValueError(f"{folder}: layer {i} lacks mlp.experts.{got.index(None)}.{which}_proj"
-                         f".weight (num_experts is {e})")
-      put(i, leaf, np.stack([read(n).T for n in got]), got[0])
+      stored = (["mlp.experts.down_proj" if which == "down" else "mlp.experts.gate_up_proj"]
+                if fused else [(j, which) for j in range(c.num_experts)])
+      if all(k in names for k in stored):
+        filled.add((i, leaf))
   missing = [f"layers/{i}/{leaf}" for i, lp in enumerate(shapes["layers"]) for leaf in lp
-             if leaf not in layers[i]]
-  missing += [leaf for leaf in shapes if leaf != "layers" and leaf not in params]
+             if (i, leaf) not in filled]
+  missing += [leaf for leaf in shapes if leaf != "layers" and (None, leaf) not in filled]
   if missing:
     raise ValueError(f"{folder}: checkpoint lacks {len(missing)} tensor(s) (spec_jax names): "
                      f"{listing(missing)}")
+
+  # Every shape checked: read.
+  read = lambda name: np.asarray(where[name].read(name), np.float32)
+  layers = [dict() for _ in range(c.num_layers)]
+  params = {"layers": layers}
+
+  def put(node, leaf, value):
+    (layers[node] if isinstance(node, int) else params)[leaf] = value.astype(np_dtype)
+
+  for name, node, leaf, transpose in plain:
+    value = read(name)
+    value = value.reshape(value.shape[0], -1) if leaf == "conv_w" else value
+    put(node, leaf, value.T if transpose else value)
+  for i, names in grouped.items():
+    parts = _grouped_qkvz(c, read(names["qkvz"]), read(names["ba"]))
+    for leaf, value in zip(("w_qkv", "w_z", "w_b", "w_a"), parts):
+      put(i, leaf, value)
+  for i, names in experts.items():
+    if "mlp.experts.gate_up_proj" in names:
+      gu = read(names["mlp.experts.gate_up_proj"])                     # [E, 2F, D]
+      f = gu.shape[1] // 2
+      put(i, "experts_gate", np.swapaxes(gu[:, :f], 1, 2))
+      put(i, "experts_up", np.swapaxes(gu[:, f:], 1, 2))
+      put(i, "experts_down", np.swapaxes(read(names["mlp.experts.down_proj"]), 1, 2))
+      continue
+    for which, leaf in (("gate", "experts_gate"), ("up", "experts_up"), ("down", "experts_down")):
+      put(i, leaf, np.stack([read(names[(j, which)]).T for j in range(c.num_experts)]))
   raw_mtp = {name: f.read(stored) for name, (f, stored) in mtp.items()} or None
   return config, params, raw_mtp
 
