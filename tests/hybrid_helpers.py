@@ -141,8 +141,8 @@ def torch_mtp_logits(tm, mods, toks, drafts):
       n = mods["norm"](o[0])
       logits.append(tm.lm_head(n[-1]))
       if step < len(drafts):
-        nxt = mods["fc"](torch.cat([mods["pre_fc_norm_embedding"](emb(torch.tensor([drafts[step]]))),
-                                    mods["pre_fc_norm_hidden"](n[-1:])], -1))
+        e = mods["pre_fc_norm_embedding"](emb(torch.tensor([drafts[step]])))
+        nxt = mods["fc"](torch.cat([e, mods["pre_fc_norm_hidden"](n[-1:])], -1))
         x = torch.cat([x, nxt], 0)
     return torch.stack(logits).numpy()
 

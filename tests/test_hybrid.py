@@ -8,7 +8,11 @@ Shapes: hidden 64, 4 layers (3 Gated DeltaNet + 1 gated attention), vocab 256; p
 tokens (> the 64-token chunk of the chunked delta rule)."""
 
 import json
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 import spec_jax as sj
 from spec_jax.models.qwen3_next import cache as hybrid_cache
-from tests.hybrid_helpers import (REL_TOL, SIZES, build_models, build_mtp_models, greedy_run, prompt,
-                                  torch_mtp_logits)
+from tests.hybrid_helpers import (REL_TOL, SIZES, build_models, build_mtp_models, greedy_run,
+                                  prompt, torch_mtp_logits)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +100,8 @@ def test_a_multimodal_qwen3_5_folder_loads_its_text_model(tmp_path):
   toks = prompt(80, seed=4, batch=1)
   with torch.no_grad():
     ref = tm(input_ids=torch.tensor(toks, dtype=torch.long)).logits.numpy()
-  out = sj.forward(model.params, model.config, jnp.asarray(toks), sj.KVCache.zeros(model.config, 1, 96),
-                   jnp.zeros(1, jnp.int32))
+  cache = sj.KVCache.zeros(model.config, 1, 96)
+  out = sj.forward(model.params, model.config, jnp.asarray(toks), cache, jnp.zeros(1, jnp.int32))
   assert np.abs(np.asarray(out.logits) - ref).max() <= REL_TOL * np.abs(ref).max()
 
 
@@ -290,14 +294,12 @@ print("OK")
 def test_generate_on_a_mesh_matches_one_device():
   """The hybrid family's weights by their leaf-name rules and its cache (KV heads, recurrent
   rows) on a (data 2, model 2) mesh of 4 fake CPU devices: greedy tokens as on one device."""
-  import os
-  import subprocess
-  import sys
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=4").strip()
   env["JAX_PLATFORMS"] = "cpu"
   res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=600, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+                       text=True, timeout=600, cwd=str(pathlib.Path(__file__).parents[1]))
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
