@@ -170,15 +170,16 @@ def small_joint(model, sampling):
   return joint / joint.sum()
 
 
-def sampled_counts(model, n: int = 4000):
-  """Counts [V^3] of (x1, x2, x3) from n rows of T = 1 sampling with n-gram drafts, K = 2 (a
-  fresh jit of sj.decode: a monkeypatched commit is traced, not taken from a compile cache),
-  and the rows' total accepted drafts."""
+def sampled_counts(model, n: int = 4000, drafter=None):
+  """Counts [V^3] of (x1, x2, x3) from n rows of T = 1 sampling with n-gram drafts (or
+  `drafter`), K = 2 (a fresh jit of sj.decode: a monkeypatched commit is traced, not taken from
+  a compile cache), and the rows' total accepted and drafted tokens."""
+  drafter = sj.drafters.NGram(max_ngram=2) if drafter is None else drafter
   prompts = np.tile(np.asarray(CHI_PROMPT, np.int32), (n, 1))
   lens = np.full((n,), len(CHI_PROMPT), np.int32)
   run = jax.jit(lambda params: sj.decode(
       params, prompts, lens, jax.random.key(3), config=target_lib.ModelTarget(model.config),
-      drafter=sj.drafters.NGram(max_ngram=2), num_draft=2, max_new_tokens=3, capacity=16,
+      drafter=drafter, num_draft=2, max_new_tokens=3, capacity=16,
       sampling=sj.Sampling(temperature=1.0), stop_tokens=()))
   res = run(model.params)
   p, v = len(CHI_PROMPT), SMALL_V
@@ -206,3 +207,33 @@ def test_sampled_speculation_keeps_the_exact_joint_of_new_tokens(monkeypatch):
   stat, dof = chi_square(counts, joint)
   print(f"no rollback: chi-square {stat:.1f} (dof {dof}), p = {chi2_sf(stat, dof):.1e}")
   assert chi2_sf(stat, dof) < 1e-6, (stat, dof)
+
+
+def random_mtp(model, seed: int = 5):
+  """A random native MTP head for `model` (the layout sj.drafters.load builds from mtp.*):
+  its sampled drafts' q overlap the target's p at T = 1, so rounds accept and reject."""
+  from spec_jax.drafters import hybrid_mtp
+  from spec_jax.models.qwen3_next import forward as hforward
+  cfg = model.config
+  lcfg = hybrid_mtp.layer_config(cfg, sparse=cfg.num_experts > 0)
+  d = cfg.hidden_size
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  layer = jax.tree.map(lambda w: w * 15.0 if w.ndim >= 2 else w,
+                       hforward.init_params(lcfg, k1)["layers"][0])
+  params = {"fc": 0.3 * jax.random.normal(k2, (2 * d, d)), "layer": layer,
+            "enorm": 0.1 * jax.random.normal(k3, (d,)), "hnorm": jnp.zeros((d,)),
+            "norm": jnp.zeros((d,))}
+  return hybrid_mtp.HybridMTP(params, cfg, lcfg, ())
+
+
+def test_sampled_mtp_drafts_keep_the_exact_joint_of_new_tokens():
+  """The native MTP head drafting by sampling (draft_probs q) at T = 1, chained for K = 2:
+  accepted and rejected drafts (rejection with the residual max(p - q, 0)), the head's own
+  commit, the target's rollback: the joint of (x1, x2, x3) is the exact one (p > 1e-3)."""
+  model = small_target()
+  joint = small_joint(model, sj.Sampling(temperature=1.0))
+  counts, accepted, drafted = sampled_counts(model, drafter=random_mtp(model))
+  assert 0.05 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+  stat, dof, p_value = assert_same_distribution(counts, joint, alpha=1e-3)
+  print(f"hybrid, sampled MTP drafts K=2 at T=1: chi-square {stat:.1f} (dof {dof}), "
+        f"p = {p_value:.3f}, acceptance {accepted / drafted:.2f}")
