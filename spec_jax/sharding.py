@@ -33,6 +33,14 @@ _MODEL_AXIS = {
     "wq": -1, "wk": -1, "wv": -1, "bq": -1, "bk": -1, "bv": -1, "wo": -2,
     "w_gate": -1, "w_up": -1, "w_down": -2, "embed": -2, "lm_head": -1,
     "embed_per_layer": -2,          # Gemma 4 per-layer embeddings [V, L*P]: split like embed
+    # Hybrid (models.qwen3_next): Gated DeltaNet projections by output features (w_z, w_b, w_a
+    # by value heads; w_qkv by conv channels, which GSPMD regathers where q | k | v split),
+    # w_out by its input (value heads); the MoE's experts [E, ...] on "model" (expert
+    # parallelism: each shard computes its experts, the weighted sum reduces); the shared
+    # expert like a dense MLP. conv_w, dt_bias, A_log, gnorm, router stay replicated (small).
+    "w_qkv": -1, "w_z": -1, "w_b": -1, "w_a": -1, "w_out": -2,
+    "experts_gate": -3, "experts_up": -3, "experts_down": -3,
+    "shared_gate": -1, "shared_up": -1, "shared_down": -2,
 }
 
 

@@ -6,7 +6,8 @@ tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.mod
 hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
 exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
 heads of MODEL (`heads:PATH`, `KIND:PATH`) are widened with it. Drafters: `none`, `ngram`,
-`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `heads:PATH` (trained heads of any kind, or
+`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `mtp` (the native MTP head in the target's own
+folder, e.g. a Qwen3-Next / Qwen3.5 checkpoint's mtp.*), `heads:PATH` (trained heads of any kind, or
 any folder `sj.drafters.load` reads), `KIND:PATH` for a head kind of the registry
 (spec_jax.drafters.registry: `dflash:PATH` a DFlash block drafter, trained here or a published
 DFlash folder; `eagle3:PATH`, `medusa:PATH`, ...: the same, refused unless the folder holds
@@ -44,7 +45,8 @@ RANDOM_MODELS = {
                        max_position_embeddings=512, rms_norm_eps=1e-5),
 }
 
-DRAFTER_SPECS = ("none, ngram, ngram:MAX[:MIN], draft:MODEL, heads:PATH or KIND:PATH (KIND: "
+DRAFTER_SPECS = ("none, ngram, ngram:MAX[:MIN], draft:MODEL, mtp (the target's own MTP head), "
+                 "heads:PATH or KIND:PATH (KIND: "
                  + ", ".join(registry.HEAD_KINDS) + ")")
 WIDENED_DEFAULT = (768, 2048, 12)
 _WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
@@ -160,7 +162,7 @@ def check_drafter_spec(spec: str) -> None:
       raise ValueError(f"bad drafter {spec!r}: ngram takes integers, ngram:MAX[:MIN]") from None
     return
   if kind in ("draft", "heads") or kind in registry.KINDS:
-    if not arg:
+    if not arg and kind != "mtp":            # bare mtp: the target's own MTP head
       what = {"draft": "draft model (path or random:NAME)", "heads": "trained heads' directory"}
       what = what.get(kind) or f"{registry.kind(kind).label} drafter's directory"
       raise ValueError(f"drafter {kind}:{'MODEL' if kind == 'draft' else 'PATH'} needs the {what}")
@@ -182,6 +184,11 @@ def make_drafter(spec: str, target, seed: int = 0):
     return sj.drafters.DraftModel(load_model(arg, seed, dtype=target.config.dtype))
   if not hasattr(sj.drafters, "load"):
     raise ValueError("this spec_jax has no sj.drafters.load for trained heads")
+  if kind == "mtp" and not arg:
+    if not getattr(target, "source", None):
+      raise ValueError("drafter mtp (the target's own MTP head) needs a target loaded from a "
+                       "folder; give mtp:PATH otherwise")
+    arg = target.source
   widened = _WIDENED_SOURCES.get(id(target))
   if widened is not None and widened[1] is target:
     # Heads trained on the source of a widened:... target: load them for the source, then

@@ -6,7 +6,8 @@ One round (fixed shapes; ../shared/DESIGN.md):
     [last committed token, drafts] [B,K+1] ─► verify_step: one target forward at cache offsets
         lengths-1 .. lengths-1+K ─► p [B,K+1,V] ─► rejection_sample ─► tokens [B,K+1], n_accepted
     commit: lengths += emitted (n_accepted + 1, cut at a stop token or max_new_tokens);
-        rejected KV slots stay in the cache, masked by the lengths, and are overwritten later.
+        rejected KV slots stay in the cache, masked by the lengths, and are overwritten later;
+        Target.commit_cache keeps a recurrent state's accepted prefix (identity for KV caches).
 
 Invariant: row b holds `lengths[b]` committed tokens in `tokens[b]`; the target's KV cache holds
 entries for positions < lengths[b] - 1 (the last committed token is fed in the next round).
@@ -205,12 +206,15 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
                                  draft_lengths)
   tokens, lengths, done, n_emit = commit_step(st.tokens, st.lengths, st.done, emitted, n_acc,
                                               env.stop_tokens, env.limit)
+  # A cache that is not positional (a recurrent state) keeps only the accepted prefix; a KV
+  # cache's commit is the identity (Target.commit_cache).
+  cache = env.target.commit_cache(out.cache, st.lengths, n_acc)
   verify = VerifyInfo(input_tokens=jnp.concatenate([last[:, None], jnp.maximum(draft_tokens, 0)], 1),
                       hidden=out.hidden, layer_hidden=out.layer_hidden,
                       lengths_before=st.lengths, lengths=lengths,
                       target_params=env.target_params)
   dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
-  new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=out.cache,
+  new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=cache,
                    drafter_state=dstate, key=key,
                    sampling_state=commit_history(env, st, emitted, n_emit))
   return update_stats(st, new, draft_lengths, n_acc, n_emit)

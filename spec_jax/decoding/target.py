@@ -57,11 +57,14 @@ class Target:
     max_position_embeddings: the longest context (prompt + new tokens) a generation may reach.
     eos_token_ids: the tokens that end a generation by default (generate's stop_tokens=None).
     tree_capable: move_kv is implemented (tree drafting).
+    max_verify: None, or the most tokens one verify may cover (K + 1): a cache that records
+      per-position states for commit_cache has room for that many (strategy_for refuses more).
   """
   vocab_size: int
   max_position_embeddings: int
   eos_token_ids: tuple = ()
   tree_capable: bool = False
+  max_verify: Optional[int] = None
 
   def init_cache(self, batch: int, capacity: int):
     """A fresh cache for B rows of S slots (a pytree of arrays)."""
@@ -135,6 +138,7 @@ class ModelTarget(Target):
   max_position_embeddings = property(lambda self: self.config.max_position_embeddings)
   eos_token_ids = property(lambda self: self.config.eos_token_ids)
   tree_capable = property(lambda self: self.config.family.tree_capable)
+  max_verify = property(lambda self: self.config.family.max_verify)
 
   def init_cache(self, batch, capacity):
     return self.family.init_cache(self.config, batch, capacity)

@@ -8,6 +8,7 @@ from spec_jax.drafters.draft_model import DraftModel
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.formats import export, load
 from spec_jax.drafters.gemma4_assistant import Gemma4Assistant
+from spec_jax.drafters.hybrid_mtp import HybridMTP
 from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from spec_jax.drafters.ngram import NGram
@@ -16,4 +17,4 @@ from spec_jax.drafters.widening import widen_heads
 
 __all__ = ["Drafter", "FrozenDrafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel",
            "NGram", "Medusa", "Gemma4Assistant", "EAGLE", "EAGLE3", "EAGLE3Fused", "MTP",
-           "DFlash", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]
+           "HybridMTP", "DFlash", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]

@@ -36,7 +36,8 @@ def layer_config(target_config: ModelConfig, num_layers: int,
                  rope_scaling=None) -> ModelConfig:
   """The drafter layers' ModelConfig (float32, q/k norms, no biases): the target's width;
   heads, MLP, eps and RoPE default to the target's (head_layer.layer_config)."""
-  return head_layer.layer_config(target_config, num_layers, intermediate_size, num_heads,
+  base = target_config.family.llama_view(target_config)   # llama-style layers for any family
+  return head_layer.layer_config(base, num_layers, intermediate_size, num_heads,
                                  num_kv_heads, head_dim, qkv_bias=False, qk_norm=True,
                                  rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
                                  rope_scaling=rope_scaling)

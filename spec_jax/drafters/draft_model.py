@@ -127,6 +127,10 @@ class DraftModel(FrozenDrafter):
     object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
     object.__setattr__(self, "config", self.model.config)
     object.__setattr__(self, "params", self.model.params)
+    if self.model.config.family.commit_cache is not None:
+      raise ValueError(f"a {self.model.config.model_type} model (recurrent state) cannot be a "
+                       "DraftModel: its cache would keep rejected drafts; use it as the target, "
+                       "or a KV-cache model as the draft")
 
   def with_params(self, params, greedy_drafts=None):
     """The same draft model (configuration) with other weights."""

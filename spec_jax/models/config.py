@@ -71,6 +71,19 @@ class ModelConfig:
     double_wide_mlp: the KV-shared layers' MLP is 2 * intermediate_size wide.
     per_layer_input_size: the per-layer-embedding (PLE) width (0: no PLE).
     per_layer_vocab_size: the PLE table's vocabulary.
+
+  Hybrid fields (model_type "qwen3_next" / "qwen3_5_text" only; spec_jax.models.qwen3_next.plan
+  reads them; layer_types is shared with Gemma, each layer "linear_attention" or
+  "full_attention"):
+    partial_rotary_factor: the fraction of head_dim that RoPE rotates on attention layers.
+    linear_num_key_heads, linear_num_value_heads: Gated DeltaNet q/k heads and v heads
+      (value heads a multiple of key heads).
+    linear_key_head_dim, linear_value_head_dim: Dk, Dv of the recurrent state [Hv, Dk, Dv].
+    linear_conv_kernel_dim: W, the causal depthwise conv's kernel (a window of W - 1 inputs).
+    num_experts, num_experts_per_tok, moe_intermediate_size: Qwen3-Next's routed experts
+      (0 experts: every MLP dense), shared_expert_intermediate_size its shared expert,
+      norm_topk_prob whether top-k weights are renormalised, decoder_sparse_step and
+      mlp_only_layers which layers are sparse.
   """
 
   vocab_size: int
@@ -109,6 +122,19 @@ class ModelConfig:
   double_wide_mlp: bool = False
   per_layer_input_size: int = 0
   per_layer_vocab_size: int = 0
+  partial_rotary_factor: float = 1.0
+  linear_num_key_heads: int = 0
+  linear_num_value_heads: int = 0
+  linear_key_head_dim: int = 0
+  linear_value_head_dim: int = 0
+  linear_conv_kernel_dim: int = 0
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  shared_expert_intermediate_size: int = 0
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple = ()
 
   def __post_init__(self):
     if self.head_dim is None:

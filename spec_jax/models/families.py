@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from spec_jax.models import gemma, llama
+from spec_jax.models import gemma, llama, qwen3_next
 from spec_jax.models.family import Family
 
 FAMILIES = {f.name: f for f in (
     llama.FAMILY,
     gemma.FAMILY,
+    qwen3_next.FAMILY,
 )}
 
 SUPPORTED_MODEL_TYPES = tuple(t for f in FAMILIES.values() for t in f.model_types)

@@ -24,6 +24,9 @@ The functions a family provides (config is a ModelConfig of one of its model_typ
                                             contiguous slots (tree_capable: False when a family
                                             cannot, e.g. a recurrent state that must be
                                             recomputed along the path)
+  max_verify: None, or the most tokens one verify may cover (K + 1) for commit_cache to work
+                                            (a hybrid's per-position buffers); strategies that
+                                            draft more are refused when they bind
   commit_cache(cache, lengths, n_accepted) -> cache
                                             after a chain round's acceptance: what a cache that
                                             is not positional must do to keep only the accepted
@@ -58,9 +61,9 @@ state [L_lin, B, H, Dk, Dv], conv [L_lin, B, W, C], and per-position buffers of 
 T verify positions); its forward writes the KV as usual and the state after every new
 position into those buffers; commit_cache(cache, lengths, n_accepted) copies position
 n_accepted (the accepted prefix's last) into state and conv; tree_capable=False (or a move_kv
-that recomputes the state along the path). ModelTarget.commit_cache calls it; the decode
-core's commit step is where Target.commit_cache is to be called after acceptance (not yet
-wired: the KV-cache families need nothing there).
+that recomputes the state along the path). ModelTarget.commit_cache calls it; the chain round
+(decoding/rounds.chain_round) calls Target.commit_cache after acceptance (the KV-cache
+families' None makes it the identity). spec_jax.models.qwen3_next is such a family.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class Family:
   move_kv: Callable = cache_lib.move_kv
   tree_capable: bool = True
   commit_cache: Optional[Callable] = None
+  max_verify: Optional[int] = None
   constrain_cache: Callable = cache_lib.constrain_cache
   prepare: Callable = same_params
   execution_layout: Callable = same_params

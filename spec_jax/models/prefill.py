@@ -39,7 +39,8 @@ def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int
   """Runs `forward` over tokens int32 [B, P] (row b's prompt in [0, prompt_lens[b])) in chunks.
 
   forward(tokens [B, C], cache, offsets [B], logits_index [B], return_layers) must return a
-  ForwardOutput whose logits are [B, 1, V], those of new token logits_index[b] of row b, with
+  ForwardOutput whose logits are [B, 1, V], those of new token logits_index[b] of row b (-1
+  when row b's prompt ended in an earlier chunk: any logits, they are not used), with
   hidden [B, C, D] and layer_hidden of [B, C, D] over all C tokens (ModelTarget.forward_last).
 
   chunk: C (static); P is padded up to a multiple of C (when P <= C: one forward, no loop).
@@ -62,7 +63,9 @@ def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int
 
   def run(start, cache):
     piece = jax.lax.dynamic_slice_in_dim(tokens, start, c, axis=1)
-    last = jnp.clip(prompt_lens - 1 - start, 0, c - 1)
+    # -1 for a row whose prompt ended before this chunk: its logits are ignored, and a family
+    # with a recurrent state (models.qwen3_next) reads it as "no real token here".
+    last = jnp.clip(prompt_lens - 1 - start, -1, c - 1)
     return forward(piece, cache, jnp.full((b,), start, jnp.int32), last, layers)
 
   shapes = jax.eval_shape(lambda cache: run(jnp.int32(0), cache), cache)

@@ -36,7 +36,13 @@ def strategy_for(strategy=None, drafter=None, num_draft=DEFAULT_NUM_DRAFT, tree=
     elif not isinstance(strategy, Strategy):
       raise ValueError(f"strategy must be 'auto' or a spec_jax.strategies Strategy (Chain(K), "
                        f"Tree(spec), Governed(...)), got {strategy!r}")
-  return strategy.bind(drafter, target)
+  bound = strategy.bind(drafter, target)
+  limit = getattr(target, "max_verify", None)
+  if limit is not None and bound.width + 1 > limit:
+    raise ValueError(f"this target verifies at most {limit} tokens per round (K <= {limit - 1}, "
+                     f"its cache's per-position buffers); {bound.label} drafts up to "
+                     f"{bound.width}")
+  return bound
 
 
 def _from_sugar(drafter, num_draft, tree, governor) -> Strategy:

@@ -79,8 +79,12 @@ class Tree(Strategy):
   def bind(self, drafter, target) -> "Tree":
     check_tree(self.spec, drafter, tree_drafters=TREE_DRAFTERS)
     if target is not None and not target.tree_capable:
+      what = getattr(getattr(target, "config", None), "model_type", None)
       raise ValueError(f"tree drafting needs a target with move_kv (Target.tree_capable); "
-                       f"{type(target).__name__} has none: pass tree=None for a chain")
+                       f"{type(target).__name__}"
+                       f"{f' (model_type {what!r})' if what else ''} has none (a hybrid "
+                       "linear-attention model's recurrent state follows one sequence): pass "
+                       "tree=None for a chain")
     return self
 
   def round(self, env, state):

@@ -20,6 +20,8 @@ import pathlib
 from typing import Optional
 
 from spec_jax.drafters.formats import dflash, eagle3, gemma4_assistant, heads_folder
+from spec_jax.drafters import hybrid_mtp
+from spec_jax.drafters.hybrid_mtp import HybridMTP
 from spec_jax.drafters.mtp import MTP
 from spec_jax.models.loading import load as load_model
 
@@ -55,16 +57,18 @@ def load(path, target, greedy_drafts: bool = False):
   return load_native_mtp(path, target, greedy_drafts)
 
 
-def load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool = False) -> MTP:
+def load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool = False):
   """The MTP module of the Hugging Face folder `path` (the target's own when it was loaded
   from there), checked to belong to `target`."""
+  # A hybrid target (Qwen3-Next / Qwen3.5) has its own MTP module: gated attention, MoE.
+  native = HybridMTP if hybrid_mtp.is_hybrid(target.config) else MTP
   if getattr(target, "mtp_params", None) and target.source and \
       pathlib.Path(target.source).absolute() == path:
-    return MTP.from_model(target, greedy_drafts=greedy_drafts)
+    return native.from_model(target, greedy_drafts=greedy_drafts)
   model = load_model(path, dtype=target.config.dtype)
   heads_folder.check_fingerprint(heads_folder.fingerprint(model), target,
                                  what=f"the MTP module of {path}")
-  return MTP.from_model(model, greedy_drafts=greedy_drafts)
+  return native.from_model(model, greedy_drafts=greedy_drafts)
 
 
 def export(drafter, out_dir, format: Optional[str] = None,
