@@ -31,7 +31,7 @@ SCHEMA = {"type": "object", "properties": {
     "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 15}},
              "required": ["town"]}},
     "required": ["name", "kind", "tags", "size", "home"]}
-REGEX = r"(yes|no), because [a-z ,]{10,200}\."
+REGEX = r"(yes|no), because [a-z ,]+\."
 
 
 def main(argv=None) -> int:
