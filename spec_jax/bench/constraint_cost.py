@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     base = name.split("/")[0] + "/free"
     ratios = [a / b for a, b in zip(step[name], step[base])]
     row = {"config": name, "step_ms": 1e3 * statistics.median(step[name]),
-           "tau": results[name][-1].tau if hasattr(results[name][-1], "tau") else None,
+           "tau": statistics.median(s.mean_accepted_length for s in results[name]),
            "overhead_pct": 100 * (statistics.median(ratios) - 1),
            "spread_pct": 100 * (max(ratios) - min(ratios))}
     out["rows"].append(row)
