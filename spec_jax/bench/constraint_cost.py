@@ -12,12 +12,10 @@ advances the automaton along the drafted prefix) are both measured.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
-import jax
 
 import spec_jax as sj
 from spec_jax.files import atomic_write_json
