@@ -102,6 +102,19 @@ def json_schema(schema, whitespace: Optional[str] = None) -> Constraint:
   return Constraint(kind="json_schema", source=text, pattern=pattern)
 
 
+def from_pair(pair) -> Optional[Constraint]:
+  """(kind, source) as a Constraint: how the eval harness stores one (("regex", pattern) or
+  ("json_schema", schema text)); None -> None."""
+  if pair is None:
+    return None
+  kind, source = pair
+  makers = {"regex": regex, "json_schema": json_schema}
+  if kind not in makers:
+    raise ValueError(f"a constraint is ('regex', pattern) or ('json_schema', schema), got "
+                     f"{kind!r}")
+  return makers[kind](source)
+
+
 @dataclasses.dataclass(frozen=True)
 class Grammar(LogitsProcessor):
   """A compiled constraint as a LogitsProcessor (module docstring). Static: the padded table

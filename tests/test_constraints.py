@@ -20,11 +20,11 @@ import spec_jax as sj
 from spec_jax.decoding import rounds
 from spec_jax.decoding.compiled import clear_compiled
 from spec_jax.decoding.strategies import tree as tree_strategy
-from spec_jax.models.transformer import KVCache, forward
 from spec_jax.sampling import History
 from tests.conftest import need_shared
 from tests.stats_helpers import assert_same_distribution, chi2_sf, chi_square
 from tests.test_lossless import PROMPT, V, _models, joint_counts
+from tests.test_sampling_controls import exact_joint_processed as exact_joint
 
 # Rows per sampled joint: half of test_lossless's 40k. Enough power here: a lossy grammar
 # state emits tokens of probability 0 (chi-square = inf), and every joint below has ~100 bins
@@ -109,28 +109,6 @@ def test_the_tables_share_token_classes_and_allow_ends_when_complete():
 
 
 # ------------------------------------------------------------------- losslessness (V = 8)
-
-def exact_joint(model, prompt, sampling, processors):
-  """P(x1, x2, x3) [V, V, V] of plain sampling with `processors` (and the penalties): every
-  factor is sampling.probs with the History of its own prefix."""
-  seqs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)      # [V*V, 2]
-  m = len(seqs)
-  tokens = np.concatenate([np.tile(prompt, (m, 1)), seqs], axis=1)
-  logits = forward(model.params, model.config, jnp.asarray(tokens),
-                   KVCache.zeros(model.config, m, 16), jnp.zeros(m, jnp.int32)).logits
-  n = len(prompt)
-  hist = History.of_prompt(jnp.asarray(tokens), jnp.full((m,), n), V,
-                           penalties=sampling.needs_history, processors=processors,
-                           params=tuple(p.params for p in processors))
-  rows = sampling.as_arrays(m)
-  h2 = hist.add(jnp.asarray(seqs[:, :1]), jnp.ones(m, jnp.int32))
-  h3 = hist.add(jnp.asarray(seqs), jnp.full((m,), 2, jnp.int32))
-  p1 = np.asarray(sj.sampling.probs(logits[:, n - 1], rows, hist), np.float64)[0]
-  p2 = np.asarray(sj.sampling.probs(logits[:, n], rows, h2), np.float64)[::V]
-  p3 = np.asarray(sj.sampling.probs(logits[:, n + 1], rows, h3), np.float64).reshape(V, V, V)
-  joint = p1[:, None, None] * p2[:, :, None] * p3
-  return joint / joint.sum()
-
 
 def sample(drafter, sampling, processors, seed, prompt=PROMPT, **kw):
   target, _ = _models()

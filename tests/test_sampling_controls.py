@@ -229,17 +229,18 @@ def test_greedy_speculation_equals_plain_greedy_with_every_control():
 
 # ------------------------------------------------------------------------- losslessness
 
-def exact_joint_processed(model, prompt, sampling):
-  """P(x1, x2, x3) [V, V, V] of plain sampling under `sampling` (scalars) with its penalties:
-  every factor is sampling.probs with the History of its own prefix (the prompt, then the
-  tokens before it)."""
+def exact_joint_processed(model, prompt, sampling, processors=()):
+  """P(x1, x2, x3) [V, V, V] of plain sampling under `sampling` (scalars) with its penalties
+  and `processors` (spec_jax.processors): every factor is sampling.probs with the History of
+  its own prefix (the prompt, then the tokens before it)."""
   seqs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)      # [V*V, 2]
   m = len(seqs)
   tokens = np.concatenate([np.tile(prompt, (m, 1)), seqs], axis=1)
   logits = forward(model.params, model.config, jnp.asarray(tokens),
                    KVCache.zeros(model.config, m, 16), jnp.zeros(m, jnp.int32)).logits
   n = len(prompt)
-  hist = History.of_prompt(jnp.asarray(tokens), jnp.full((m,), n), V)
+  hist = History.of_prompt(jnp.asarray(tokens), jnp.full((m,), n), V, processors=processors,
+                           params=tuple(p.params for p in processors))
   rows = sampling.as_arrays(m)
   h2 = hist.add(jnp.asarray(seqs[:, :1]), jnp.ones(m, jnp.int32))
   h3 = hist.add(jnp.asarray(seqs), jnp.full((m,), 2, jnp.int32))

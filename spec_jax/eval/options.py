@@ -100,8 +100,7 @@ class EvalOptions:
     if self.max_new_tokens < 1:
       raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
     self.sampling_of()
-    from spec_jax.eval.runner import constraint_of
-    constraint_of(dict(self.sampling).get("constraint"))     # ValueError for a bad grammar
+    sj.constraints.from_pair(dict(self.sampling).get("constraint"))   # ValueError if bad
     if self.limit_per_category is not None and self.limit_per_category < 1:
       raise ValueError(f"--limit-per-category must be >= 1, got {self.limit_per_category}")
     if self.repeats < 1:

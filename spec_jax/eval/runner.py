@@ -80,11 +80,11 @@ def generate_call(target, prompts, config: Config, max_new_tokens: int, temperat
   mesh over several processes, each process feeds its share of `prompts`
   (spec_jax.distributed.share); every_row() gives every row back. sampling: the other
   sj.Sampling options, (name, value) pairs (EvalOptions.sampling), and the grammar constraint
-  as ("constraint", (kind, source)) (EvalOptions.constraint_of)."""
+  as ("constraint", (kind, source)) (sj.constraints.from_pair)."""
   if sharding.spans_processes(mesh):
     prompts = distributed.share(prompts)
   options = dict(sampling)
-  constraint = constraint_of(options.pop("constraint", None))
+  constraint = sj.constraints.from_pair(options.pop("constraint", None))
   return sj.generate(target, prompts, drafter=config.drafter,
                      num_draft=config.num_draft if config.drafter is not None else 1,
                      max_new_tokens=max_new_tokens,
@@ -92,17 +92,6 @@ def generate_call(target, prompts, config: Config, max_new_tokens: int, temperat
                      key=key, stop_tokens=None, capacity=capacity, mesh=mesh,
                      constraint=constraint)
 
-
-def constraint_of(pair):
-  """("regex", pattern) / ("json_schema", schema text) -> an sj.constraints constraint."""
-  if pair is None:
-    return None
-  kind, source = pair
-  if kind == "regex":
-    return sj.constraints.regex(source)
-  if kind == "json_schema":
-    return sj.constraints.json_schema(source)
-  raise ValueError(f"a constraint is ('regex', pattern) or ('json_schema', schema), got {kind!r}")
 
 
 def every_row(out, tokenizer=None):

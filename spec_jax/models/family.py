@@ -74,6 +74,25 @@ from typing import Callable, Optional
 from spec_jax.models import cache as cache_lib
 
 
+def check_layer_types(config, supported) -> tuple:
+  """config.layer_types normalised to a tuple of str (set on the frozen config) and checked:
+  present, one per layer, each in `supported`; ValueError naming the field otherwise. The
+  shared check of the families whose layers differ by kind (Gemma, the hybrid family)."""
+  c = config
+  if c.layer_types is None:
+    raise ValueError(f"a {c.model_type} ModelConfig needs layer_types (one of "
+                     f"{tuple(supported)} per layer)")
+  types = tuple(str(t) for t in c.layer_types)
+  object.__setattr__(c, "layer_types", types)
+  unknown = sorted(set(types) - set(supported))
+  if unknown:
+    raise ValueError(f"layer_types: unsupported layer type(s) {unknown}; supported: "
+                     f"{', '.join(supported)}")
+  if len(types) != c.num_layers:
+    raise ValueError(f"layer_types has {len(types)} entries but num_layers is {c.num_layers}")
+  return types
+
+
 def same_params(params, config, mesh=None):
   """The params as they are (a family without an execution layout)."""
   del config, mesh

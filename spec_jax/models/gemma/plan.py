@@ -24,6 +24,8 @@ from typing import Optional
 
 import numpy as np
 
+from spec_jax.models.family import check_layer_types
+
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
@@ -85,17 +87,7 @@ def check_gemma_config(config) -> None:
   """Normalises the Gemma fields of a ModelConfig (lists -> tuples) and raises ValueError on
   anything the Gemma forward cannot run. Called by ModelConfig.__post_init__."""
   c = config
-  if c.layer_types is None:
-    raise ValueError(f"a {c.model_type} ModelConfig needs layer_types (one of {LAYER_TYPES} "
-                     "per layer)")
-  types = tuple(str(t) for t in c.layer_types)
-  object.__setattr__(c, "layer_types", types)
-  unknown = sorted(set(types) - set(LAYER_TYPES))
-  if unknown:
-    raise ValueError(f"unsupported layer type(s) {unknown} in layer_types; supported: "
-                     f"{', '.join(LAYER_TYPES)}")
-  if len(types) != c.num_layers:
-    raise ValueError(f"layer_types has {len(types)} entries but num_layers is {c.num_layers}")
+  types = check_layer_types(c, LAYER_TYPES)
   if SLIDING in types and (c.sliding_window is None or int(c.sliding_window) < 1):
     raise ValueError(f"sliding_attention layers need a positive sliding_window, got "
                      f"{c.sliding_window!r}")

@@ -17,6 +17,8 @@ import functools
 
 import numpy as np
 
+from spec_jax.models.family import check_layer_types
+
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_TYPES = (LINEAR, FULL)
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
@@ -58,17 +60,7 @@ def check_config(config) -> None:
   """Normalises the hybrid fields (lists -> tuples) and raises ValueError naming the field for
   what the forward cannot run. Called by ModelConfig.__post_init__."""
   c = config
-  if c.layer_types is None:
-    raise ValueError(f"a {c.model_type} ModelConfig needs layer_types (one of {LAYER_TYPES} "
-                     "per layer)")
-  types = tuple(str(t) for t in c.layer_types)
-  object.__setattr__(c, "layer_types", types)
-  unknown = sorted(set(types) - set(LAYER_TYPES))
-  if unknown:
-    raise ValueError(f"layer_types: unsupported layer type(s) {unknown}; supported: "
-                     f"{', '.join(LAYER_TYPES)}")
-  if len(types) != c.num_layers:
-    raise ValueError(f"layer_types has {len(types)} entries but num_layers is {c.num_layers}")
+  types = check_layer_types(c, LAYER_TYPES)
   if LINEAR in types:
     _positive(c, "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
               "linear_value_head_dim", "linear_conv_kernel_dim")
