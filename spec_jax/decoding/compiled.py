@@ -190,8 +190,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                 mesh=mesh, greedy=greedy, history=bool(history), processors=tuple(processors))
   if processors:
     kwargs["processor_params"] = sharding_lib.replicate(
-        mesh, tuple(jax.tree.map(lambda x: _host(x, np.asarray(x).dtype), p.params)
-                    for p in processors))
+        mesh, tuple(jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x),
+                                 p.params) for p in processors))
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
   return _compiled_decode((args, kwargs), static, params_signature), args, kwargs
