@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from typing import Any, Optional, Sequence
 
 import jax.numpy as jnp
@@ -194,7 +195,6 @@ def _compile(constraint: Constraint, vocabulary: tuple, vocab_size: int,
   hit = _CACHE.get(key)
   if hit is not None:
     return hit
-  import time
   start = time.perf_counter()
   if len(vocabulary) > vocab_size:
     raise ValueError(f"the tokenizer has {len(vocabulary)} tokens but the model only "
