@@ -177,3 +177,48 @@ def test_top_p_below_one_is_exact_in_a_long_float32_tail():
   got = np.asarray(sj.sampling.probs(jnp.asarray(logits), sj.Sampling(1.0, 0, top_p)))[0]
   assert np.count_nonzero(got) == kept
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+def _weights_with_zeros_and_a_tail(vocab: int, seed: int) -> np.ndarray:
+  """Unnormalised weights over `vocab` tokens: a few heavy ones, a long light tail, zeros (whole
+  blocks of them and scattered ones), so both levels of `sample` are exercised."""
+  rng = np.random.default_rng(seed)
+  w = rng.gamma(0.3, size=vocab) * 3.0
+  w[rng.choice(vocab, vocab // 4, replace=False)] = 0.0
+  b = sj.sampling.SAMPLE_BLOCK
+  w[:b] = 0.0                                            # a first block without any mass
+  w[b:2 * b] *= 0.25                                     # blocks of unequal mass
+  w[-5:] = [0.0, 40.0, 0.0, 1e-3, 0.0]                   # the padded last block holds a heavy token
+  return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab", [6, 700])
+def test_sample_draws_the_normalised_weights_and_never_a_zero(vocab):
+  """sample(key, w) against w / sum(w): chi-square over 60k draws (p > 1e-3), batched rows with
+  one key and vmapped rows with a key each; a zero-weight token is never drawn."""
+  from tests.stats_helpers import assert_same_distribution, counts_of
+  w = (np.array([0.0, 1.0, 2.5, 0.0, 3.0, 0.2], np.float32) if vocab == 6 else
+       _weights_with_zeros_and_a_tail(vocab, 0))
+  n = 30_000
+  rows = jnp.broadcast_to(jnp.asarray(w), (n, vocab))
+  batched = jax.jit(sj.sampling.sample)(jax.random.key(1), rows)
+  keys = jax.random.split(jax.random.key(2), n)
+  per_row = jax.jit(jax.vmap(sj.sampling.sample))(keys, rows)
+  draws = np.concatenate([np.asarray(batched), np.asarray(per_row)])
+  assert draws.min() >= 0 and draws.max() < vocab
+  assert not np.any(w[draws] == 0.0), "a zero-weight token was drawn"
+  assert_same_distribution(counts_of(draws, vocab), w / w.sum(), alpha=1e-3)
+
+
+def test_sample_rows_are_independent_draws_from_their_own_weights():
+  """Row 0 one-hot, row 1 uniform over two tokens far apart (different blocks): the batched
+  draw respects each row's weights."""
+  vocab = 3 * sj.sampling.SAMPLE_BLOCK
+  w = np.zeros((2, vocab), np.float32)
+  w[0, 17] = 1.0
+  w[1, [3, vocab - 2]] = 0.5
+  draws = np.asarray(jax.vmap(lambda k: sj.sampling.sample(k, jnp.asarray(w)))(
+      jax.random.split(jax.random.key(0), 4000)))
+  assert np.all(draws[:, 0] == 17)
+  assert set(np.unique(draws[:, 1])) == {3, vocab - 2}
+  assert abs(np.mean(draws[:, 1] == 3) - 0.5) < 0.03        # 4000 draws: sd 0.008
