@@ -57,7 +57,8 @@ DEFAULTS = {
         "cache_dir": "runs/cache",
         "self_generate": {     # the self_generated source (train.self_generate)
             "conversations": 1000,   # distinct conversations (more extends a finished run)
-            "batch": 32,
+            "batch": 32,             # conversations answered per batch
+            "user_batch": None,      # user messages asked per batch (None: 1.5 x batch)
             "user_tokens": 64,       # budget of the self-written user message
             "answer_tokens": 256,    # budget of the answer
             "temperature": 1.0,
@@ -185,6 +186,9 @@ def validate(cfg: dict) -> dict:
   for name in ("conversations", "batch", "user_tokens", "answer_tokens"):
     if isinstance(sg[name], bool) or not isinstance(sg[name], int) or sg[name] < 1:
       raise ValueError(f"data.self_generate.{name} must be an integer >= 1, got {sg[name]!r}")
+  ub = sg["user_batch"]
+  if ub is not None and (isinstance(ub, bool) or not isinstance(ub, int) or ub < 1):
+    raise ValueError(f"data.self_generate.user_batch must be an integer >= 1 or null, got {ub!r}")
   if not isinstance(cfg["data"]["regenerate"], bool):
     raise ValueError(f"data.regenerate must be true or false, got {cfg['data']['regenerate']!r}")
   if cfg["data"]["regenerate"] and "text" not in sources:

@@ -27,6 +27,7 @@ import pathlib
 import re
 import sys
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -81,17 +82,21 @@ def load_conversations(out) -> tuple:
 
 
 def self_generate(target, conversations: int, out, *, batch: int = 32,
-                  user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
+                  user_batch: Optional[int] = None, user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
                   top_p: float = 1.0, min_user_chars: int = 8, seed: int = 0,
                   max_batches=None, log=lambda m: print(m, file=sys.stderr)) -> list:
   """At least `conversations` distinct conversations (token ids, chat-templated), written to
   and resumed from the shards in `out`. A batch whose rows are all duplicates or empty still
   counts against max_batches (default: 4x the batches needed), so a target that repeats
-  itself cannot loop forever."""
+  itself cannot loop forever. Each batch asks `user_batch` user messages (default 1.5 x batch:
+  about a quarter are cut off at user_tokens, empty or duplicates) and answers up to `batch`
+  of them, so the answer phase, the long one, rarely runs padding rows."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  if conversations < 1 or batch < 1:
-    raise ValueError(f"conversations and batch must be >= 1, got {conversations}, {batch}")
+  user_batch = batch + batch // 2 if user_batch is None else user_batch
+  if conversations < 1 or batch < 1 or user_batch < 1:
+    raise ValueError(f"conversations, batch and user_batch must be >= 1, got {conversations}, "
+                     f"{batch}, {user_batch}")
   seqs, users = load_conversations(out)
   seen = {_normal(u) for u in users}
   prefix = user_turn_prefix(target)
@@ -108,10 +113,12 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
                          f"(wanted {conversations}): the target repeats itself; raise the "
                          f"temperature or max_batches")
     key = jax.random.fold_in(jax.random.key(seed), shard)
-    asked = sj.generate(target, [prefix] * batch, max_new_tokens=user_tokens, sampling=sampling,
+    asked = sj.generate(target, [prefix] * user_batch, max_new_tokens=user_tokens, sampling=sampling,
                         key=jax.random.fold_in(key, 0))
     new_users, convs = [], []
     for toks, text in zip(asked.tokens, asked.text):
+      if len(convs) == batch:
+        break
       ended = bool(toks) and toks[-1] in stops
       message = text.strip()
       if not ended or len(message) < min_user_chars or _normal(message) in seen:
@@ -146,7 +153,9 @@ def main(argv=None) -> int:
   p.add_argument("--target", required=True)
   p.add_argument("--conversations", type=int, required=True)
   p.add_argument("--out", required=True, help="the shard directory (resumed when it exists)")
-  p.add_argument("--batch", type=int, default=32)
+  p.add_argument("--batch", type=int, default=32, help="conversations answered per batch")
+  p.add_argument("--user-batch", type=int, default=None,
+                 help="user messages asked per batch (default 1.5 x batch)")
   p.add_argument("--user-tokens", type=int, default=64)
   p.add_argument("--answer-tokens", type=int, default=256)
   p.add_argument("--temperature", type=float, default=1.0)
@@ -157,6 +166,7 @@ def main(argv=None) -> int:
   try:
     target = sj.load(args.target, dtype=args.dtype)
     seqs = self_generate(target, args.conversations, args.out, batch=args.batch,
+                         user_batch=args.user_batch,
                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed)
   except ValueError as e:
