@@ -249,3 +249,57 @@ def test_training_config_is_shipped_and_valid():
   for key in ("steps", "batch_size", "num_anchors", "lr"):
     assert cfg["train"][key] == dflash["train"][key], key
   assert cfg["data"] == dflash["data"]
+
+
+# ----------------------------------------------------------------------------- DeepSpec's format
+
+# The state_dict names of DeepSpec's Qwen3DSparkModel (deepspec/modeling/dspark/qwen3/
+# modeling.py, markov_head.py, common.py AcceptRatePredictor) for N = 2 layers.
+DEEPSPEC_LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                  "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+DEEPSPEC_NAMES = ({"embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.weight",
+                   "hidden_norm.weight", "markov_head.markov_w1.weight",
+                   "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+                   "confidence_head.proj.bias"} |
+                  {f"layers.{i}.{n}" for i in range(2) for n in DEEPSPEC_LAYER})
+
+
+@pytest.mark.parametrize("head,mask", [("vanilla", 95), ("gated", None), ("rnn", 95)])
+def test_deepspec_folder_round_trips(tmp_path, target, head, mask):
+  import json
+  from safetensors.numpy import load_file
+  d = small(target, head, mask_token_id=mask)
+  d = d.with_params(jax.tree.map(lambda x: x + 0.01, d.params))      # no zero leaves
+  out = sj.drafters.export(d, tmp_path / "ds", target=target)
+  cfg = json.loads((out / "config.json").read_text())
+  assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_head_type"] == head
+  assert (cfg["block_size"], cfg["markov_rank"], cfg["target_layer_ids"]) == (4, 8, [1, 3])
+  assert cfg["enable_confidence_head"] and cfg["confidence_head_with_markov"]
+  names = set(load_file(str(out / "model.safetensors")))
+  extra = {"vanilla": set(), "gated": {"markov_head.gate_proj.weight",
+                                       "markov_head.gate_proj.bias"},
+           "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"}}[head]
+  assert names == DEEPSPEC_NAMES | extra | ({"mask_embedding"} if mask is None else set())
+  back = sj.drafters.load(out, target)
+  assert isinstance(back, DSpark) and back == d and back.trained_num_draft == 4
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(d.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match=r"format 'dspark' needs target="):
+    sj.drafters.export(d, tmp_path / "again")
+
+
+def test_malformed_deepspec_folders_are_refused(tmp_path, target):
+  import json
+  d = small(target, mask_token_id=95)
+  out = sj.drafters.export(d, tmp_path / "ds", target=target)
+  cfg = json.loads((out / "config.json").read_text())
+  for change, msg in [({"target_layer_ids": [-1, 3]}, r"include -1 \(the embedding output\)"),
+                      ({"markov_head_type": "lstm"}, r"markov_head_type='lstm'; allowed"),
+                      ({"markov_rank": 4}, r"has shape \(\S+, \S+\); config.json and the "
+                                           r"target imply"),
+                      ({"enable_confidence_head": False}, r"does not have: confidence_head")]:
+    (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    with pytest.raises(ValueError, match=msg):
+      sj.drafters.load(out, target)
