@@ -266,7 +266,7 @@ DEEPSPEC_NAMES = ({"embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.w
                   {f"layers.{i}.{n}" for i in range(2) for n in DEEPSPEC_LAYER})
 
 
-@pytest.mark.parametrize("head,mask", [("vanilla", 95), ("gated", None), ("rnn", 95)])
+@pytest.mark.parametrize("head,mask", [("gated", None), ("rnn", 95)])
 def test_deepspec_folder_round_trips(tmp_path, target, head, mask):
   import json
   from safetensors.numpy import load_file
@@ -278,8 +278,7 @@ def test_deepspec_folder_round_trips(tmp_path, target, head, mask):
   assert (cfg["block_size"], cfg["markov_rank"], cfg["target_layer_ids"]) == (4, 8, [1, 3])
   assert cfg["enable_confidence_head"] and cfg["confidence_head_with_markov"]
   names = set(load_file(str(out / "model.safetensors")))
-  extra = {"vanilla": set(), "gated": {"markov_head.gate_proj.weight",
-                                       "markov_head.gate_proj.bias"},
+  extra = {"gated": {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"},
            "rnn": {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"}}[head]
   assert names == DEEPSPEC_NAMES | extra | ({"mask_embedding"} if mask is None else set())
   back = sj.drafters.load(out, target)
@@ -303,3 +302,58 @@ def test_malformed_deepspec_folders_are_refused(tmp_path, target):
     (out / "config.json").write_text(json.dumps(dict(cfg, **change)))
     with pytest.raises(ValueError, match=msg):
       sj.drafters.load(out, target)
+
+
+def _deepspec_source():
+  """DeepSpec's python package (deepseek-ai/DeepSpec `deepspec/`), from $DEEPSPEC_SRC (the
+  folder holding `deepspec/`) or an installed one; the test is skipped without it."""
+  import importlib
+  import os
+  import sys
+  src = os.environ.get("DEEPSPEC_SRC")
+  if src and src not in sys.path:
+    sys.path.insert(0, src)
+  try:
+    return importlib.import_module("deepspec.modeling.dspark.qwen3.modeling")
+  except ImportError as e:
+    pytest.skip(f"DeepSpec's source is not importable (set DEEPSPEC_SRC): {e}")
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_exported_folder_drafts_what_deepspec_drafts(tmp_path, target, hf_target, head):
+  """DeepSpec's own Qwen3DSparkModel (torch, from_pretrained of our export) over transformers'
+  target features: its backbone + Markov head's corrected logits, greedy drafts
+  (`sample_draft_tokens`) and confidence logits (`predict_confidence_step`) at every slot,
+  against ours (`DSpark.propose_with_confidence` / `teacher_forced`)."""
+  import torch
+  modeling = _deepspec_source()
+  from deepspec.modeling.dspark.common import extract_context_feature
+  d = small(target, head, mask_token_id=95, init_std=0.4)
+  folder = sj.drafters.export(d, tmp_path / "ds", target=target)
+  ref = modeling.Qwen3DSparkModel.from_pretrained(folder, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+  prompt, first = [1, 5, 9, 22, 40, 7, 3, 80], 11
+  with torch.no_grad():
+    hs = hf_target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    ctx = extract_context_feature(hs, ref.target_layer_ids)
+    ids = torch.full((1, 4), 95, dtype=torch.long)
+    ids[0, 0] = first
+    block = ref._forward_backbone(target_hidden_states=ctx, noise_embedding=ref.embed_tokens(ids),
+                                  position_ids=torch.arange(len(prompt) + 4)[None],
+                                  attention_mask=None, is_causal=False)
+    toks, logits = ref.sample_draft_tokens(ref.compute_logits(block),
+                                           first_prev_token_ids=ids[:, 0], temperature=0.0,
+                                           hidden_states=block)
+    prev = torch.cat([ids[:, :1], toks[:, :-1]], dim=1)
+    conf = ref.predict_confidence_step(block, prev_token_ids=prev)
+  state, buf, sampling = drafter_state(d, target, prompt, first)
+  ctx_ = ctx_of(buf, len(prompt) + 1, sampling, target, 4, greedy=True)
+  drafts, _, confidence, _ = jax.jit(d.propose_with_confidence)(d.params, state, ctx_)
+  hidden, base, last = jax.jit(d.block_outputs, static_argnums=3)(d.params, state, ctx_, 4)
+  ours, conf_ours = jax.jit(d.teacher_forced)(d.params, base, jnp.asarray(prev.numpy()), hidden)
+  assert np.abs(np.asarray(ours) - np.asarray(base)).max() > 0.1      # the head matters
+  assert np.asarray(drafts)[0].tolist() == toks[0].tolist()
+  assert np.abs(np.asarray(ours)[0] - logits[0].numpy()).max() <= 1e-4
+  assert np.abs(np.asarray(conf_ours)[0] - conf[0].numpy()).max() <= 1e-4
+  np.testing.assert_allclose(np.asarray(confidence)[0], torch.sigmoid(conf[0]).numpy(),
+                             rtol=1e-4)

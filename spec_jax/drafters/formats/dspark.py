@@ -160,6 +160,8 @@ def dspark_config(drafter) -> dict:
       "target_layer_ids": list(drafter.target_layers),
       "enable_confidence_head": drafter.confidence_head,
       "markov_rank": drafter.markov_rank, "attention_dropout": 0.0,
+      # A training setting Qwen3DSparkModel requires in its config (DeepSpec's default).
+      "num_anchors": 512,
   }
   if drafter.sliding_window is not None and dflash_layers.SLIDING in drafter.layer_types:
     cfg.update(sliding_window=drafter.sliding_window, use_sliding_window=True)
