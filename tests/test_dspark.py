@@ -226,7 +226,7 @@ def test_dspark_loss_terms_and_confidence_target():
   grads, m = jax.jit(jax.grad(lambda prm: losses.dspark_loss(
       d, prm, t.params, toks, out.layer_hidden, p, cfg, jax.random.key(0)), has_aux=True))(
           d.params)
-  assert float(jnp.abs(grads["confidence"]["w"]).sum()) > 0
+  assert float(jnp.abs(grads["confidence"]["w_h"]).sum()) > 0
   assert float(jnp.abs(grads["markov"]["w2"]).sum()) == 0.0          # alpha is detached
   anchors = losses.sample_anchors(jax.random.key(0), 1, 10, 4)
   logits, _ = jax.jit(d.training_outputs)(d.params, t.params, toks, out.layer_hidden, anchors)
@@ -357,3 +357,29 @@ def test_exported_folder_drafts_what_deepspec_drafts(tmp_path, target, hf_target
   assert np.abs(np.asarray(conf_ours)[0] - conf[0].numpy()).max() <= 1e-4
   np.testing.assert_allclose(np.asarray(confidence)[0], torch.sigmoid(conf[0]).numpy(),
                              rtol=1e-4)
+
+
+def test_widened_dspark_drafts_the_same(trained):
+  """`widen_heads` on a trained DSpark (gated head here: its gate reads h): the widened
+  drafter's corrected logits, greedy drafts and confidence equal the source's."""
+  from spec_jax.models import widen
+  _, drafter, stories = trained
+  gated = DSpark.init(stories, key=jax.random.key(1), markov_head="gated", init_std=0.3,
+                      **{k: v for k, v in drafter.hyper_params().items() if k != "markov_head"})
+  # The trained backbone and confidence head, a random gated Markov head.
+  gated = gated.with_params(dict(drafter.params, markov=gated.params["markov"]))
+  wide = widen(stories, hidden_size=128, intermediate_size=256, num_layers=7, head_dim=16)
+  prompt = stories.encode("Once upon a time there was")
+  for src in (gated,):
+    outs = []
+    for model, dr in ((stories, src), (wide, sj.drafters.widen_heads(src, stories, wide))):
+      state, buf, sampling = drafter_state(dr, model, prompt[:-1], prompt[-1], capacity=32)
+      ctx = ctx_of(buf, len(prompt), sampling, model, 5, greedy=True)
+      drafts, _, conf, _ = jax.jit(dr.propose_with_confidence)(dr.params, state, ctx)
+      hidden, base, last = jax.jit(dr.block_outputs, static_argnums=3)(dr.params, state, ctx, 5)
+      prev = jnp.concatenate([last[:, None], drafts[:, :-1]], axis=1)
+      logits, _ = jax.jit(dr.teacher_forced)(dr.params, base, prev, hidden)
+      outs.append((np.asarray(drafts), np.asarray(conf), np.asarray(logits)))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    assert np.abs(outs[0][1] - outs[1][1]).max() <= 1e-4
+    assert np.abs(outs[0][2] - outs[1][2]).max() <= 1e-3

@@ -81,9 +81,11 @@ class DSparkState(DFlashState):
 class DSpark(DFlash):
   """A DSpark drafter (module docstring): DFlash's fields plus its two heads.
 
-  Params: DFlash's, plus markov {w1 [V, r], w2 [r, V]; gated: gate_w [D + r, r], gate_b [r];
-  rnn: joint_w [2 r + D, 3 r], joint_b [3 r]} when markov_rank > 0, and confidence {w [D (+ r)],
-  b []} when confidence_head.
+  Params: DFlash's, plus markov {w1 [V, r], w2 [r, V]; gated: gate_h [D, r], gate_e [r, r],
+  gate_b [r]; rnn: joint_s [r, 3 r], joint_e [r, 3 r], joint_h [D, 3 r], joint_b [3 r]} when
+  markov_rank > 0, and confidence {w_h [D], (w_e [r] with confidence_with_markov), b []} when
+  confidence_head. (DeepSpec's concatenated-input Linears split by input block: one residual-
+  width block per leaf, so `widen_heads` pads them like any other.)
 
   Args (beyond DFlash's):
     markov_rank: r; 0 = no Markov head (DeepSpec's DFlash configs: the backbone alone, read
@@ -132,12 +134,14 @@ class DSpark(DFlash):
     if r:
       m = {"w1": (v, r), "w2": (r, v)}
       if self.markov_head == "gated":
-        m.update(gate_w=(d + r, r), gate_b=(r,))
+        m.update(gate_h=(d, r), gate_e=(r, r), gate_b=(r,))
       elif self.markov_head == "rnn":
-        m.update(joint_w=(2 * r + d, 3 * r), joint_b=(3 * r,))
+        m.update(joint_s=(r, 3 * r), joint_e=(r, 3 * r), joint_h=(d, 3 * r), joint_b=(3 * r,))
       shapes["markov"] = m
     if self.confidence_head:
-      shapes["confidence"] = {"w": (d + (r if self.confidence_with_markov else 0),), "b": ()}
+      shapes["confidence"] = {"w_h": (d,), "b": ()}
+      if self.confidence_with_markov:
+        shapes["confidence"]["w_e"] = (r,)
     return shapes
 
   def hyper_params(self) -> dict:
@@ -159,12 +163,13 @@ class DSpark(DFlash):
     e = m["w1"][prev].astype(jnp.float32)                                # [..., r]
     if self.markov_head == "vanilla":
       return _dense(e, m["w2"]), rnn_state
-    if self.markov_head == "gated":
-      gate = jax.nn.sigmoid(_dense(jnp.concatenate([hidden, e], -1), m["gate_w"]) +
+    if self.markov_head == "gated":     # gate_proj([h, w1[x]]), its weight split by block
+      gate = jax.nn.sigmoid(_dense(hidden, m["gate_h"]) + _dense(e, m["gate_e"]) +
                             m["gate_b"].astype(jnp.float32))
       return _dense(gate * e, m["w2"]), rnn_state
-    z = _dense(jnp.concatenate([rnn_state, e, hidden], -1), m["joint_w"]) + \
-        m["joint_b"].astype(jnp.float32)
+    # joint_proj([s, w1[x], h]), its weight split by block
+    z = (_dense(rnn_state, m["joint_s"]) + _dense(e, m["joint_e"]) +
+         _dense(hidden, m["joint_h"]) + m["joint_b"].astype(jnp.float32))
     g, c, o = jnp.split(z, 3, axis=-1)
     g = jax.nn.sigmoid(g)
     new_state = g * rnn_state + (1.0 - g) * jnp.tanh(c)
@@ -175,11 +180,12 @@ class DSpark(DFlash):
     prev int32 [...], hidden [..., D] -> float32 [...] (zeros without the head)."""
     if not self.confidence_head:
       return jnp.zeros(hidden.shape[:-1], jnp.float32)
-    feats = hidden.astype(jnp.float32)
-    if self.confidence_with_markov:
-      feats = jnp.concatenate([feats, params["markov"]["w1"][prev].astype(jnp.float32)], -1)
     c = params["confidence"]
-    return _dense(feats, c["w"][:, None])[..., 0] + c["b"].astype(jnp.float32)
+    out = _dense(hidden.astype(jnp.float32), c["w_h"][:, None])[..., 0]
+    if self.confidence_with_markov:
+      e = params["markov"]["w1"][prev].astype(jnp.float32)
+      out = out + _dense(e, c["w_e"][:, None])[..., 0]
+    return out + c["b"].astype(jnp.float32)
 
   def _rnn_zeros(self, lead):
     return jnp.zeros(tuple(lead) + (self.markov_rank,), jnp.float32)
@@ -329,7 +335,7 @@ class DSpark(DFlash):
     zero bias. confidence_with_markov None: True when there is a Markov head (DeepSpec's
     configs)."""
     key = jax.random.key(0) if key is None else key
-    k_base, k_m1, k_m2, k_g, k_c = jax.random.split(key, 5)
+    k_base, k_m1, k_m2, k_g, k_g2, k_g3, k_c, k_c2 = jax.random.split(key, 8)
     if confidence_with_markov is None:
       confidence_with_markov = bool(confidence_head and markov_rank)
     if isinstance(markov_rank, bool) or not isinstance(markov_rank, int) or markov_rank < 0:
@@ -341,13 +347,16 @@ class DSpark(DFlash):
     if r:
       m = {"w1": normal(k_m1, (v, r)), "w2": normal(k_m2, (r, v))}
       if markov_head == "gated":
-        m.update(gate_w=normal(k_g, (d + r, r)), gate_b=jnp.zeros((r,)))
+        m.update(gate_h=normal(k_g, (d, r)), gate_e=normal(k_g2, (r, r)),
+                 gate_b=jnp.zeros((r,)))
       elif markov_head == "rnn":
-        m.update(joint_w=normal(k_g, (2 * r + d, 3 * r)), joint_b=jnp.zeros((3 * r,)))
+        m.update(joint_s=normal(k_g, (r, 3 * r)), joint_e=normal(k_g2, (r, 3 * r)),
+                 joint_h=normal(k_g3, (d, 3 * r)), joint_b=jnp.zeros((3 * r,)))
       params["markov"] = m
     if confidence_head:
-      n_in = d + (r if confidence_with_markov else 0)
-      params["confidence"] = {"w": normal(k_c, (n_in,)), "b": jnp.zeros(())}
+      params["confidence"] = {"w_h": normal(k_c, (d,)), "b": jnp.zeros(())}
+      if confidence_with_markov:
+        params["confidence"]["w_e"] = normal(k_c2, (r,))
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(DFlash) if f.init
               and f.name not in ("params", "greedy_drafts")}
     return cls(params=params, greedy_drafts=greedy_drafts, markov_rank=r,

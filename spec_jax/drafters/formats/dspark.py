@@ -17,9 +17,14 @@ The format is what deepseek-ai/DeepSpec's trainer writes (`deepspec/trainer/ckpt
     embed_tokens.weight, lm_head.weight [V, D]      (copies of the target's: checked, not kept)
     markov_head.markov_w1.weight [V, r]             markov/w1 [V, r]      (an Embedding)
     markov_head.markov_w2.weight [V, r]             markov/w2 [r, V]
-    markov_head.gate_proj.{weight [r, D + r], bias} markov/gate_w [D + r, r], gate_b (gated)
-    markov_head.joint_proj.{weight [3r, 2r + D], bias}  markov/joint_w, joint_b (rnn)
-    confidence_head.proj.weight [1, D (+ r)], .bias [1]  confidence/w, confidence/b
+    markov_head.gate_proj.weight [r, D + r]         markov/gate_h [D, r], gate_e [r, r] (gated;
+                                                    the input [h, w1[x]] split by block)
+    markov_head.gate_proj.bias [r]                  markov/gate_b
+    markov_head.joint_proj.weight [3r, 2r + D]      markov/joint_s, joint_e [r, 3r], joint_h
+                                                    [D, 3r] (rnn; input [s, w1[x], h])
+    markov_head.joint_proj.bias [3r]                markov/joint_b
+    confidence_head.proj.weight [1, D (+ r)]        confidence/w_h [D] (, w_e [r])
+    confidence_head.proj.bias [1]                   confidence/b []
     mask_embedding [D] (spec_jax's learned mask, with mask_token_id null)   mask_embed
 
 A DeepSpec block of b slots drafts b tokens (slot k predicts x_(p+k+1)); markov_rank 0 with no
@@ -83,13 +88,19 @@ def read_config(cfg: dict, target_config, where: str) -> dict:
               confidence_with_markov=with_markov)
 
 
-# public name -> (our leaf under markov / confidence, transpose)
+# public name -> (our leaf under markov, transpose); a concatenated-input Linear's [out, in]
+# weight transposes to [in, out] and splits into our per-block leaves (_BLOCKS).
 _MARKOV = {"markov_head.markov_w1.weight": ("w1", False),
            "markov_head.markov_w2.weight": ("w2", True),
            "markov_head.gate_proj.weight": ("gate_w", True),
            "markov_head.gate_proj.bias": ("gate_b", False),
            "markov_head.joint_proj.weight": ("joint_w", True),
            "markov_head.joint_proj.bias": ("joint_b", False)}
+_BLOCKS = {"gate_w": ("gate_h", "gate_e"), "joint_w": ("joint_s", "joint_e", "joint_h")}
+
+
+def _block_sizes(leaf: str, d: int, r: int) -> tuple:
+  return {"gate_w": (d, r), "joint_w": (r, r, d)}[leaf]
 
 
 def _head_shapes(args: dict, d: int, v: int) -> dict:
@@ -130,13 +141,21 @@ def load_dspark(path, target, greedy_drafts: bool = False, dtype=None):
       canonical=_canonical)
   if args["markov_rank"]:
     params["markov"] = {}
+    r = args["markov_rank"]
     for public, (leaf, transpose) in _MARKOV.items():
       if public in _head_shapes(args, d, v):
         x = read(public)
-        params["markov"][leaf] = np.ascontiguousarray(x.T) if transpose else x
+        x = np.ascontiguousarray(x.T) if transpose else x
+        if leaf in _BLOCKS:
+          cuts = np.cumsum(_block_sizes(leaf, d, r))[:-1]
+          params["markov"].update(zip(_BLOCKS[leaf], np.split(x, cuts, axis=0)))
+        else:
+          params["markov"][leaf] = x
   if args["confidence_head"]:
-    params["confidence"] = {"w": read("confidence_head.proj.weight")[0],
-                            "b": read("confidence_head.proj.bias").reshape(())}
+    w = read("confidence_head.proj.weight")[0]
+    params["confidence"] = {"w_h": w[:d], "b": read("confidence_head.proj.bias").reshape(())}
+    if args["confidence_with_markov"]:
+      params["confidence"]["w_e"] = w[d:]
   dtype = jnp.dtype(dtype or target.config.dtype)
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
   return DSpark(params, target.config, args["layer_config"], args["target_layers"],
@@ -179,12 +198,18 @@ def dspark_tensors(drafter, target) -> dict:
   p = jax.device_get(drafter.params)
   arr = lambda x, tr: np.ascontiguousarray(np.asarray(x, np.float32).T if tr else
                                            np.asarray(x, np.float32))
+  m = dict(p.get("markov", {}))
+  for leaf, blocks in _BLOCKS.items():
+    if blocks[0] in m:
+      m[leaf] = np.concatenate([np.asarray(m[b], np.float32) for b in blocks], axis=0)
   for public, (leaf, transpose) in _MARKOV.items():
-    if leaf in p.get("markov", {}):
-      out[public] = arr(p["markov"][leaf], transpose)
+    if leaf in m:
+      out[public] = arr(m[leaf], transpose)
   if "confidence" in p:
-    out["confidence_head.proj.weight"] = arr(p["confidence"]["w"], False)[None]
-    out["confidence_head.proj.bias"] = arr(p["confidence"]["b"], False).reshape(1)
+    c = p["confidence"]
+    w = [c["w_h"]] + ([c["w_e"]] if "w_e" in c else [])
+    out["confidence_head.proj.weight"] = np.concatenate([arr(x, False) for x in w])[None]
+    out["confidence_head.proj.bias"] = arr(c["b"], False).reshape(1)
   tp = jax.device_get(target.params)
   out["embed_tokens.weight"] = arr(tp["embed"], False)
   out["lm_head.weight"] = arr(tp["embed"] if target.config.tie_embeddings else tp["lm_head"],
