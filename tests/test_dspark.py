@@ -75,12 +75,13 @@ def test_sampled_chain_reports_the_exact_q_of_each_draw(target):
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_greedy_speculation_equals_plain_greedy(target, head):
-  d = small(target, head)
+  # rnn with DFlash's readout (slots 1 .. b-1: 3 drafts of a 4-slot block).
+  d = small(target, head, readout="mask" if head == "rnn" else "next")
   prompts = [[1, 5, 9, 22, 40, 7, 3, 80, 11], [1, 3], [1, 60, 61, 62, 63, 2, 2, 9, 33, 17]]
   plain = sj.generate(target, prompts, max_new_tokens=14, sampling=GREEDY, stop_tokens=[])
-  # Chains for vanilla and rnn, trees for vanilla and gated (the expand that reads h_d).
+  # Chains for vanilla and rnn, trees for gated (the expand that reads h_d).
   runs = {"vanilla": [dict(num_draft=4)],
-          "gated": [dict(tree=sj.TreeSpec(4, 3, 10))], "rnn": [dict(num_draft=4)]}[head]
+          "gated": [dict(tree=sj.TreeSpec(4, 3, 10))], "rnn": [dict(num_draft=3)]}[head]
   for kw in runs:
     spec = sj.generate(target, prompts, drafter=d, max_new_tokens=14, sampling=GREEDY,
                        stop_tokens=[], **kw)
@@ -96,6 +97,13 @@ def test_bad_configurations_raise_before_anything_compiles(target, tmp_path):
                 max_new_tokens=4)
   with pytest.raises(ValueError, match=r"markov_head='bogus'; allowed: vanilla, gated, rnn"):
     small(target, "bogus")
+  with pytest.raises(ValueError, match=r"readout='own'; allowed: next, mask"):
+    small(target, readout="own")
+  with pytest.raises(ValueError, match=r"at most 3 tokens per round; num_draft=4"):
+    sj.generate(target, [[1, 2, 3]], drafter=small(target, readout="mask"), num_draft=4,
+                max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"DeepSpec's format reads every block slot"):
+    sj.drafters.export(small(target, readout="mask"), tmp_path / "x", target=target)
   with pytest.raises(ValueError, match=r"confidence_with_markov needs"):
     small(target, markov_rank=0, confidence_with_markov=True)
   with pytest.raises(ValueError, match=r"dflash: params have shapes"):
@@ -104,6 +112,8 @@ def test_bad_configurations_raise_before_anything_compiles(target, tmp_path):
   dspark = {"kind": "dspark", "block_size": 4, "num_draft": 5}
   with pytest.raises(ValueError, match=r"a DSpark block of 4 drafts at most block_size = 4"):
     load_config(_train_config(tmp_path / "a", head=dspark))
+  with pytest.raises(ValueError, match=r"DSpark block of 4 drafts at most block_size - 1 = 3"):
+    load_config(_train_config(tmp_path / "m", head=dict(dspark, num_draft=4, readout="mask")))
   with pytest.raises(ValueError, match=r"head.markov_head='lstm'"):
     load_config(_train_config(tmp_path / "b", head=dict(dspark, num_draft=4,
                                                         markov_head="lstm")))
@@ -244,7 +254,7 @@ def test_training_config_is_shipped_and_valid():
   cfg = load_config(ROOT / "configs" / "distill_dspark.yaml")
   dflash = load_config(ROOT / "configs" / "distill_dflash.yaml")
   assert cfg["head"]["kind"] == "dspark" and cfg["head"]["num_draft"] == 7
-  for key in ("num_layers", "intermediate_size", "target_layers", "mask_token_id"):
+  for key in ("block_size", "num_layers", "intermediate_size", "target_layers", "mask_token_id"):
     assert cfg["head"][key] == dflash["head"][key], key
   for key in ("steps", "batch_size", "num_anchors", "lr"):
     assert cfg["train"][key] == dflash["train"][key], key

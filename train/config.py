@@ -247,11 +247,15 @@ def _check_dflash(cfg: dict) -> None:
     v = h[name]
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
       raise ValueError(f"head.{name} must be an integer >= {low} for {label}, got {v!r}")
-  most = h["block_size"] if spark else h["block_size"] - 1
+  if spark and h["readout"] not in (None, "next", "mask"):
+    raise ValueError(f"head.readout={h['readout']!r}; allowed: next (DeepSpec's: block_size "
+                     f"drafts), mask (DFlash's: block_size - 1)")
+  every_slot = spark and h["readout"] in (None, "next")
+  most = h["block_size"] if every_slot else h["block_size"] - 1
   if h["num_draft"] > most:
     raise ValueError(f"head.num_draft={h['num_draft']}: a {label} block of {h['block_size']} "
-                     f"drafts at most {'block_size' if spark else 'block_size - 1'} = {most} "
-                     f"tokens")
+                     f"drafts at most {'block_size' if every_slot else 'block_size - 1'} = "
+                     f"{most} tokens")
   if spark:
     r = h["markov_rank"]
     if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):

@@ -156,7 +156,8 @@ def dspark_loss(head, params, target_params, tokens, layer_hidden, target_probs,
   """DSpark's loss (DeepSpec `deepspec/modeling/dspark/loss.py`, compute_dspark_loss), over
   DFlash's block-masked anchors with teacher-forced Markov inputs (`DSpark.training_outputs`).
 
-  Slot k = 0 .. b-1 of the block anchored at a predicts token a + k + 1, whose target
+  Draft k = 0 .. K-1 of the block anchored at a (slot k, or k + 1 with DFlash's readout)
+  predicts token a + k + 1, whose target
   distribution given the real prefix is p = target_probs[a + k]; q = softmax(the slot's
   Markov-corrected logits). With w_k = exp(-k / gamma) (DeepSpec's `_build_loss_weight_mask`)
   and sums over the valid slots (a + k + 1 < T):
@@ -173,7 +174,7 @@ def dspark_loss(head, params, target_params, tokens, layer_hidden, target_probs,
   bs = head.block_size
   anchors = sample_anchors(key, b, t, cfg["num_anchors"])                     # [B, A]
   logits, conf = head.training_outputs(params, target_params, tokens, layer_hidden, anchors)
-  k = jnp.arange(bs, dtype=jnp.int32)
+  k = jnp.arange(head.max_draft, dtype=jnp.int32)                           # draft index
   label_pos = anchors[:, :, None] + k[None, None] + 1                         # token a + k + 1
   valid = (label_pos < t).astype(jnp.float32)
   rows = jnp.arange(b)[:, None, None]

@@ -65,6 +65,7 @@ from spec_jax.drafters.dflash import DFlash, DFlashState
 from spec_jax.drafters.dflash_layers import _dense
 
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
+READOUTS = ("next", "mask")
 
 
 @flax.struct.dataclass
@@ -93,7 +94,9 @@ class DSpark(DFlash):
     markov_head: "vanilla" | "gated" | "rnn" (DeepSpec's markov_head_type).
     confidence_head: whether it has the confidence head.
     confidence_with_markov: the confidence head also reads w1[x_{k-1}] (needs markov_rank > 0).
-  The block of b slots drafts up to b tokens (max_draft = block_size).
+    readout: "next" (DeepSpec's: slot k = 0 .. b-1 predicts x_(p+k+1), b drafts per block) or
+      "mask" (z-lab DFlash's: slots 1 .. b-1 predict their own positions, b - 1 drafts; ours,
+      not in DeepSpec's format). The Markov chain is the same: draft i conditions on draft i-1.
   """
 
   kind = "dspark"
@@ -103,6 +106,7 @@ class DSpark(DFlash):
   markov_head: str = "vanilla"
   confidence_head: bool = False
   confidence_with_markov: bool = False
+  readout: str = "next"
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -113,6 +117,8 @@ class DSpark(DFlash):
     if self.markov_head not in MARKOV_HEADS:
       raise ValueError(f"dspark: markov_head={self.markov_head!r}; allowed: "
                        f"{', '.join(MARKOV_HEADS)}")
+    if self.readout not in READOUTS:
+      raise ValueError(f"dspark: readout={self.readout!r}; allowed: {', '.join(READOUTS)}")
     set_("confidence_head", bool(self.confidence_head))
     set_("confidence_with_markov", bool(self.confidence_with_markov))
     if self.confidence_with_markov and (not self.confidence_head or r == 0):
@@ -125,8 +131,13 @@ class DSpark(DFlash):
     super().__post_init__()
 
   @property
+  def first_slot(self) -> int:
+    """The block slot of draft 0: 0 for DeepSpec's readout, 1 for DFlash's."""
+    return 0 if self.readout == "next" else 1
+
+  @property
   def max_draft(self) -> int:
-    return self.block_size
+    return self.block_size - self.first_slot
 
   def param_shapes(self) -> dict:
     shapes = super().param_shapes()
@@ -147,7 +158,7 @@ class DSpark(DFlash):
   def hyper_params(self) -> dict:
     return dict(super().hyper_params(), markov_rank=self.markov_rank,
                 markov_head=self.markov_head, confidence_head=self.confidence_head,
-                confidence_with_markov=self.confidence_with_markov)
+                confidence_with_markov=self.confidence_with_markov, readout=self.readout)
 
   # ----------------------------------------------------------------------- the two heads
 
@@ -243,14 +254,14 @@ class DSpark(DFlash):
     """The backbone over the block at p = lengths - 1 -> (hidden [B, K, D], base logits
     [B, K, V], x_p [B]) of slots 0 .. K - 1 (slot k predicts x_{p+k+1})."""
     hidden = self.block_hidden(params, state, ctx.target_params, ctx.tokens, ctx.lengths)
-    hidden = hidden[:, :num_slots]
+    hidden = hidden[:, self.first_slot:self.first_slot + num_slots]
     last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
     return hidden, self.logits(params, ctx.target_params, hidden), last
 
   def _check_k(self, k: int, what: str) -> None:
-    if k > self.block_size:
-      raise ValueError(f"a DSpark drafter with block_size {self.block_size} drafts at most "
-                       f"{self.block_size} tokens per round (slot k predicts x_(p+k+1)); "
+    if k > self.max_draft:
+      raise ValueError(f"a DSpark drafter with block_size {self.block_size} and readout "
+                       f"{self.readout!r} drafts at most {self.max_draft} tokens per round; "
                        f"{what}={k}")
 
   def init_state(self, params, prefill: PrefillInfo):
@@ -314,11 +325,12 @@ class DSpark(DFlash):
     """All anchors' blocks in one pass (DFlash's training mask), teacher-forced heads.
 
     tokens int32 [B, T]; layer_hidden: the captured target layers ([B, T, D_t] each); anchors
-    int32 [B, A]. Returns (logits [B, A, b, V], confidence logits [B, A, b]): slot k of the
-    block anchored at a predicts token a + k + 1 with x_{k-1} = token a + k."""
+    int32 [B, A]. Returns (logits [B, A, K, V], confidence logits [B, A, K]), K = max_draft:
+    draft k of the block anchored at a predicts token a + k + 1 with x_{k-1} = token a + k."""
     hidden = self.training_hidden(params, target_params, tokens, layer_hidden, anchors)
+    hidden = hidden[:, :, self.first_slot:]
     t = tokens.shape[1]
-    pos = jnp.minimum(anchors[:, :, None] + jnp.arange(self.block_size)[None, None], t - 1)
+    pos = jnp.minimum(anchors[:, :, None] + jnp.arange(self.max_draft)[None, None], t - 1)
     prev = jnp.take_along_axis(tokens[:, None, :], pos, axis=2)             # [B, A, b]
     base = self.logits(params, target_params, hidden)
     return self.teacher_forced(params, base, prev, hidden)
@@ -328,7 +340,8 @@ class DSpark(DFlash):
   @classmethod
   def init(cls, target, key=None, markov_rank: int = 0, markov_head: str = "vanilla",
            confidence_head: bool = True, confidence_with_markov: Optional[bool] = None,
-           init_std: float = 0.02, greedy_drafts: bool = False, **dflash_options) -> "DSpark":
+           readout: str = "next", init_std: float = 0.02, greedy_drafts: bool = False,
+           **dflash_options) -> "DSpark":
     """A fresh DSpark drafter for `target` (a Model): DFlash.init's backbone (its options:
     block_size, num_layers, target_layers, ...), the Markov head normal(init_std) (DeepSpec's
     initializer_range; its bias starts near 0), the confidence head normal(init_std) with a
@@ -361,7 +374,7 @@ class DSpark(DFlash):
               and f.name not in ("params", "greedy_drafts")}
     return cls(params=params, greedy_drafts=greedy_drafts, markov_rank=r,
                markov_head=markov_head, confidence_head=confidence_head,
-               confidence_with_markov=confidence_with_markov, **fields)
+               confidence_with_markov=confidence_with_markov, readout=readout, **fields)
 
 
 __all__ = ["DSpark", "DSparkState", "MARKOV_HEADS"]

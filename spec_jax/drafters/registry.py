@@ -118,7 +118,9 @@ KINDS = {k.name: k for k in (
                      "DSpark: rank r of the Markov head (0: none; None: the init's default)"),
               Option("markov_head", "markov_head", None, "DSpark: vanilla | gated | rnn"),
               Option("confidence_head", "confidence_head", None,
-                     "DSpark: train the per-slot confidence head"))),
+                     "DSpark: train the per-slot confidence head"),
+              Option("readout", "readout", None,
+                     "DSpark: next (DeepSpec: b drafts) | mask (DFlash's slots: b - 1)"))),
 )}
 HEAD_KINDS = tuple(KINDS)
 

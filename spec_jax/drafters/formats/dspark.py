@@ -223,5 +223,9 @@ def export(drafter, out_dir, target, overwrite: bool = False) -> pathlib.Path:
   if getattr(drafter, "kind", None) != "dspark":
     raise ValueError(f"export: format 'dspark' writes DSpark drafters; got a "
                      f"{type(drafter).__name__} (kind {getattr(drafter, 'kind', None)!r})")
+  if drafter.readout != "next":
+    raise ValueError(f"export: DeepSpec's format reads every block slot (readout 'next'); this "
+                     f"drafter's readout is {drafter.readout!r} (spec_jax's own: save it with "
+                     f"train.distill_heads' heads folder instead)")
   return write_folder(out_dir, dspark_config(drafter), dspark_tensors(drafter, target),
                       overwrite)
