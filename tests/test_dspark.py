@@ -36,6 +36,18 @@ def small(target, head="vanilla", key=5, **kw):
   return DSpark.init(target, key=jax.random.key(key), **opts)
 
 
+def greedy_outputs(d, state, ctx):
+  """One jitted call: the greedy drafts [B, K], confidence [B, K], and the corrected logits
+  [B, K, V] and confidence logits [B, K] of the chain they form (teacher-forced on them)."""
+  def run(params, state, ctx):
+    drafts, _, conf, _ = d.propose_with_confidence(params, state, ctx)
+    hidden, base, last = d.block_outputs(params, state, ctx, ctx.num_draft)
+    prev = jnp.concatenate([last[:, None], drafts[:, :-1]], axis=1)
+    logits, conf_logits = d.teacher_forced(params, base, prev, hidden)
+    return drafts, conf, logits, conf_logits, base
+  return [np.asarray(x) for x in jax.jit(run)(d.params, state, ctx.replace(greedy=True))]
+
+
 # ----------------------------------------------------------------------------- the chain's q
 
 def test_sampled_chain_reports_the_exact_q_of_each_draw(target):
@@ -357,16 +369,13 @@ def test_exported_folder_drafts_what_deepspec_drafts(tmp_path, target, hf_target
     prev = torch.cat([ids[:, :1], toks[:, :-1]], dim=1)
     conf = ref.predict_confidence_step(block, prev_token_ids=prev)
   state, buf, sampling = drafter_state(d, target, prompt, first)
-  ctx_ = ctx_of(buf, len(prompt) + 1, sampling, target, 4, greedy=True)
-  drafts, _, confidence, _ = jax.jit(d.propose_with_confidence)(d.params, state, ctx_)
-  hidden, base, last = jax.jit(d.block_outputs, static_argnums=3)(d.params, state, ctx_, 4)
-  ours, conf_ours = jax.jit(d.teacher_forced)(d.params, base, jnp.asarray(prev.numpy()), hidden)
-  assert np.abs(np.asarray(ours) - np.asarray(base)).max() > 0.1      # the head matters
-  assert np.asarray(drafts)[0].tolist() == toks[0].tolist()
-  assert np.abs(np.asarray(ours)[0] - logits[0].numpy()).max() <= 1e-4
-  assert np.abs(np.asarray(conf_ours)[0] - conf[0].numpy()).max() <= 1e-4
-  np.testing.assert_allclose(np.asarray(confidence)[0], torch.sigmoid(conf[0]).numpy(),
-                             rtol=1e-4)
+  drafts, confidence, ours, conf_ours, base = greedy_outputs(
+      d, state, ctx_of(buf, len(prompt) + 1, sampling, target, 4))
+  assert np.abs(ours - base).max() > 0.1                                # the head matters
+  assert drafts[0].tolist() == toks[0].tolist()                        # so prev is theirs
+  assert np.abs(ours[0] - logits[0].numpy()).max() <= 1e-4
+  assert np.abs(conf_ours[0] - conf[0].numpy()).max() <= 1e-4
+  np.testing.assert_allclose(confidence[0], torch.sigmoid(conf[0]).numpy(), rtol=1e-4)
 
 
 def test_widened_dspark_drafts_the_same(trained):
@@ -380,16 +389,10 @@ def test_widened_dspark_drafts_the_same(trained):
   gated = gated.with_params(dict(drafter.params, markov=gated.params["markov"]))
   wide = widen(stories, hidden_size=128, intermediate_size=256, num_layers=7, head_dim=16)
   prompt = stories.encode("Once upon a time there was")
-  for src in (gated,):
-    outs = []
-    for model, dr in ((stories, src), (wide, sj.drafters.widen_heads(src, stories, wide))):
-      state, buf, sampling = drafter_state(dr, model, prompt[:-1], prompt[-1], capacity=32)
-      ctx = ctx_of(buf, len(prompt), sampling, model, 5, greedy=True)
-      drafts, _, conf, _ = jax.jit(dr.propose_with_confidence)(dr.params, state, ctx)
-      hidden, base, last = jax.jit(dr.block_outputs, static_argnums=3)(dr.params, state, ctx, 5)
-      prev = jnp.concatenate([last[:, None], drafts[:, :-1]], axis=1)
-      logits, _ = jax.jit(dr.teacher_forced)(dr.params, base, prev, hidden)
-      outs.append((np.asarray(drafts), np.asarray(conf), np.asarray(logits)))
-    np.testing.assert_array_equal(outs[0][0], outs[1][0])
-    assert np.abs(outs[0][1] - outs[1][1]).max() <= 1e-4
-    assert np.abs(outs[0][2] - outs[1][2]).max() <= 1e-3
+  outs = []
+  for model, dr in ((stories, gated), (wide, sj.drafters.widen_heads(gated, stories, wide))):
+    state, buf, sampling = drafter_state(dr, model, prompt[:-1], prompt[-1], capacity=32)
+    outs.append(greedy_outputs(dr, state, ctx_of(buf, len(prompt), sampling, model, 5)))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  assert np.abs(outs[0][1] - outs[1][1]).max() <= 1e-4
+  assert np.abs(outs[0][2] - outs[1][2]).max() <= 1e-3
