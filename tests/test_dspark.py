@@ -328,7 +328,7 @@ def test_malformed_deepspec_folders_are_refused(tmp_path, target):
 
 def _deepspec_source():
   """DeepSpec's python package (deepseek-ai/DeepSpec `deepspec/`), from $DEEPSPEC_SRC (the
-  folder holding `deepspec/`) or an installed one; the test is skipped without it."""
+  folder holding `deepspec/`) or an installed one; None without it (the test is skipped)."""
   import importlib
   import os
   import sys
@@ -337,10 +337,12 @@ def _deepspec_source():
     sys.path.insert(0, src)
   try:
     return importlib.import_module("deepspec.modeling.dspark.qwen3.modeling")
-  except ImportError as e:
-    pytest.skip(f"DeepSpec's source is not importable (set DEEPSPEC_SRC): {e}")
+  except ImportError:
+    return None
 
 
+@pytest.mark.skipif(_deepspec_source() is None,
+                    reason="DeepSpec's source is not importable (set DEEPSPEC_SRC to a checkout)")
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 def test_exported_folder_drafts_what_deepspec_drafts(tmp_path, target, hf_target, head):
   """DeepSpec's own Qwen3DSparkModel (torch, from_pretrained of our export) over transformers'
@@ -387,7 +389,7 @@ def test_widened_dspark_drafts_the_same(trained):
                       **{k: v for k, v in drafter.hyper_params().items() if k != "markov_head"})
   # The trained backbone and confidence head, a random gated Markov head.
   gated = gated.with_params(dict(drafter.params, markov=gated.params["markov"]))
-  wide = widen(stories, hidden_size=128, intermediate_size=256, num_layers=7, head_dim=16)
+  wide = widen(stories, hidden_size=128, intermediate_size=256, num_layers=5, head_dim=16)
   prompt = stories.encode("Once upon a time there was")
   outs = []
   for model, dr in ((stories, gated), (wide, sj.drafters.widen_heads(gated, stories, wide))):
