@@ -73,7 +73,7 @@ def hf_target(target, tmp_path_factory):
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
 # Rough single-worker minutes on the 2-core CI machine, longest first.
 _LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_dflash.py",
-               "test_gemma_assistant.py", "test_heads.py", "test_constraints.py",
+               "test_dspark.py", "test_gemma_assistant.py", "test_heads.py", "test_constraints.py",
                "test_hybrid.py", "test_hybrid_speculation.py",
                "test_lossless.py",
                "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",

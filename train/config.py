@@ -32,9 +32,10 @@ DEFAULTS = {
     },                         # data x model = every device of every process
     "head": {
         **registry.option_defaults(),   # every kind's init options (registry.KINDS)
-        "kind": "eagle",       # a registry kind: medusa | eagle | eagle3 | eagle3_fused | mtp | dflash
+        "kind": "eagle",       # a registry kind: medusa | eagle | eagle3 | eagle3_fused | mtp |
+                               # dflash | dspark
         "num_draft": 4,        # K: Medusa heads / the K the final evaluation drafts with
-                               # (DFlash: <= block_size - 1)
+                               # (DFlash: <= block_size - 1; DSpark: <= block_size)
         "draft_vocab_size": None,  # EAGLE-3 draft vocabulary: the N most frequent target tokens
                                    # of the training data (None: the whole vocabulary)
     },
@@ -82,7 +83,9 @@ DEFAULTS = {
         "frozen": [],          # top-level head params kept at their init (e.g. [lm_head])
         "num_anchors": 16,     # DFlash: blocks per training window (anchors a, a + 1 < T)
         "loss_gamma": None,    # DFlash: slot k's weight exp(-(k-1)/gamma) (None: 7 for
-                               # b >= 16, 4 for b >= 8, b/2 below)
+                               # b >= 16, 4 for b >= 8, b/2 below); DSpark: exp(-k/gamma)
+        "l1_weight": 0.0,      # DSpark: weight of ||q - p||_1 per slot (DeepSpec: 0.9)
+        "confidence_weight": 1.0,  # DSpark: weight of the confidence head's BCE (DeepSpec: 1.0)
         "checkpoint_every": 200,
         "log_every": 25,
         "stop_after": None,    # test hook: stop (as if killed) after this step's checkpoint
@@ -222,8 +225,11 @@ def validate(cfg: dict) -> dict:
                        f"{kind}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(f"head.draft_vocab_size must be None or an integer >= 1, got {n!r}")
-  if head.loss == "dflash":
+  if head.loss in ("dflash", "dspark"):
     _check_dflash(cfg)
+  elif t["l1_weight"] or t["confidence_weight"] != DEFAULTS["train"]["confidence_weight"]:
+    raise ValueError(f"train.l1_weight / train.confidence_weight apply to DSpark heads, not "
+                     f"{head.label}")
   if head.loss != "feature_head" and t["ttt_steps"] != 1:
     raise ValueError(f"train.ttt_steps applies to "
                      f"{registry.labels(registry.with_loss('feature_head'))} heads, not "
@@ -236,15 +242,35 @@ def validate(cfg: dict) -> dict:
 
 
 def _check_dflash(cfg: dict) -> None:
-  """The DFlash loss's options (and the block it drafts in): checked before anything runs."""
+  """The DFlash / DSpark loss's options (and the block it drafts in): checked before anything
+  runs. A DFlash block of b drafts b - 1 tokens, a DSpark block b (slot k predicts x_(p+k+1))."""
   h, t = cfg["head"], cfg["train"]
+  spark = h["kind"] == "dspark"
+  label = "DSpark" if spark else "DFlash"
   for name, low in (("block_size", 2), ("num_layers", 1)):
     v = h[name]
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
-      raise ValueError(f"head.{name} must be an integer >= {low} for DFlash, got {v!r}")
-  if h["num_draft"] > h["block_size"] - 1:
-    raise ValueError(f"head.num_draft={h['num_draft']}: a DFlash block of {h['block_size']} "
-                     f"drafts at most block_size - 1 = {h['block_size'] - 1} tokens")
+      raise ValueError(f"head.{name} must be an integer >= {low} for {label}, got {v!r}")
+  if spark and h["readout"] not in (None, "next", "mask"):
+    raise ValueError(f"head.readout={h['readout']!r}; allowed: next (DeepSpec's: block_size "
+                     f"drafts), mask (DFlash's: block_size - 1)")
+  every_slot = spark and h["readout"] in (None, "next")
+  most = h["block_size"] if every_slot else h["block_size"] - 1
+  if h["num_draft"] > most:
+    raise ValueError(f"head.num_draft={h['num_draft']}: a {label} block of {h['block_size']} "
+                     f"drafts at most {'block_size' if every_slot else 'block_size - 1'} = "
+                     f"{most} tokens")
+  if spark:
+    r = h["markov_rank"]
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+      raise ValueError(f"head.markov_rank must be an integer >= 0 (0: no Markov head), got "
+                       f"{r!r}")
+    if h["markov_head"] not in (None, "vanilla", "gated", "rnn"):
+      raise ValueError(f"head.markov_head={h['markov_head']!r}; allowed: vanilla, gated, rnn")
+    for name in ("l1_weight", "confidence_weight"):
+      v = t[name]
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ValueError(f"train.{name} must be a number >= 0, got {v!r}")
   n = t["num_anchors"]
   if isinstance(n, bool) or not isinstance(n, int) or n < 1:
     raise ValueError(f"train.num_anchors must be an integer >= 1, got {n!r}")

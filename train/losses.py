@@ -19,6 +19,9 @@ the target would sample; greedy acceptance needs the argmax, which the soft labe
              token, is not a draft); p_{a+k-1} is the target's distribution of token a+k given
              the real prefix, whose average over the data is the marginal slot k must learn
              (DFlash paper's position-decayed loss; SpecForge `OnlineDFlashModel.forward`)
+  DSpark     the DFlash anchors with slot k = 0..b-1 predicting token a+k+1, Markov inputs
+             teacher-forced, w_k = exp(-k/gamma); ce_weight CE + l1_weight ||q - p||_1 +
+             confidence_weight BCE(confidence, 1 - ||q - p||_1 / 2) (DeepSpec `loss.py`)
 
 Each returns (loss, metrics) with metrics["agree"] [steps or heads] = top-1 agreement with the
 target's argmax per draft position. LOSSES maps the loss keys of the head kinds
@@ -149,6 +152,49 @@ def dflash_loss(head, params, target_params, tokens, layer_hidden, target_probs,
   return loss, {"agree": agree}
 
 
+def dspark_loss(head, params, target_params, tokens, layer_hidden, target_probs, cfg, key):
+  """DSpark's loss (DeepSpec `deepspec/modeling/dspark/loss.py`, compute_dspark_loss), over
+  DFlash's block-masked anchors with teacher-forced Markov inputs (`DSpark.training_outputs`).
+
+  Draft k = 0 .. K-1 of the block anchored at a (slot k, or k + 1 with DFlash's readout)
+  predicts token a + k + 1, whose target
+  distribution given the real prefix is p = target_probs[a + k]; q = softmax(the slot's
+  Markov-corrected logits). With w_k = exp(-k / gamma) (DeepSpec's `_build_loss_weight_mask`)
+  and sums over the valid slots (a + k + 1 < T):
+
+    loss = ce_weight * sum w CE(p, q) / sum w                  (soft labels, as DFlash here)
+         + l1_weight * sum w ||q - p||_1 / sum w               (DeepSpec's l1_loss)
+         + confidence_weight * sum w BCE(c_k, alpha_k) / sum w  (the confidence head)
+
+  alpha_k = 1 - ||q - p||_1 / 2 = sum_v min(p, q), the probability that a draft from q is
+  accepted against p (detached: the confidence head learns it, the draft head is not pulled
+  towards what it predicts). target_probs [B, T, V]; metrics: per-slot top-1 agreement,
+  alpha and the confidence head's mean prediction."""
+  b, t = tokens.shape
+  bs = head.block_size
+  anchors = sample_anchors(key, b, t, cfg["num_anchors"])                     # [B, A]
+  logits, conf = head.training_outputs(params, target_params, tokens, layer_hidden, anchors)
+  k = jnp.arange(head.max_draft, dtype=jnp.int32)                           # draft index
+  label_pos = anchors[:, :, None] + k[None, None] + 1                         # token a + k + 1
+  valid = (label_pos < t).astype(jnp.float32)
+  rows = jnp.arange(b)[:, None, None]
+  p = target_probs[rows, jnp.minimum(label_pos - 1, t - 1)]                  # p_{a+k}
+  w = jnp.exp(-k.astype(jnp.float32) / dflash_gamma(bs, cfg["loss_gamma"])) * valid
+  norm = jnp.maximum(jnp.sum(w), 1e-6)
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  ce = -jnp.sum(p * logp, axis=-1)                                            # [B, A, b]
+  l1 = jnp.sum(jnp.abs(jnp.exp(logp) - p), axis=-1)
+  alpha = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+  bce = jnp.maximum(conf, 0.0) - conf * alpha + jnp.log1p(jnp.exp(-jnp.abs(conf)))
+  loss = (cfg["ce_weight"] * jnp.sum(ce * w) + cfg["l1_weight"] * jnp.sum(l1 * w)) / norm
+  if head.confidence_head:
+    loss = loss + cfg["confidence_weight"] * jnp.sum(bce * w) / norm
+  per_slot = lambda x: jnp.sum(x * valid, axis=(0, 1)) / jnp.maximum(jnp.sum(valid, (0, 1)), 1.)
+  same = (jnp.argmax(logits, -1) == jnp.argmax(p, -1)).astype(jnp.float32)
+  return loss, {"agree": per_slot(same), "alpha": per_slot(alpha),
+                "confidence": per_slot(jax.nn.sigmoid(conf))}
+
+
 def _medusa(head, params, target_params, tokens, out, target_probs, cfg, key):
   del head, target_params, tokens, key
   return medusa_loss(params, out.hidden, target_probs, cfg)
@@ -164,5 +210,11 @@ def _dflash(head, params, target_params, tokens, out, target_probs, cfg, key):
                      key)
 
 
+def _dspark(head, params, target_params, tokens, out, target_probs, cfg, key):
+  return dspark_loss(head, params, target_params, tokens, out.layer_hidden, target_probs, cfg,
+                     key)
+
+
 # The registry's loss keys (HeadKind.loss) -> the loss, in the uniform signature above.
-LOSSES = {"medusa": _medusa, "feature_head": _feature_head, "dflash": _dflash}
+LOSSES = {"medusa": _medusa, "feature_head": _feature_head, "dflash": _dflash,
+          "dspark": _dspark}

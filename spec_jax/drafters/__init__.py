@@ -5,6 +5,7 @@ writes them on disk."""
 from spec_jax.drafters.base import DraftContext, Drafter, FrozenDrafter, PrefillInfo, VerifyInfo
 from spec_jax.drafters.dflash import DFlash
 from spec_jax.drafters.draft_model import DraftModel
+from spec_jax.drafters.dspark import DSpark
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.formats import export, load
 from spec_jax.drafters.gemma4_assistant import Gemma4Assistant
@@ -17,4 +18,4 @@ from spec_jax.drafters.widening import widen_heads
 
 __all__ = ["Drafter", "FrozenDrafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel",
            "NGram", "Medusa", "Gemma4Assistant", "EAGLE", "EAGLE3", "EAGLE3Fused", "MTP",
-           "HybridMTP", "DFlash", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]
+           "HybridMTP", "DFlash", "DSpark", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]

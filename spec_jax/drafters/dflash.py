@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters import dflash_layers as layers_lib
+from spec_jax.drafters import dflash_shapes
 from spec_jax.drafters import head_layer
 from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
                                    frozen_drafter, params_field)
@@ -129,6 +130,11 @@ class DFlash(FrozenDrafter):
   @property
   def max_draft(self) -> int:
     return self.block_size - 1
+
+  def param_shapes(self) -> dict:
+    """The shape of every param leaf this configuration needs (`dflash_shapes.check_shape`
+    compares the params against it; subclasses add their own leaves)."""
+    return dflash_shapes.expected_shapes(self)
 
   # ----------------------------------------------------------------------- identity / io
 
@@ -246,7 +252,7 @@ class DFlash(FrozenDrafter):
       # [B, T, N, Hkv, Dh].
       return cache.at[:, rows, :, positions].set(new.transpose(1, 3, 0, 2, 4), mode="drop")
 
-    return DFlashState(k=write(state.k, k), v=write(state.v, v))
+    return state.replace(k=write(state.k, k), v=write(state.v, v))   # subclasses' state too
 
   def init_state(self, params, prefill: PrefillInfo):
     b, s = prefill.tokens.shape

@@ -91,7 +91,7 @@ def check_shape(drafter, params) -> None:
     raise ValueError(f"dflash: mask_token_id={m} outside the target's vocabulary [0, "
                      f"{t.vocab_size}); allowed: a reserved id of the vocabulary, or None for a "
                      f"learned mask embedding")
-  want = expected_shapes(drafter)
+  want = drafter.param_shapes() if hasattr(drafter, "param_shapes") else expected_shapes(drafter)
   got = jax.tree.map(lambda x: tuple(np.shape(x)), params)
   if got != want:
     raise ValueError(f"dflash: params have shapes {got}; this configuration needs {want}")

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from spec_jax.drafters.dflash import DFlash
 from spec_jax.drafters.draft_model import DraftModel
+from spec_jax.drafters.dspark import DSpark
 from spec_jax.drafters.eagle import EAGLE, EAGLE3, EAGLE3Fused
 from spec_jax.drafters.gemma4_assistant import Gemma4Assistant
 from spec_jax.drafters.medusa import Medusa
@@ -92,6 +93,13 @@ HEADS = Option("num_heads", "num_heads", None,
 LAYERS = Option("target_layers", "target_layers", None,
                 "captured target layers, as layer-output indices (None: the kind's default)")
 
+BLOCK = Option("block_size", "block_size", 8,
+               "b: the block's slots (DFlash: the last committed token + b-1 mask slots, "
+               "b-1 drafts; DSpark: b drafts)")
+BLOCK_LAYERS = Option("num_layers", "num_layers", 1, "drafter decoder layers")
+MASK_ID = Option("mask_token_id", "mask_token_id", None,
+                 "a reserved target id for the mask slots (None: a learned embedding)")
+
 KINDS = {k.name: k for k in (
     HeadKind("medusa", Medusa, "Medusa", "medusa",
              (Option("num_draft", "num_heads", None, "K: one head per draft position"),
@@ -102,13 +110,17 @@ KINDS = {k.name: k for k in (
     HeadKind("eagle3_fused", EAGLE3Fused, "EAGLE-3 (fused)", "feature_head",
              (INIT_STD, MLP, HEADS, LAYERS)),
     HeadKind("mtp", MTP, "MTP", "feature_head", (INIT_STD, MLP)),
-    HeadKind("dflash", DFlash, "DFlash", "dflash",
-             (INIT_STD, MLP, HEADS, LAYERS,
-              Option("block_size", "block_size", 8,
-                     "b: the last committed token + b-1 mask slots"),
-              Option("num_layers", "num_layers", 1, "drafter decoder layers"),
-              Option("mask_token_id", "mask_token_id", None,
-                     "a reserved target id for the mask slots (None: a learned embedding)"))),
+    HeadKind("dflash", DFlash, "DFlash", "dflash", (INIT_STD, MLP, HEADS, LAYERS, BLOCK,
+                                                    BLOCK_LAYERS, MASK_ID)),
+    HeadKind("dspark", DSpark, "DSpark", "dspark",
+             (INIT_STD, MLP, HEADS, LAYERS, BLOCK, BLOCK_LAYERS, MASK_ID,
+              Option("markov_rank", "markov_rank", None,
+                     "DSpark: rank r of the Markov head (0: none; None: the init's default)"),
+              Option("markov_head", "markov_head", None, "DSpark: vanilla | gated | rnn"),
+              Option("confidence_head", "confidence_head", None,
+                     "DSpark: train the per-slot confidence head"),
+              Option("readout", "readout", None,
+                     "DSpark: next (DeepSpec: b drafts) | mask (DFlash's slots: b - 1)"))),
 )}
 HEAD_KINDS = tuple(KINDS)
 

@@ -90,6 +90,16 @@ HEAD_RULES = {
         "mask_embed": _RES,                        # the learned mask embedding (ours)
     },
 }
+# DSpark: DFlash's backbone; its Markov head reads the backbone's normed output h (zero-padded
+# like every residual vector) only through gate_h / joint_h, its confidence head through w_h.
+HEAD_RULES["dspark"] = {
+    **HEAD_RULES["dflash"],
+    "markov": {"w1": Rule((None, None)), "w2": Rule((None, None)), "gate_h": Rule(("res", None)),
+               "gate_e": Rule((None, None)), "gate_b": Rule((None,)),
+               "joint_s": Rule((None, None)), "joint_e": Rule((None, None)),
+               "joint_h": Rule(("res", None)), "joint_b": Rule((None,))},
+    "confidence": {"w_h": _RES, "w_e": Rule((None,)), "b": Rule(())},
+}
 
 
 def _wide_hyper_params(drafter, source, widened) -> dict:
@@ -99,7 +109,8 @@ def _wide_hyper_params(drafter, source, widened) -> dict:
   if layer_config is None:
     return hp
   src, new = source.config, widened.config
-  if drafter.kind == "dflash":     # own heads, head_dim * D'/D: exact q/k norms (docstring)
+  block = drafter.kind in ("dflash", "dspark")
+  if block:     # own heads, head_dim * D'/D: exact q/k norms (docstring)
     hp["head_dim"] = layer_config.head_dim * new.hidden_size // src.hidden_size
   else:
     hp["num_heads"] = new.num_heads if layer_config.num_heads == src.num_heads \
@@ -108,7 +119,7 @@ def _wide_hyper_params(drafter, source, widened) -> dict:
       if layer_config.intermediate_size == src.intermediate_size \
       else layer_config.intermediate_size
   for name in ("num_kv_heads", "head_dim"):   # derived by head_layer_config when rebuilt
-    if drafter.kind != "dflash":
+    if not block:
       hp.pop(name, None)
   if hp.get("rms_norm_eps") is not None:       # a head's own eps scales like the target's
     hp["rms_norm_eps"] = hp["rms_norm_eps"] * src.hidden_size / new.hidden_size

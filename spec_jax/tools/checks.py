@@ -29,7 +29,8 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
   Medusa: [T, K, V], every head at every position. EAGLE / EAGLE-3 / MTP: [steps, T-1, V], the
   head's teacher-forced outputs (step 1) and its own-feature outputs (steps > 1, as when it
   drafts), through `FeatureHead.unroll`. DFlash: [T-1, b-1, V], the block anchored at every
-  position but the last (`DFlash.training_hidden`)."""
+  position but the last (`DFlash.training_hidden`); DSpark: [T-1, K, V], the same blocks with
+  its Markov head teacher-forced (`DSpark.training_outputs`)."""
   import jax.numpy as jnp
   toks = jnp.asarray([list(tokens)], jnp.int32)
   cache = KVCache.zeros(model.config, 1, toks.shape[1])
@@ -43,6 +44,11 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
     hidden = drafter.training_hidden(drafter.params, model.params, toks, out.layer_hidden,
                                      anchors)
     return np.asarray(drafter.logits(drafter.params, model.params, hidden[:, :, 1:])[0])
+  if drafter.kind == "dspark":     # its Markov-corrected logits, teacher-forced: [T-1, K, V]
+    anchors = jnp.arange(toks.shape[1] - 1, dtype=jnp.int32)[None]
+    logits, _ = drafter.training_outputs(drafter.params, model.params, toks, out.layer_hidden,
+                                         anchors)
+    return np.asarray(logits[0])
   feats = drafter.target_feature(drafter.params, out.hidden, out.layer_hidden)
   outs = drafter.unroll(drafter.params, model.params, toks, feats, steps=steps)
   return np.stack([np.asarray(drafter.logits(drafter.params, model.params, o)[0]) for o in outs])

@@ -6,11 +6,12 @@ the published ones. Each format is one module over the shared Hugging Face reade
                      registry kind (train.distill_heads writes them)
   eagle3             public EAGLE-3 folders (LlamaForCausalLMEagle3): load and export
   dflash             published DFlash folders (DFlashDraftModel): load and export
+  dspark             DeepSpec's DSpark / DFlash folders (Qwen3DSparkModel): load and export
   gemma4_assistant   Gemma 4 assistant folders (model_type gemma4_assistant): load
   native MTP         a Hugging Face folder whose checkpoint carries MTP weights (mtp.*)
 
     drafter = sj.drafters.load(path, target)
-    sj.drafters.export(drafter, out_dir, format="eagle3" | "dflash")
+    sj.drafters.export(drafter, out_dir, format="eagle3" | "dflash" | "dspark", target=...)
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import os
 import pathlib
 from typing import Optional
 
-from spec_jax.drafters.formats import dflash, eagle3, gemma4_assistant, heads_folder
+from spec_jax.drafters.formats import dflash, dspark, eagle3, gemma4_assistant, heads_folder
 from spec_jax.drafters import hybrid_mtp
 from spec_jax.drafters.hybrid_mtp import HybridMTP
 from spec_jax.drafters.mtp import MTP
 from spec_jax.models.loading import load as load_model
 
-EXPORT_FORMATS = ("eagle3", "dflash")
+EXPORT_FORMATS = ("eagle3", "dflash", "dspark")
 
 
 def load(path, target, greedy_drafts: bool = False):
@@ -34,7 +35,8 @@ def load(path, target, greedy_drafts: bool = False):
   `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
   `heads/`; or a public EAGLE-3 folder (config.json with architectures
   ["LlamaForCausalLMEagle3"]); or a published DFlash folder (architectures
-  ["DFlashDraftModel"]); or a Gemma 4 assistant folder (model_type "gemma4_assistant"); or a
+  ["DFlashDraftModel"]); or a DeepSpec DSpark folder (["Qwen3DSparkModel"]); or a Gemma 4
+  assistant folder (model_type "gemma4_assistant"); or a
   Hugging Face folder whose checkpoint carries MTP weights (its native head).
   Raises ValueError when `target` differs from the model the heads were trained on, or the
   folder is none of these.
@@ -54,6 +56,8 @@ def load(path, target, greedy_drafts: bool = False):
     return eagle3.load_eagle3(path, target, greedy_drafts=greedy_drafts)
   if dflash.is_dflash_folder(path):
     return dflash.load_dflash(path, target, greedy_drafts=greedy_drafts)
+  if dspark.is_dspark_folder(path):
+    return dspark.load_dspark(path, target, greedy_drafts=greedy_drafts)
   return load_native_mtp(path, target, greedy_drafts)
 
 
@@ -72,17 +76,25 @@ def load_native_mtp(path: pathlib.Path, target, greedy_drafts: bool = False):
 
 
 def export(drafter, out_dir, format: Optional[str] = None,
-           overwrite: bool = False) -> pathlib.Path:
+           overwrite: bool = False, target=None) -> pathlib.Path:
   """Writes `drafter` to `out_dir` (config.json + model.safetensors, atomically) in `format`
-  ("eagle3": LlamaForCausalLMEagle3 for EAGLE3 heads; "dflash": DFlashDraftModel; None: the
-  drafter's own, dflash for DFlash drafters, eagle3 otherwise).
+  ("eagle3": LlamaForCausalLMEagle3 for EAGLE3 heads; "dflash": DFlashDraftModel; "dspark":
+  DeepSpec's Qwen3DSparkModel, which carries copies of the target's embedding and LM head, so
+  it needs `target`; None: the drafter's own, dflash / dspark for those drafters, eagle3
+  otherwise).
 
   Raises ValueError for an unknown format, a drafter the format cannot hold, or an existing
   non-empty out_dir without overwrite=True. Returns the folder's path."""
   if format is None:
-    format = "dflash" if getattr(drafter, "kind", None) == "dflash" else "eagle3"
+    kind = getattr(drafter, "kind", None)
+    format = kind if kind in ("dflash", "dspark") else "eagle3"
   if format not in EXPORT_FORMATS:
     raise ValueError(f"export: unknown format {format!r}; allowed: {', '.join(EXPORT_FORMATS)}")
   if format == "dflash":
     return dflash.export(drafter, out_dir, overwrite=overwrite)
+  if format == "dspark":
+    if target is None:
+      raise ValueError("export: format 'dspark' needs target= (DeepSpec's folders carry the "
+                       "target's embedding and LM head, which the drafter does not hold)")
+    return dspark.export(drafter, out_dir, target, overwrite=overwrite)
   return eagle3.export(drafter, out_dir, format="eagle3", overwrite=overwrite)

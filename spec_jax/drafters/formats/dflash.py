@@ -180,9 +180,26 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
       layers, a wrong width, a missing or unknown tensor, a mask id outside the vocabulary).
   """
   path = pathlib.Path(os.fspath(path)).expanduser().absolute()
-  where = str(path / "config.json")
   cfg = hf_reader.read_json_config(path)
-  args = read_config(cfg, target.config, where)
+  args = read_config(cfg, target.config, str(path / "config.json"))
+  params, mask_id, _ = read_backbone(path, target, args, "DFlashDraftModel")
+  dtype = jnp.dtype(dtype or target.config.dtype)
+  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+  return DFlash(params, target.config, args["layer_config"], args["target_layers"],
+                args["block_size"], args["layer_types"], args["sliding_window"], mask_id,
+                greedy_drafts, trained_num_draft=args["block_size"] - 1, source=str(path))
+
+
+def read_backbone(path: pathlib.Path, target, args: dict, architecture: str,
+                  extra: Optional[dict] = None, canonical=None):
+  """The DFlash backbone's tensors of a folder (DFlashDraftModel, or a format built on it such
+  as DeepSpec's Qwen3DSparkModel), every shape checked before a weight is read.
+
+  args: `read_config`'s. extra: {public name: HF shape} of further tensors the format has
+  (read by the returned `read`; DSpark's heads); canonical: stored name -> public name.
+  Returns (params: numpy leaves in DFlash's layout, the mask id (None when a learned
+  mask_embedding replaces it), read(public name) -> float32 numpy)."""
+  where = str(path / "config.json")
   lc, n = args["layer_config"], args["layer_config"].num_layers
   d, dt, v = lc.hidden_size, target.config.hidden_size, target.config.vocab_size
   layer = jax.eval_shape(lambda k: dflash_shapes.init_layers(lc, k, 0.02), jax.random.key(0))
@@ -191,9 +208,10 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
                                       "hidden_norm": (d,), "norm": (d,)})
   for i in range(n):
     shapes.update(hf_reader.hf_shapes(_LAYER, layer, f"layers.{i}."))
+  shapes.update(extra or {})
   optional = {"mask_embedding": (d,), "embed_tokens.weight": (v, dt), "lm_head.weight": (v, dt)}
-  found = hf_reader.match_tensors(hf_reader.open_weights(path), shapes, optional, _canonical,
-                                  f"a {n}-layer DFlashDraftModel", path)
+  found = hf_reader.match_tensors(hf_reader.open_weights(path), shapes, optional,
+                                  canonical or _canonical, f"a {n}-layer {architecture}", path)
 
   def read(public):
     name, fobj = found[public]
@@ -207,8 +225,9 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
         mine = np.asarray(jax.device_get(tp["embed"] if target.config.tie_embeddings
                                          else tp["lm_head"].T), np.float32)
       if not np.allclose(read(public), mine, rtol=1e-2, atol=1e-6):
-        raise ValueError(f"{path}: {public} differs from the target's; a DFlash drafter uses the "
-                         f"target's embedding and LM head (allowed: absent, or a copy of them)")
+        raise ValueError(f"{path}: {public} differs from the target's; a {architecture} drafter "
+                         f"uses the target's embedding and LM head (allowed: absent, or a copy "
+                         f"of them)")
   mask_id, mask_embed = args["mask_token_id"], None
   if "mask_embedding" in found:
     mask_embed = read("mask_embedding")
@@ -217,9 +236,9 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
   if mask_embed is not None:
     mask_id = None                        # the learned embedding replaces the id's
   elif mask_id is None:
-    raise ValueError(f"{where}: dflash_config.mask_token_id is null and there is no "
-                     f"mask_embedding tensor; allowed: a reserved id of the target's vocabulary, "
-                     f"or a learned mask_embedding")
+    raise ValueError(f"{where}: mask_token_id is null and there is no mask_embedding tensor; "
+                     f"allowed: a reserved id of the target's vocabulary, or a learned "
+                     f"mask_embedding")
 
   def weight(public, transpose):
     x = read(public)
@@ -234,11 +253,7 @@ def load_dflash(path, target, greedy_drafts: bool = False, dtype=None):
                                        for i in range(n)])
   if mask_embed is not None:
     params["mask_embed"] = mask_embed
-  dtype = jnp.dtype(dtype or target.config.dtype)
-  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-  return DFlash(params, target.config, args["layer_config"], args["target_layers"],
-                args["block_size"], args["layer_types"], args["sliding_window"], mask_id,
-                greedy_drafts, trained_num_draft=args["block_size"] - 1, source=str(path))
+  return params, mask_id, read
 
 
 def _read_mask_embedding_pt(path: pathlib.Path, d: int) -> np.ndarray:
