@@ -52,7 +52,7 @@ draft from q against p (detached).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import flax.struct
 import jax

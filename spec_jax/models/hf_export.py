@@ -26,8 +26,6 @@ import pathlib
 import shutil
 from typing import Optional
 
-import numpy as np
-
 from spec_jax.models.families import FAMILIES
 from spec_jax.models.model import Model
 from spec_jax.models.tokenizers import HFTokenizer, Llama2cTokenizer
