@@ -200,6 +200,7 @@ class BestFirstAsSampled(DFlash):
     return tree.replace(q=q[rows, jnp.minimum(tree.depths, spec.depth - 1)]), state
 
 
+@pytest.mark.slow   # one more 40k-row generate
 def test_the_joint_check_catches_best_first_verified_as_sampled():
   _, d = test_dflash.tiny()
   lossy = BestFirstAsSampled(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)
