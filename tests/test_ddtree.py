@@ -210,3 +210,18 @@ def test_the_joint_check_catches_best_first_verified_as_sampled():
   joint = exact_joint6(test_dflash.tiny()[0], PROMPT, sampling)
   stat, dof = chi_square(counts3(toks[:, :3]), joint.sum(axis=(3, 4, 5)))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
+
+
+def test_bench_skips_best_first_trees_for_drafters_that_cannot_build_them(tmp_path):
+  """`--tree D,k,N,best_first` pairs only with block drafters: an n-gram bench runs its chain
+  and no tree row instead of failing."""
+  import json
+  from spec_jax.bench import cli
+  out = tmp_path / "spec.json"
+  rc = cli.main(["--pairs", "random:tiny@ngram", "-K", "2", "--tree", "2,4,4,best_first", "-B",
+                 "1", "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                 "--temperatures", "0", "--out", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert sorted((r["drafter"], r["K"], r["tree"] or "") for r in rows) == [
+      ("ngram", 2, ""), ("none", 0, "")]
