@@ -142,6 +142,9 @@ class Drafter:
     supports_tree: propose_tree is implemented (tree drafting, spec_jax.tree).
     samples_tree_candidates: its trees draw sampled candidates at T > 0 when the TreeSpec asks
       (False: top-k or trie candidates at every temperature, n-gram's).
+    supports_best_first: propose_tree builds DDTree's best-first trees
+      (TreeSpec(candidates="best_first"), spec_jax.tree.build_best_first_tree): block drafters,
+      whose one forward gives every depth's child distribution.
     reads_prompt_hidden: init_state reads PrefillInfo.hidden / layer_hidden (the target's
       features over the prompt); when False the prefill keeps none and passes hidden None.
   """
@@ -151,6 +154,7 @@ class Drafter:
   max_draft: Optional[int] = None
   supports_tree: bool = False
   samples_tree_candidates: bool = True
+  supports_best_first: bool = False
 
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""

@@ -35,8 +35,10 @@ target's distribution: no proposal depends on an earlier draft, so q_k is exactl
 x_k given everything the verifier conditions on. (The reference implementations draft the argmax
 at every temperature, also lossless but accepting less.) Trees: slot d + 1's marginal is the
 child distribution of every node at depth d, so `spec_jax.tree.build_dynamic_tree` builds a
-top-k or sampled tree over the per-slot distributions from the one forward (the DDTree / JetSpec
-idea), verified by the existing tree verifiers.
+top-k or sampled tree over the per-slot distributions from the one forward, and
+`spec_jax.tree.build_best_first_tree` DDTree's best-first tree (TreeSpec(candidates=
+"best_first"): the N likeliest sequences under the factorized q), verified by the existing tree
+verifiers.
 
 Training (`train.losses.dflash_loss`): many anchors a per window run in one pass; block a sees
 context j < a and its own block only (`training_visibility`); slot k learns token a + k.
@@ -104,6 +106,7 @@ class DFlash(FrozenDrafter):
 
   kind = "dflash"
   supports_tree = True
+  supports_best_first = True
 
   params: Any = params_field()
   target_config: ModelConfig = dataclasses.field()
@@ -290,13 +293,17 @@ class DFlash(FrozenDrafter):
     return drafts, q, state
 
   def propose_tree(self, params, state: DFlashState, ctx: DraftContext, spec):
-    """A dynamic tree over the per-slot distributions: a node at depth d gets its children
-    from slot d + 1 (the same distribution for every node of that depth), EAGLE-2's top-k /
-    sampled candidate selection in `tree.build_dynamic_tree`; one drafter forward in all."""
+    """A tree over the per-slot distributions: a node at depth d gets its children from slot
+    d + 1 (the same distribution for every node of that depth); one drafter forward in all.
+    candidates "best_first": DDTree's best-first tree (`tree.build_best_first_tree`, the N
+    likeliest sequences under the factorized q); otherwise EAGLE-2's top-k / sampled candidate
+    selection in `tree.build_dynamic_tree`."""
     if spec.depth > self.block_size - 1:
       raise ValueError(f"a DFlash drafter with block_size {self.block_size} drafts at most "
                        f"{self.block_size - 1} tokens ahead; TreeSpec.depth={spec.depth}")
     logits = self.block_logits(params, state, ctx, spec.depth)          # [B, D, V]
+    if spec.candidates == "best_first":     # DDTree: the N likeliest sequences, best first
+      return tree_lib.build_best_first_tree(logits, spec), state
     rows = jnp.arange(logits.shape[0])[:, None]
 
     def expand(tokens, parents, depths, start, carry):

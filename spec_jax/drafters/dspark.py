@@ -39,8 +39,10 @@ draft the argmax chain with q one-hot (draft_probs None), verified by exact matc
 
 Trees (`propose_tree`, vanilla and gated heads): a node at depth d with token t has the child
 distribution z_d + bias(t, h_d), so `tree.build_dynamic_tree` expands per node from the one
-backbone forward (its `expand` callback gets every node's token and depth); the RNN head's child
-distribution depends on the whole path and is refused for trees.
+backbone forward (its `expand` callback gets every node's token and depth); best-first (DDTree)
+trees run the Markov head for each node as it is popped (`tree.build_best_first_tree` with
+`node_logits`): the N likeliest sequences under the drafter's autoregressive q. The RNN head's
+child distribution depends on the whole path and is refused for trees.
 
 Training (`train.losses.dspark_loss`): DFlash's multi-anchor block mask, teacher-forced Markov
 inputs (x_{k-1} the real previous token), per-slot weights exp(-k / gamma), and DeepSpec's
@@ -293,9 +295,11 @@ class DSpark(DFlash):
     return jnp.cumprod(confidence, axis=-1)
 
   def propose_tree(self, params, state: DSparkState, ctx: DraftContext, spec):
-    """A dynamic tree over the Markov-corrected slot distributions: a node at depth d with
-    token t gets its children from z_d + bias(t, h_d) (per node, from the one backbone
-    forward); `tree.build_dynamic_tree`'s top-k / sampled / distinct candidates."""
+    """A tree over the Markov-corrected slot distributions: a node at depth d with token t gets
+    its children from z_d + bias(t, h_d) (per node, from the one backbone forward);
+    `tree.build_dynamic_tree`'s top-k / sampled / distinct candidates, or DDTree's best-first
+    tree over this autoregressive q (`tree.build_best_first_tree` with per-node children:
+    the N likeliest drafted sequences, each node's children computed when it is popped)."""
     self._check_k(spec.depth, "TreeSpec.depth")
     if self.markov_rank and self.markov_head == "rnn":
       raise ValueError("a DSpark drafter with the rnn Markov head cannot build trees (a "
@@ -306,6 +310,16 @@ class DSpark(DFlash):
     rows = jnp.arange(base.shape[0])[:, None]
     none = jnp.zeros((), jnp.float32)
     root_bias, _ = self.markov_bias(params, last, hidden[:, 0], none)
+    if spec.candidates == "best_first":
+      # DDTree over the Markov-corrected q: a node's children depend on its own token, so they
+      # are computed (one bias, one top-k) when the node is popped.
+      def node_logits(tokens, depths):
+        d = jnp.minimum(depths, spec.depth - 1)              # depth-D nodes get no children
+        bias, _ = self.markov_bias(params, tokens, hidden[rows[:, 0], d], none)
+        return base[rows[:, 0], d] + bias
+
+      slots = base.at[:, 0].add(root_bias)
+      return tree_lib.build_best_first_tree(slots, spec, node_logits), state
 
     def expand(tokens, parents, depths, start, carry):
       del parents

@@ -23,7 +23,8 @@ One round (fixed shapes; B rows, N nodes, D depth):
         the drafter follows the accepted path (drafter.commit_tree sees the verify outputs
         gathered along it, shaped like a chain of D drafts).
 
-Tree building (drafters call `build_dynamic_tree`; NGram builds a trie with `trie_from_branches`):
+Tree building (drafters call `build_dynamic_tree`; block drafters also `build_best_first_tree`;
+NGram builds a trie with `trie_from_branches`):
 
   EAGLE-2's dynamic tree (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
   Dynamic Draft Trees", sec. 4; SafeAILab/EAGLE `eagle/model/cnets.py` topK_generate): the root's
@@ -53,6 +54,22 @@ Tree building (drafters call `build_dynamic_tree`; NGram builds a trie with `tri
   before drawing it, and every kept child of v is, given everything decided before it, a
   fresh draw from q_v (or from q_v without the earlier siblings). Frontiers and the final N
   are chosen by prio (ties: creation order, which keeps the tree ancestor-closed).
+
+  DDTree's best-first tree (Ringel & Romano 2026, "Accelerating Speculative Decoding with Block
+  Diffusion Draft Trees", liranringel/ddtree `build_ddtree_tree`; TreeSpec(candidates=
+  "best_first"), block drafters only): the N likeliest root-to-node sequences under the
+  drafter's q, score(path) = sum of log q of its tokens. A block drafter's one forward gives
+  every depth's child distribution (DFlash: one marginal per depth; DSpark: the Markov head's
+  distribution given the node's own token), so no drafter call is needed per depth. With each
+  child list sorted once, the k-best enumeration pops the best frontier entry and pushes its
+  first child and its next sibling; each sequence's predecessor in that order (previous
+  sibling, or parent for a first child) scores at least as high, so the pops come in score
+  order, the N popped nodes are the N best sequences, and the set is prefix-closed. The tree
+  is a deterministic function of the drafter's outputs, fixed before the target's uniforms:
+  verified as deterministic candidates (below), lossless at every temperature. DDTree's own
+  verifier samples the target at every node and follows the child holding that token; the
+  recursive one-hot rule below accepts child c_i with probability exactly p(c_i) and so
+  follows the same law.
 
 Verification, chosen by how the candidates were drawn (all lossless: the emitted tokens have
 exactly the target's joint distribution):
@@ -104,13 +121,14 @@ topological: a node's children come after it and siblings are tried in index ord
 time), the test oracle. They draw the same uniforms, so they return the same tokens.
 """
 
-from spec_jax.tree.build import (DraftTree, ExpandFn, ancestor_mask, build_dynamic_tree,
-                                 trie_from_branches)
+from spec_jax.tree.build import (DraftTree, ExpandFn, NodeLogitsFn, ancestor_mask,
+                                 build_best_first_tree, build_dynamic_tree, trie_from_branches)
 from spec_jax.tree.spec import CANDIDATES, MAX_TREE_TOKENS, TreeSpec, check_tree, parse_tree_spec
 from spec_jax.tree.verify import (residual_deterministic, residual_sampled, verify_tree,
                                   verify_tree_greedy, verify_tree_reference)
 
 __all__ = ["TreeSpec", "parse_tree_spec", "check_tree", "CANDIDATES", "MAX_TREE_TOKENS",
-           "DraftTree", "ExpandFn", "ancestor_mask", "build_dynamic_tree", "trie_from_branches",
+           "DraftTree", "ExpandFn", "NodeLogitsFn", "ancestor_mask", "build_dynamic_tree",
+           "build_best_first_tree", "trie_from_branches",
            "verify_tree", "verify_tree_greedy", "verify_tree_reference", "residual_sampled",
            "residual_deterministic"]

@@ -1,5 +1,5 @@
-"""Draft trees in fixed shapes: DraftTree, ancestor masks, EAGLE-2's dynamic tree, n-gram tries
-(the package docstring has the math)."""
+"""Draft trees in fixed shapes: DraftTree, ancestor masks, EAGLE-2's dynamic tree, DDTree's
+best-first tree, n-gram tries (the package docstring has the math)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sampling as sampling_lib
-from spec_jax.tree.spec import CANDIDATES, TreeSpec
+from spec_jax.tree.spec import TreeSpec
+
+DYNAMIC_CANDIDATES = ("topk", "sampled", "distinct")     # what build_dynamic_tree draws
 
 
 @flax.struct.dataclass
@@ -78,9 +80,10 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
   Returns:
     (DraftTree with N+1 nodes (q set for sampled candidates), carry).
   """
-  if candidates not in CANDIDATES or candidates == "auto":
-    raise ValueError(f"candidates must be one of {CANDIDATES[1:]} (resolve 'auto' with "
-                     f"TreeSpec.candidates_for), got {candidates!r}")
+  if candidates not in DYNAMIC_CANDIDATES:
+    raise ValueError(f"build_dynamic_tree draws candidates of kind {DYNAMIC_CANDIDATES} "
+                     f"(resolve 'auto' with TreeSpec.candidates_for; 'best_first' trees come "
+                     f"from build_best_first_tree), got {candidates!r}")
   b, v = root_logits.shape
   d_max, n = spec.depth, spec.num_nodes
   m = min(spec.top_k, v)
@@ -201,6 +204,113 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       q_all = q_all.at[rows, jnp.where(at < 0, n + 1, at)].set(q, mode="drop")
     tree = tree.replace(q=q_all)
   return tree, carry
+
+
+NodeLogitsFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _sorted_children(logits, k: int):
+  """The k likeliest children, best first: logits float [..., V] -> (log q float32 [..., k],
+  tokens int32 [..., k]); log q = log_softmax(logits) (the drafter's own distribution)."""
+  logp = jnp.minimum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), 0.0)
+  lp, toks = jax.lax.top_k(logp, k)
+  return lp, toks.astype(jnp.int32)
+
+
+def build_best_first_tree(slot_logits, spec: TreeSpec,
+                          node_logits: Optional[NodeLogitsFn] = None) -> DraftTree:
+  """DDTree's best-first draft tree: the N likeliest root-to-node sequences (package docstring).
+
+  Ringel & Romano 2026, "Accelerating Speculative Decoding with Block Diffusion Draft Trees"
+  (liranringel/ddtree `ddtree.py` build_ddtree_tree): a node's score is the sum of the log q of
+  its path's tokens; with every child list sorted once (best first), the classic k-best
+  enumeration pops the best frontier entry and pushes its first child and its next sibling.
+  Every sequence but the root's first child has one predecessor of no lower score (its previous
+  sibling, or its parent when it is a first child), so the pops come in score order and the N
+  popped nodes are exactly the N best sequences, a prefix-closed set (ties: the earlier
+  frontier slot). Fixed shapes: a `lax.fori_loop` over the N pops with a frontier of N + 1
+  slots (each pop frees one slot for the sibling and fills one new slot with the child).
+
+  Args:
+    slot_logits: float [B, D, V] (D >= spec.depth): slot_logits[:, d] is the child
+      distribution of the nodes at depth d (d = 0: the root's children), as a block drafter's
+      slot d + 1 gives it (DFlash: one marginal per depth, the same for every node there; each
+      depth's tokens are sorted once).
+    spec: TreeSpec; depth D bounds the nodes' depth, num_nodes N is the budget, top_k caps the
+      children of one node (rank < top_k; DDTree's tree is top_k >= num_nodes: no cap).
+    node_logits: None (the factorized q above), or a function (tokens int32 [B], depths int32
+      [B], 1 <= depth) -> logits float [B, V] of the children of a node holding that token at
+      that depth (DSpark: the Markov head conditions slot d on the token at slot d - 1; then a
+      node's children are computed and sorted when it is popped, and the tree is the best-first
+      search over the drafter's autoregressive q; slot_logits[:, 0] still gives the root's).
+
+  Returns:
+    DraftTree with N+1 nodes in pop order (a node's parent comes before it: topological),
+    deterministic candidates (q None; verified like top-k trees, lossless at every
+    temperature). Nodes beyond the sequences of positive probability are invalid padding.
+  """
+  b, d_slots, v = slot_logits.shape
+  d_max, n = spec.depth, spec.num_nodes
+  if d_slots < d_max:
+    raise ValueError(f"build_best_first_tree: slot_logits has {d_slots} slots, TreeSpec.depth "
+                     f"is {d_max}")
+  k = min(spec.top_k, n, v)
+  rows = jnp.arange(b)
+  neg = jnp.float32(-jnp.inf)
+  if node_logits is None:
+    presorted = _sorted_children(slot_logits[:, :d_max], k)            # [B, D, k] each
+    root_lp, root_tok = presorted[0][:, 0], presorted[1][:, 0]
+  else:
+    root_lp, root_tok = _sorted_children(slot_logits[:, 0], k)
+
+  def children_of(tokens, depths):
+    """Sorted children of B nodes (one per row) -> log q [B, k], tokens [B, k]."""
+    if node_logits is None:
+      at = jnp.minimum(depths, d_max - 1)
+      return presorted[0][rows, at], presorted[1][rows, at]
+    return _sorted_children(node_logits(tokens, depths), k)
+
+  zeros = lambda dtype: jnp.zeros((b, n + 1), dtype)
+  nodes = dict(tok=zeros(jnp.int32), par=zeros(jnp.int32).at[:, 0].set(-1),
+               depth=zeros(jnp.int32), score=zeros(jnp.float32),
+               valid=zeros(bool).at[:, 0].set(True),
+               kid_lp=jnp.full((b, n + 1, k), neg).at[:, 0].set(root_lp),
+               kid_tok=jnp.zeros((b, n + 1, k), jnp.int32).at[:, 0].set(root_tok))
+  frontier = dict(score=jnp.full((b, n + 1), neg).at[:, 0].set(root_lp[:, 0]),
+                  par=jnp.zeros((b, n + 1), jnp.int32), rank=jnp.zeros((b, n + 1), jnp.int32))
+
+  def pop(i, carry):
+    nodes, frontier = carry
+    new = i + 1                                      # this pop's node id (and child slot)
+    j = jnp.argmax(frontier["score"], axis=1)        # ties: the earlier slot
+    score = frontier["score"][rows, j]
+    par, rank = frontier["par"][rows, j], frontier["rank"][rows, j]
+    valid = score > neg
+    tok = nodes["kid_tok"][rows, par, rank]
+    depth = nodes["depth"][rows, par] + 1
+    kid_lp, kid_tok = children_of(tok, depth)
+    nodes = dict(
+        tok=nodes["tok"].at[:, new].set(jnp.where(valid, tok, 0)),
+        par=nodes["par"].at[:, new].set(jnp.where(valid, par, 0)),
+        depth=nodes["depth"].at[:, new].set(jnp.where(valid, depth, 1)),
+        score=nodes["score"].at[:, new].set(score),
+        valid=nodes["valid"].at[:, new].set(valid),
+        kid_lp=nodes["kid_lp"].at[:, new].set(kid_lp),
+        kid_tok=nodes["kid_tok"].at[:, new].set(kid_tok))
+    # The next sibling takes the popped slot; the first child a fresh one (slot `new`).
+    sib_rank = jnp.minimum(rank + 1, k - 1)
+    sib = nodes["score"][rows, par] + nodes["kid_lp"][rows, par, sib_rank]
+    sib = jnp.where(valid & (rank + 1 < k), sib, neg)
+    child = jnp.where(valid & (depth < d_max), score + kid_lp[:, 0], neg)
+    frontier = dict(
+        score=frontier["score"].at[rows, j].set(sib).at[:, new].set(child),
+        par=frontier["par"].at[rows, j].set(par).at[:, new].set(new),
+        rank=frontier["rank"].at[rows, j].set(sib_rank).at[:, new].set(0))
+    return nodes, frontier
+
+  nodes, _ = jax.lax.fori_loop(0, n, pop, (nodes, frontier))
+  return DraftTree(tokens=nodes["tok"], parents=nodes["par"], depths=nodes["depth"],
+                   valid=nodes["valid"])
 
 
 def trie_from_branches(branch_tokens, branch_valid, num_nodes: int) -> DraftTree:

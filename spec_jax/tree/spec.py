@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 MAX_TREE_TOKENS = 32       # root + nodes per verify: the kernels' one 32-bit mask per query row
-CANDIDATES = ("auto", "topk", "sampled", "distinct")
+CANDIDATES = ("auto", "topk", "sampled", "distinct", "best_first")
 # What "auto" draws at T > 0 (greedy rows always take the top-k): samples without replacement
 # accepted more than top-k children at T = 1 in scripts/tree_tau.py (docs/trees.md).
 SAMPLED_DEFAULT = "distinct"
@@ -26,9 +26,12 @@ class TreeSpec:
   candidates: "auto" (the default: top-k when greedy, SAMPLED_DEFAULT at T > 0), "topk"
     (deterministic top-k children; verified by recursive rejection with one-hot drafts),
     "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's multi-step speculative
-    sampling) or "distinct" (children drawn from q without replacement; recursive rejection
-    sampling). Greedy decoding and deterministic drafters (n-gram, greedy_drafts=True) always
-    use top-k candidates.
+    sampling), "distinct" (children drawn from q without replacement; recursive rejection
+    sampling) or "best_first" (DDTree: the N likeliest sequences under the drafter's q, found
+    best-first, at every temperature; deterministic candidates, verified like top-k ones; only
+    block drafters, DFlash and DSpark, build them; top_k caps one node's children, no cap when
+    top_k >= num_nodes). Greedy decoding and deterministic drafters (n-gram,
+    greedy_drafts=True) use top-k candidates for the other kinds.
   """
   depth: int
   top_k: int
@@ -59,11 +62,16 @@ class TreeSpec:
   @property
   def cache_extent(self) -> int:
     """Cache slots past the last committed token a round may write: the N verify nodes, and a
-    drafter's frontier nodes (at most top_k per depth below D)."""
+    drafter's frontier nodes (at most top_k per depth below D; best-first trees have none)."""
+    if self.candidates == "best_first":
+      return self.num_nodes
     return max(self.num_nodes, self.top_k * (self.depth - 1))
 
   def candidates_for(self, greedy: bool) -> str:
-    """The candidate kind drafted for greedy (every row temperature 0) or sampled decoding."""
+    """The candidate kind drafted for greedy (every row temperature 0) or sampled decoding
+    (best-first trees are best-first at every temperature)."""
+    if self.candidates == "best_first":
+      return "best_first"
     if greedy:
       return "topk"
     return SAMPLED_DEFAULT if self.candidates == "auto" else self.candidates
@@ -79,7 +87,8 @@ class TreeSpec:
 
 
 def parse_tree_spec(text: str) -> TreeSpec:
-  """'D,k,N' or 'D,k,N,CANDIDATES' (auto, topk, sampled or distinct; the bench's --tree) ->
+  """'D,k,N' or 'D,k,N,CANDIDATES' (auto, topk, sampled, distinct or best_first; the bench's
+  --tree) ->
   TreeSpec; ValueError otherwise."""
   parts = [p.strip() for p in str(text).split(",")]
   if len(parts) not in (3, 4):
@@ -112,4 +121,9 @@ def check_tree(tree, drafter, num_draft=None, governor=None, tree_drafters=None)
   if not getattr(drafter, "supports_tree", False):
     raise ValueError(f"{type(drafter).__name__} cannot build draft trees; drafters that can: "
                      f"{can} (or pass tree=None for a chain)")
+  if tree.candidates == "best_first" and not getattr(drafter, "supports_best_first", False):
+    raise ValueError(f"{type(drafter).__name__} cannot build best-first (DDTree) trees: they "
+                     "need every depth's child distribution from one forward (block drafters: "
+                     "DFlash, DSpark); use candidates 'auto', 'topk', 'sampled' or 'distinct' "
+                     "with this drafter")
   return tree

@@ -28,8 +28,12 @@ from spec_jax import governor as governor_lib
 from spec_jax.decoding import calibration
 
 
-def _tree_drafters(setup) -> list:
-  return [d for d, dr in setup.drafters.items() if getattr(dr, "supports_tree", False)]
+def _tree_drafters(setup, tree=None) -> list:
+  """The drafters that build trees (those that build `tree`, when given: best-first trees
+  need a block drafter)."""
+  best_first = tree is not None and tree.candidates == "best_first"
+  return [d for d, dr in setup.drafters.items() if getattr(dr, "supports_tree", False) and
+          (not best_first or getattr(dr, "supports_best_first", False))]
 
 
 def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> tuple:
@@ -45,7 +49,7 @@ def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> 
   for t in trees:
     calls[("verify", t)] = time_forward(target, batch, t.num_nodes + 1, fill, capacity,
                                         call_only=True)
-    for dspec in _tree_drafters(setup):
+    for dspec in _tree_drafters(setup, t):
       calls[("propose", dspec, t)] = time_propose_tree(
           setup.drafters[dspec], target, batch, t, fill, capacity,
           temperature=1.0 if draft_model_of(setup.drafters[dspec]) is not None else 0.0,
@@ -338,7 +342,8 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         [max(grid.ks)] + [t.cache_extent for t in grid.trees]))
     configs = [("none", 0)] + [(PLAIN_IN + dt, 0) for dt in setup.plain_models]
     configs += [(d, k) for d in drafter_specs for k in grid.ks]
-    configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees]
+    configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees
+                if d in _tree_drafters(setup, t)]
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:
