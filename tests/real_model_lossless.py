@@ -30,6 +30,7 @@ import spec_jax as sj
 from spec_jax.files import atomic_write_text
 from spec_jax.models.transformer import KVCache, forward
 from tests.stats_helpers import chi2_sf, chi_square
+from train.evaluate import heldout_prompts
 
 SMOLLM2 = "../shared/models/smollm2-135m-instruct"
 RAW_PROMPT = "My favourite thing to do on a rainy day is"   # a short raw prompt: cheap prefill
@@ -117,7 +118,6 @@ def main(argv=None) -> int:
   p.add_argument("--only", choices=["greedy", "chi_square"], help="run one of the two checks")
   p.add_argument("--json", help="write the report here")
   args = p.parse_args(argv)
-  from train.evaluate import heldout_prompts
   target = sj.load(args.target, dtype="float32")
   drafters = {"ngram": sj.drafters.NGram()}
   if args.eagle3:
