@@ -44,7 +44,7 @@ def cut_vocabulary(head, keep_ids):
   ids = np.asarray(head.draft_tokens)
   cols = np.searchsorted(ids, np.sort(keep_ids))
   assert np.array_equal(ids[cols], np.sort(keep_ids))
-  params = dict(head.params, lm_head=np.asarray(head.params["lm_head"])[:, cols])
+  params = dict(head.params, lm_head=np.asarray(head.params["lm_head"], np.float32)[:, cols])
   return head.replace(draft_tokens=np.sort(keep_ids), params=params)
 
 

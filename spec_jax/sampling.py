@@ -396,9 +396,10 @@ def sample(key, probabilities):
   SAMPLE_BLOCK tokens with probability S_g / S (its share of the mass), then a token inside it
   with probability p_i / S_g, so P(i) = p_i / S exactly up to float32 rounding of sums of at
   most max(V / SAMPLE_BLOCK, SAMPLE_BLOCK) terms. Gumbel-max (`jax.random.categorical`) draws
-  the same distribution but needs V random numbers and 2V logarithms per row: 7-9 ms for one
-  row of SmolLM2's 49,152 tokens and 0.3 s for 128 rows on this CPU, against 0.3 ms and 2 ms
-  here (two uniforms per row, one sum and two short cumulative sums). A row whose weights are
+  the same distribution but needs V random numbers and 2V logarithms per row: 1.5 ms for one
+  row of SmolLM2's 49,152 tokens and 118 ms for 128 rows on this CPU, against 0.23 ms and
+  7.7 ms here (two uniforms per row, one sum and two short cumulative sums;
+  scripts/sample_cost.py). A row whose weights are
   all zero draws an undefined token (nothing in the library produces one).
   """
   p = jnp.maximum(probabilities.astype(jnp.float32), 0.0)

@@ -27,7 +27,7 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   hf = smol.tokenizer.hf
   assert hf.decode(prefix).endswith("<|im_start|>user\n"), hf.decode(prefix)
   out = tmp_path / "sg"
-  kw = dict(batch=4, user_tokens=40, answer_tokens=16, seed=0, log=lambda m: None)
+  kw = dict(batch=4, user_batch=4, user_tokens=40, answer_tokens=16, seed=0, log=lambda m: None)
   seqs = self_generate(smol, 3, out, **kw)
   assert len(seqs) == 3
   stored, users = load_conversations(out)
@@ -52,6 +52,7 @@ def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
                               "data": {"sources": ["self_generated"], "window": 16,
                                        "cache_dir": str(tmp_path / "cache"),
                                        "self_generate": {"conversations": 2, "batch": 4,
+                                                         "user_batch": 4,
                                                          "user_tokens": 40,
                                                          "answer_tokens": 16}}})
   windows = train_data.build_windows(smol, cfg["data"], "fp", seed=1, log=lambda m: None)
