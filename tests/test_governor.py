@@ -29,7 +29,8 @@ from spec_jax.drafters.medusa import Medusa
 from spec_jax.drafters.mtp import MTP
 from spec_jax.models.transformer import KVCache, forward
 from tests.numerics import MODEL_ULPS, assert_f32_close
-from tests.stats_helpers import assert_same_distribution
+from tests.stats_helpers import (assert_same_distribution, chi2_critical, chi2_sf,
+                                 chi_square)
 from tests.test_lossless import (N, NEW, PROMPT, TARGET_CFG, DRAFT_CFG, exact_joint,
                                  joint_counts, _peaky)
 
@@ -183,6 +184,12 @@ LOSSLESS = {
     # the masking depends on each row's own history.
     "sampled_gated": (False, sj.Governor(ks=(0, 1, 2), schedule=(1, 2), gate_alpha=0.5,
                                          prior_alpha=0.5, prior_weight=1.0)),
+    # No schedule: the governor chooses from live acceptance and a cost table, each row's
+    # budget is min(K, remaining - 1) (1 then 0 here: 3 new tokens), gated rows draft none,
+    # and once it picks K = 0 the rest is plain (the drafter no longer committed).
+    "chosen_budgets": (False, sj.Governor(ks=(0, 1, 2), costs={0: 1.0, 1: 1.2, 2: 1.3},
+                                          gate_alpha=0.5, prior_alpha=0.5, prior_weight=1.0,
+                                          warmup_rounds=1)),
 }
 
 
@@ -202,17 +209,48 @@ def test_auto_is_lossless(case):
                            alpha=1e-3)
 
 
+@pytest.mark.slow   # 40k rows
+def test_the_auto_check_catches_a_lossy_sampler(monkeypatch):
+  """The check above, through the chosen-K, per-row-budget path, has the power to catch the
+  classic lossy shortcut (accept any draft inside the target's top-p set)."""
+  from spec_jax.decoding import rounds
+  from tests.test_lossless import _wrong_top_p_sampler
+  greedy_drafts, gov = LOSSLESS["chosen_budgets"]
+  target, draft = _small_models()
+  sampling = sj.Sampling(temperature=1.0, top_p=0.9)
+  monkeypatch.setattr(rounds, "rejection_sample", _wrong_top_p_sampler)
+  compiled_lib.clear_compiled()
+  try:
+    out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(
+        draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov,
+                      max_new_tokens=NEW, sampling=sampling, key=jax.random.key(4),
+                      stop_tokens=[], capacity=16)
+  finally:
+    compiled_lib.clear_compiled()
+  stat, dof = chi_square(joint_counts(np.asarray(out.tokens)),
+                         exact_joint(target, PROMPT, sampling))
+  # Fewer drafts reach the verifier here (budgets 1 then 0, gated rows, plain once chosen)
+  # than in test_lossless's version of this check, so the damage is smaller but still far
+  # outside the test's alpha (1e-3): 826 on 511 dof, p ~ 1e-20, when written.
+  assert stat > chi2_critical(dof, 1e-3) and chi2_sf(stat, dof) < 1e-8, (stat, dof)
+
+
 # ----------------------------------------------------------------------------- the choice
 
-def _gs(alpha, weight=10.0, n_ks=4):
+def _gs(alpha, weight=10.0, n_ks=4, width=4):
+  """A GovernorState whose rows have acceptance alpha [B] at every draft position (or alpha
+  [B, width] per position)."""
   alpha = jnp.asarray(alpha, jnp.float32)
+  if alpha.ndim == 1:
+    alpha = jnp.repeat(alpha[:, None], width, axis=1)
   return governor_lib.GovernorState(accepted=alpha * weight, judged=jnp.full_like(alpha, weight),
                                     k_hist=jnp.zeros((n_ks,), jnp.int32),
                                     choice=jnp.zeros((), jnp.int32))
 
 
 def test_choice_maximises_expected_tokens_per_second():
-  gov = sj.Governor(ks=(0, 1, 2, 4), warmup_rounds=0, gate_alpha=0.1)
+  """The "mean" objective: the batch's expected tokens per second of one round."""
+  gov = sj.Governor(ks=(0, 1, 2, 4), warmup_rounds=0, gate_alpha=0.1, objective="mean")
   ks = (0, 1, 2, 4)
   active = jnp.ones((2,), bool)
   it = jnp.int32(10)
@@ -227,6 +265,13 @@ def test_choice_maximises_expected_tokens_per_second():
   # K = 2 (2 * 2.44 / 2.2 = 2.22) and K = 4 (2 * 3.3616 / 3.5 = 1.92).
   idx, _ = governor_lib.choose(gov, ks, _gs([0.8, 0.8]), jnp.asarray([1.0, 1.5, 2.2, 3.5]),
                                active, it)
+  assert ks[int(idx)] == 1
+  # Per-position acceptance: 0.95 for the first draft, 0.1 after it -> tau(1) = 1.95 (cost
+  # 1.5: 1.30 tokens per unit) beats tau(2) = 2.045 at 2.2 and tau(4) at 3.5; an i.i.d. model
+  # with the mean rate would draft more.
+  steep = jnp.asarray([[0.95, 0.1, 0.1, 0.1]] * 2)
+  idx, _ = governor_lib.choose(gov, ks, _gs(steep), jnp.asarray([1.0, 1.5, 2.2, 3.5]), active,
+                               it)
   assert ks[int(idx)] == 1
   # A gated row (alpha below gate_alpha) counts tau = 1 and gets draft_rows False.
   idx, rows = governor_lib.choose(gov, ks, _gs([0.9, 0.05]), cheap, active, it)
@@ -246,22 +291,67 @@ def test_choice_maximises_expected_tokens_per_second():
   idx, _ = governor_lib.choose(warm, ks, _gs([0.5, 0.5]), hopeless, active, jnp.int32(0))
   assert ks[int(idx)] == 0
   np.testing.assert_allclose(governor_lib.expected_tokens(jnp.asarray(0.5), 3), 1.875)
+  np.testing.assert_allclose(governor_lib.expected_tokens(steep, 2), [2.045, 2.045], rtol=1e-6)
+
+
+def test_slowest_row_bounds_the_batch():
+  """The default objective: the rounds the slowest active row needs (remaining / tau) times
+  the round's cost; the mean-throughput model drafts where the slowest row makes it a loss."""
+  ks = (0, 1, 2, 4)
+  slowest = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1)
+  mean = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1, objective="mean")
+  assert slowest.objective == "slowest"
+  active = jnp.ones((2,), bool)
+  it = jnp.int32(10)
+  cheap = jnp.asarray([1.0, 1.1, 1.2, 1.4])
+  same = jnp.asarray([32, 32], jnp.int32)
+  # A gated row decodes one token a round whatever K: with as many tokens left as the others
+  # it bounds the batch, and drafting only makes its rounds dearer.
+  idx, _ = governor_lib.choose(slowest, ks, _gs([0.9, 0.05]), cheap, active, it, same)
+  assert ks[int(idx)] == 0
+  idx, _ = governor_lib.choose(mean, ks, _gs([0.9, 0.05]), cheap, active, it, same)
+  assert ks[int(idx)] == 4
+  # ... but when it is nearly done (4 tokens left against 32), the drafting row bounds it.
+  idx, _ = governor_lib.choose(slowest, ks, _gs([0.9, 0.05]), cheap, active, it,
+                               jnp.asarray([32, 4], jnp.int32))
+  assert ks[int(idx)] == 4
+  # Equal rows: the same choice as the mean model (t(K) / tau(K) at the one alpha).
+  for alpha, costs in [(0.9, cheap), (0.5, jnp.asarray([1.0, 1.6, 1.9, 2.5])),
+                       (0.8, jnp.asarray([1.0, 1.5, 2.2, 3.5]))]:
+    a, _ = governor_lib.choose(slowest, ks, _gs([alpha, alpha]), costs, active, it, same)
+    b, _ = governor_lib.choose(mean, ks, _gs([alpha, alpha]), costs, active, it, same)
+    assert int(a) == int(b)
+  # Rows 0.9 and 0.6 at costs where the mean says K = 2 (sum tau 2.71 + 1.96 = 4.67 / 1.9 =
+  # 2.46 vs 2/1 = 2 plain) and the slowest row (tau 1.96 / 1.9 = 1.03 vs 1/1) barely drafts:
+  costs = jnp.asarray([1.0, 1.75, 1.9, 3.0])
+  idx, _ = governor_lib.choose(mean, ks, _gs([0.9, 0.6]), costs, active, it, same)
+  assert ks[int(idx)] == 2
+  costs = jnp.asarray([1.0, 1.75, 2.0, 3.0])
+  idx, _ = governor_lib.choose(slowest, ks, _gs([0.9, 0.6]), costs, active, it, same)
+  assert ks[int(idx)] == 0          # 1.96 / 2.0 < 1: the 0.6 row gains nothing at K = 2
+  idx, _ = governor_lib.choose(mean, ks, _gs([0.9, 0.6]), costs, active, it, same)
+  assert ks[int(idx)] == 2
 
 
 def test_alpha_estimate_counts_accepted_and_first_failure():
   gov = sj.Governor(ks=(0, 4), smoothing=0.5, prior_alpha=0.6, prior_weight=2.0)
   gs = gov.init_state(sj.drafters.NGram(), 3)
+  assert gs.accepted.shape == (3, 4)
   np.testing.assert_allclose(governor_lib.row_alpha(gs), [0.6, 0.6, 0.6])
   active = jnp.asarray([True, True, False])
-  # Row 0 accepted 4 of 4 (nothing judged as a failure); row 1 accepted 1 then failed; row 2
-  # had already finished: unchanged.
+  # Row 0 accepted 4 of 4 (every position judged and accepted); row 1 accepted its first draft
+  # and failed at the second (positions 0, 1 judged; 2, 3 never seen); row 2 had already
+  # finished: unchanged.
   accepted = jnp.asarray([4, 1, 3], jnp.int32)
   gs2 = governor_lib.observe(gov, gs, active, accepted, 4, None)
-  np.testing.assert_allclose(gs2.accepted, [0.6 + 4, 0.6 + 1, 1.2])
-  np.testing.assert_allclose(gs2.judged, [1.0 + 4, 1.0 + 2, 2.0])
-  # A gated row and a K = 0 round teach nothing.
+  np.testing.assert_allclose(gs2.accepted, [[1.6] * 4, [1.6, 0.6, 1.2, 1.2], [1.2] * 4])
+  np.testing.assert_allclose(gs2.judged, [[2.0] * 4, [2.0, 2.0, 2.0, 2.0], [2.0] * 4])
+  np.testing.assert_allclose(governor_lib.position_alpha(gs2)[1], [0.8, 0.3, 0.6, 0.6])
+  # A gated row and a K = 0 round teach nothing; a budget of 1 judges only position 0.
   gs3 = governor_lib.observe(gov, gs, active, accepted, 4, jnp.asarray([True, False, True]))
-  np.testing.assert_allclose(gs3.judged, [5.0, 2.0, 2.0])
+  np.testing.assert_allclose(gs3.accepted[1], [1.2] * 4)
+  gs4 = governor_lib.observe(gov, gs, active, accepted, 4, jnp.asarray([4, 1, 4], jnp.int32))
+  np.testing.assert_allclose(gs4.accepted[1], [1.6, 1.2, 1.2, 1.2])
   assert governor_lib.observe(gov, gs, active, accepted, 0, None) is gs
 
 
@@ -357,3 +447,42 @@ def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
   assert out.stats.auto and sum(out.stats.k_histogram.values()) == out.stats.iterations
   assert out.tokens == [t[:8] for t in plain_greedy()[:2]]
   assert len(list((tmp_path / "xdg" / "spec_jax" / "governor").glob("*.json"))) == 2
+
+
+def _count_dots(jaxpr) -> int:
+  """dot_general equations in a jaxpr and every sub-jaxpr (loops, conds, calls)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == "dot_general"
+    for p in eqn.params.values():
+      subs = p if isinstance(p, (tuple, list)) else (p,)
+      for sub in subs:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _count_dots(inner)
+  return n
+
+
+def test_plain_rounds_cost_what_plain_decoding_costs():
+  """Once the governor picks K = 0 the rest is plain, with no drafter work: the K = 0 loop's
+  body has exactly the dots of plain decoding's loop body (an EAGLE-3 head kept in sync ran its
+  layer and fc there); with a schedule (drafting resumes) it keeps the drafter's commit."""
+  target = greedy_target()
+  drafter = make_drafter("eagle3")
+  prompts, lens, capacity = prepare_batch(target, PROMPTS, 8, 8)
+  args = dict(config=CFG, max_new_tokens=8, capacity=capacity, sampling=GREEDY)
+
+  def loop_bodies(**kw):
+    jaxpr = jax.make_jaxpr(functools.partial(sj.decode, **args, **kw))(
+        target.params, prompts, lens, jax.random.key(0))
+    (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
+    body = loop.params["body_jaxpr"].jaxpr
+    return [e.params["body_jaxpr"].jaxpr for e in body.eqns if e.primitive.name == "while"], body
+
+  _, plain_body = loop_bodies(drafter=None, num_draft=0)
+  inner, _ = loop_bodies(drafter=drafter, num_draft="auto", round_costs=jnp.ones((4,)),
+                         governor=sj.Governor(ks=(0, 1, 2, 3)))
+  assert _count_dots(inner[-1]) == _count_dots(plain_body) > 0
+  scheduled, _ = loop_bodies(drafter=drafter, num_draft="auto",
+                             governor=sj.Governor(ks=(0, 1, 2, 3), schedule=SCHEDULE))
+  assert _count_dots(scheduled[-1]) > _count_dots(plain_body)

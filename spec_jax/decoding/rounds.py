@@ -166,7 +166,8 @@ def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n
       finished_at_round=jnp.where(new.done & ~st.done, iteration, c.finished_at_round)))
 
 
-def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> DecodeState:
+def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None,
+                sync_drafter: bool = True) -> DecodeState:
   """One speculative round with a chain of K drafts (K = 0: a plain decoding step):
   propose -> verify -> accept -> commit -> drafter.commit -> statistics.
 
@@ -175,7 +176,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
   (the verify stays [B, K+1]; a row's drafts past its limit are masked to -1, as a drafter's
   missing ones are): bool [B], the rows that may use their drafts (the others decode one token:
   the governor's per-row gating), or int32 [B] in 0..K, each row's own draft length (a
-  strategy that budgets each row's verify)."""
+  strategy that budgets each row's verify). sync_drafter=False (K = 0 only) skips
+  drafter.commit: a plain step and nothing else, for a loop that never drafts again."""
   key, draft_key, accept_key = jax.random.split(st.key, 3)
   if k == 0:
     b = st.tokens.shape[0]
@@ -213,7 +215,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None) -> De
                       hidden=out.hidden, layer_hidden=out.layer_hidden,
                       lengths_before=st.lengths, lengths=lengths,
                       target_params=env.target_params)
-  dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
+  if sync_drafter or k:
+    dstate = env.drafter.commit(env.drafter_params, dstate, emitted, n_acc, verify)
   new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=cache,
                    drafter_state=dstate, key=key,
                    sampling_state=commit_history(env, st, emitted, n_emit))

@@ -12,38 +12,49 @@ once per (device kind, target, drafter, batch B, capacity bucket, greedy or not)
 `sj.calibrate` (spec_jax.decoding.calibration), and cached as JSON under $XDG_CACHE_HOME/spec_jax/governor
 (default ~/.cache/spec_jax/governor). It times the very executable generate() then runs (compiled once,
 shared): decode(num_draft="auto") with K forced through the cost vector, two lengths per K,
-differenced so the prefill and per-call work cancel (measure_round_costs). A row b with per-token
-acceptance alpha_b emits tau_b(K) = 1 + alpha_b + ... + alpha_b^K tokens in expectation (the
-i.i.d. model). Every round the governor takes
+differenced so the prefill and per-call work cancel (measure_round_costs); t(0) is the plain
+step the loop really runs (below: plain is final). Row b's draft position j is accepted, given
+the positions before it were, with probability alpha_bj (estimated live, below), so a round of
+K drafts emits tau_b(K) = 1 + a_b0 + a_b0 a_b1 + ... + a_b0 ... a_b(K-1) tokens in expectation
+(per-position survival: a drafter's acceptance falls along the chain). Row b still needs R_b
+tokens (its token limit minus its length). The loop runs until its slowest row is done, so
+every round the governor takes
 
-    K* = argmax_K  sum_{b active} tau_b(K) / t(K)
+    K* = argmin_K  t(K) * max_{b active} R_b / tau_b(K)             (objective "slowest")
 
-(ties to the smaller K), i.e. the most expected tokens per second for the batch; K = 0 is plain
-decoding (tau = 1 per row), so where drafting costs more than it brings (large B, poor drafts)
-it decodes plainly. Per-row gating: a row whose smoothed alpha_b < gate_alpha gets draft
-length 0 that round (its drafts are masked; it contributes tau = 1). Note that in this engine
-every row pays the batch's [B, K+1] verify anyway, so gating saves no compute: it only stops
-proposing drafts that are almost surely rejected (the default threshold is low).
+(ties to the smaller K): the rounds the slowest row needs at K, times what a round costs.
+With equal rows this is the most expected tokens per second; a row that cannot gain (gated, or
+poorly drafted) with as many tokens left as the others makes drafting a loss for the batch,
+which the mean model `argmax_K sum_b tau_b(K) / t(K)` (objective "mean") misses. K = 0 is plain
+decoding (tau = 1 per row), so where drafting costs more than it brings (large B, poor
+drafts) it decodes plainly. Per-row budgets: row b drafts min(K, R_b - 1) (a draft past its
+limit could never be emitted), or none when its first-draft alpha_b0 < gate_alpha. The verify
+is [B, K+1] whatever the budgets (fixed shapes): a budget below K saves no compute; the width
+K is the batch's choice.
 
-Live acceptance. Per row, exponentially smoothed counts of accepted drafts a and judged drafts
-j (the accepted ones plus the first failure: a rejection, or a missing draft when an n-gram
-finds fewer than K), started at a prior worth `prior_weight` judged drafts at `prior_alpha`:
+Live acceptance. Per row and draft position, exponentially smoothed counts of accepted drafts
+A and judged drafts J (position j is judged when the positions before it were accepted: it is
+an accepted draft or the first failure, a rejection or a missing draft when an n-gram finds
+fewer than K), started at a prior worth `prior_weight` judged drafts at `prior_alpha`:
 
-    A_b <- smoothing * A_b + a_b,  J_b <- smoothing * J_b + j_b,  alpha_b = A_b / J_b
+    A_bj <- smoothing * A_bj + accepted_bj,  J_bj <- smoothing * J_bj + 1   (judged only)
 
-updated only in rounds where row b drafted (a K = 0 round or a gated row teaches nothing, and
-the estimate stays). The first `warmup_rounds` loop iterations draft (the best K >= 1), so the
-choice rests on live evidence and not only on the prior. Consequence: once plain rounds win
-for the whole batch, the estimates stop moving and the governor stays plain (no probing: a
-probe would cost a drafting round, and a DraftModel's catch-up, every time).
+so alpha_bj = A_bj / J_bj. A K = 0 round or a gated row teaches nothing. The first
+`warmup_rounds` loop iterations draft (the best K >= 1), so the choice rests on live evidence
+and not only on the prior.
 
-Drafters across plain rounds: K = 0 rounds never call propose; drafters whose state follows
-the target (Medusa, EAGLE, EAGLE-3, MTP) still commit the verified token there (a feature
-head's layer runs over one pair: part of the measured t(0)); a DraftModel skips them and
-catches up in one chunked forward per 16 missed tokens when drafting resumes (Drafter.catch_up,
-called before the switch; that cost is not in the table, which times steady K).
+Plain is final. Once the governor picks K = 0 after the warm-up, every remaining round is a
+plain step: the estimates stop moving in plain rounds, so the choice would not change (no
+probing: a probe would cost a drafting round). These steps skip the drafter's commit and the
+hidden states it reads, so a plain round costs what plain decoding costs (with the drafter kept
+in sync, an EAGLE head's layer ran in every plain round and made t(0) dearer than plain).
 
-Lossless: K and the gating of round r depend only on rounds < r, and each round is an exact
+Drafters across plain rounds, with a `schedule` (tests: K = 0 rounds between drafting ones):
+K = 0 rounds never call propose; drafters whose state follows the target (Medusa, EAGLE,
+EAGLE-3, MTP) still commit the verified token there; a DraftModel skips them and catches up in
+one chunked forward per 16 missed tokens when drafting resumes (Drafter.catch_up).
+
+Lossless: K, the gating and the budgets of round r depend only on rounds < r, and each round is an exact
 speculative round for any K, so the output distribution is the target's (tests/test_governor.py).
 
     gov = sj.Governor(max_draft=8, ks=(0, 1, 2, 4), smoothing=0.8)
@@ -52,9 +63,10 @@ speculative round for any K, so the output distribution is the target's (tests/t
     table = sj.calibrate(target, drafter, batch=16)   # cached; generate() does this itself
 """
 
-from spec_jax.governor.choice import choose, expected_tokens, observe, row_alpha
+from spec_jax.governor.choice import (batch_seconds, choose, expected_tokens, observe,
+                                     position_alpha, row_alpha)
 from spec_jax.governor.costs import CostTable
 from spec_jax.governor.options import DEFAULT_KS, OPTIONS, Governor, GovernorState
 
 __all__ = ["Governor", "GovernorState", "CostTable", "DEFAULT_KS", "OPTIONS", "choose",
-           "observe", "row_alpha", "expected_tokens"]
+           "observe", "row_alpha", "position_alpha", "expected_tokens", "batch_seconds"]

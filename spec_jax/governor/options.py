@@ -25,7 +25,11 @@ OPTIONS = {
                   "(default 0.05; 0 = never)",
     "costs": "a cost table {K: seconds per round} to use instead of calibrating",
     "schedule": "a fixed sequence of K, cycled (tests): overrides the choice",
+    "objective": "what K minimises: 'slowest' (default: the rounds the slowest row still "
+                 "needs times the round's cost; the loop runs until its last row is done) or "
+                 "'mean' (the batch's expected tokens per second of one round)",
 }
+OBJECTIVES = ("slowest", "mean")
 
 
 def is_int(x) -> bool:
@@ -62,6 +66,10 @@ class Governor:
     if not is_int(warm) or warm < 0:
       raise ValueError(f"Governor warmup_rounds must be an integer >= 0, got {warm!r}")
     self.warmup_rounds = int(warm)
+    objective = options.get("objective", "slowest")
+    if objective not in OBJECTIVES:
+      raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
+    self.objective = objective
     costs = options.get("costs")
     if costs is not None:
       if isinstance(costs, CostTable):
@@ -108,7 +116,7 @@ class Governor:
 
   def _key(self):
     return (self.max_draft, self.ks, self.schedule, self.smoothing, self.prior_alpha,
-            self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs)
+            self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs, self.objective)
 
   def __hash__(self):
     return hash(self._key())
@@ -122,7 +130,7 @@ class Governor:
             "prior_alpha": self.prior_alpha, "prior_weight": self.prior_weight,
             "warmup_rounds": self.warmup_rounds, "gate_alpha": self.gate_alpha,
             "costs": None if self.costs is None else dict(self.costs),
-            "schedule": self.schedule}
+            "schedule": self.schedule, "objective": self.objective}
 
   def __repr__(self):
     return "Governor(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
@@ -178,10 +186,12 @@ class Governor:
     return self.costs is None and self.schedule is None
 
   def init_state(self, drafter, batch: int) -> "GovernorState":
-    """The governor's initial carry: the prior for every row, an empty histogram."""
+    """The governor's initial carry: the prior at every row and draft position, an empty
+    histogram."""
+    width = (batch, max(1, max(self.candidates(drafter))))
     return GovernorState(
-        accepted=jnp.full((batch,), self.prior_alpha * self.prior_weight, jnp.float32),
-        judged=jnp.full((batch,), self.prior_weight, jnp.float32),
+        accepted=jnp.full(width, self.prior_alpha * self.prior_weight, jnp.float32),
+        judged=jnp.full(width, self.prior_weight, jnp.float32),
         k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32),
         choice=jnp.zeros((), jnp.int32))
 
@@ -190,8 +200,9 @@ class Governor:
 class GovernorState:
   """The governor's part of the loop carry (B rows, N candidate K values).
 
-  accepted, judged: float32 [B] smoothed counts of accepted and judged drafts per row (prior
-    included); alpha = accepted / judged.
+  accepted, judged: float32 [B, W] smoothed counts of accepted and judged drafts per row and
+    draft position (W = the largest candidate K; prior included); alpha = accepted / judged,
+    the acceptance of position j given the positions before it were accepted.
   k_hist: int32 [N] loop iterations that ran with each candidate K.
   choice: int32 scalar, the index (into the candidates) of the next round's K.
   """

@@ -31,13 +31,27 @@ def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
   every row is done. Each round pays only for its K. (A `lax.switch` over per-K rounds in one
   loop would be the obvious form, but XLA:CPU then copies the KV caches through the
   conditional every round: +50% per round at B = 16 for stories260K. While loops keep their
-  carry in place.) A drafter that skipped plain rounds catches up once per outer iteration,
-  before the drafting loops (Drafter.catch_up; nothing to do when it is in sync).
+  carry in place.)
+
+  Per-row budgets: in a round of K drafts row b verifies min(K, remaining_b - 1) drafts (a
+  draft past the row's token limit could never be emitted), or none when its first-draft
+  acceptance is below gate_alpha. (The verify is [B, K+1] whatever the budgets: a budget below
+  K saves no compute, it keeps the acceptance estimates honest.)
+
+  Plain is final: once the governor picks K = 0 after its warm-up, every remaining round is a
+  plain step (the estimates no longer move in plain rounds, so the choice would not change),
+  and these steps skip the drafter's commit and the hidden states it reads: a plain round
+  costs what plain decoding costs. With a `schedule` (tests) K = 0 rounds keep the drafter in
+  sync instead, and drafting resumes when the schedule says; a drafter that skipped plain
+  rounds catches up once per outer iteration, before the drafting loops (Drafter.catch_up;
+  nothing to do when it is in sync).
 
   until: optional int, stop after this many rounds (tests)."""
   ks = gov.candidates(env.drafter)
   gate = gov.gate_alpha > 0
+  final_plain = gov.schedule is None
   env = env._replace(rolled=True)        # one draft-step body per K: a smaller program
+  plain_env = env._replace(layers=()) if final_plain else env
   lazy = type(env.drafter).catch_up is not Drafter.catch_up
   drafts = jnp.asarray([k > 0 for k in ks])
 
@@ -45,15 +59,27 @@ def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
     go = ~jnp.all(st.done)
     return go if until is None else go & (st.iterations < until)
 
+  def remaining(st):
+    return env.limit - st.lengths
+
   def body(i, k):
     def run(st):
-      rows = (row_alpha(st.strategy) >= gov.gate_alpha) if (gate and k) else None
-      new = chain_round(env, st, k=k, draft_rows=rows)
+      rows = None
+      if k:
+        rows = jnp.clip(remaining(st) - 1, 0, k).astype(jnp.int32)
+        if gate:
+          rows = jnp.where(row_alpha(st.strategy) >= gov.gate_alpha, rows, 0)
+      if k or not final_plain:
+        new = chain_round(env, st, k=k, draft_rows=rows)
+      else:
+        new = chain_round(plain_env, st, k=0, sync_drafter=False)
       gs = observe(gov, st.strategy, ~st.done, new.counts.accepted - st.counts.accepted, k,
                    rows)
       gs = gs.replace(k_hist=gs.k_hist.at[i].add(1))
-      choice, _ = choose(gov, ks, gs, costs, ~new.done, new.iterations)
-      return new.replace(strategy=gs.replace(choice=choice))
+      if k or not final_plain:
+        choice, _ = choose(gov, ks, gs, costs, ~new.done, new.iterations, remaining(new))
+        gs = gs.replace(choice=choice)
+      return new.replace(strategy=gs)
     return run
 
   def outer(st):
@@ -67,7 +93,7 @@ def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
     return st
 
   gs = state.strategy
-  choice, _ = choose(gov, ks, gs, costs, ~state.done, state.iterations)
+  choice, _ = choose(gov, ks, gs, costs, ~state.done, state.iterations, remaining(state))
   state = state.replace(strategy=gs.replace(choice=choice))
   return jax.lax.while_loop(running, outer, state)
 
