@@ -39,7 +39,7 @@ from spec_jax.models.chat import default_stop_ids
 from spec_jax.sampling import Sampling
 from spec_jax.timing import interleaved_rounds, summarize
 
-COST_MODEL_VERSION = 2          # bump when what a timed round contains changes
+COST_MODEL_VERSION = 3          # bump when what a timed round contains changes (3: plain is final)
 DEFAULT_CAPACITY = 256
 
 

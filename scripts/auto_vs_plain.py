@@ -1,0 +1,127 @@
+"""num_draft="auto" (the governor) against plain decoding and fixed K, side by side.
+
+For each batch size: plain decoding, every drafter at each fixed K and the governor
+(calibrated first, outside the timing, as generate() does), all round-robin in one process
+(spec_jax.timing.interleaved_rounds; plain brackets every round). Prints tok/s medians, each
+configuration's speedup over plain (median of per-round ratios), the governor's share of the
+best fixed K, its K histogram and its cost table; writes the numbers as JSON.
+
+    python scripts/auto_vs_plain.py --batch 16 32 -K 2 --dtype float32 --max-new-tokens 64 \\
+        --pairs draft:../shared/models/salty279K heads:runs/eagle3_fused dflash:runs/dflash
+
+The target is widened stories260K (configs/bench_widened.yaml's); prompts are TinyStories
+openings (8 words). Noise: the spread of plain's bracketing calls, in percent of its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import spec_jax as sj
+from spec_jax.bench.prompts import prompt_token_lists
+from spec_jax.bench.specs import load_model, make_drafter
+from spec_jax.decoding import calibration
+from spec_jax.files import atomic_write_json
+from spec_jax.timing import interleaved_rounds
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--target", default="widened:../shared/models/stories260K")
+  ap.add_argument("--pairs", nargs="+", required=True, help="drafter specs")
+  ap.add_argument("--batch", type=int, nargs="+", default=[16])
+  ap.add_argument("-K", type=int, nargs="*", default=[2])
+  ap.add_argument("--dtype", default="float32")
+  ap.add_argument("--max-new-tokens", type=int, default=64)
+  ap.add_argument("--temperature", type=float, default=0.0)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--ks", type=int, nargs="*", default=None,
+                  help="the governor's candidate K (default: its own)")
+  ap.add_argument("--out", default="auto_vs_plain.json")
+  args = ap.parse_args(argv)
+
+  target = load_model(args.target, dtype=args.dtype)
+  drafters = {d: make_drafter(d, target) for d in args.pairs}
+  gov_opts = {} if args.ks is None else {"ks": tuple(args.ks)}
+  sampling = sj.Sampling(temperature=args.temperature)
+  report = {"target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "repeats": args.repeats, "cells": []}
+  for b in args.batch:
+    prompts, _ = prompt_token_lists(target, "tinystories", b, 8, 128, 0)
+    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=[],
+              key=jax.random.key(0))
+    tables, runs = {}, {}
+    runs["plain"] = lambda: sj.generate(target, prompts, **kw)
+    for d, dr in drafters.items():
+      for k in args.K:
+        runs[(d, k)] = lambda dr=dr, k=k: sj.generate(target, prompts, drafter=dr,
+                                                      num_draft=k, **kw)
+      t0 = time.perf_counter()
+      gov = sj.Governor(**gov_opts)
+      out = sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
+      tables[d] = time.perf_counter() - t0
+      runs[(d, "auto")] = lambda dr=dr, gov=gov: sj.generate(
+          target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
+      print(f"[B={b}] {d}: governor calibrated and warm in {tables[d]:.0f} s", flush=True)
+    for name, run in runs.items():                      # compile and warm
+      t0 = time.perf_counter()
+      run()
+      print(f"[B={b}] warm {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def timed(run):
+      def go():
+        t0 = time.perf_counter()
+        out = run()
+        return time.perf_counter() - t0, out
+      return go
+
+    res = interleaved_rounds({n: timed(r) for n, r in runs.items()}, args.repeats,
+                             baseline="plain")
+    atomic_write_json(args.out + f".raw_B{b}.json",
+                      {str(n): [s for s, _ in v] for n, v in res.items()})
+    plain_s = [s for s, _ in res["plain"]]
+    tokens = b * args.max_new_tokens
+    cell = {"batch": b, "plain_tok_s": tokens / statistics.median(plain_s),
+            "noise_pct": 100 * (max(plain_s) - min(plain_s)) / statistics.median(plain_s),
+            "rows": []}
+    # Per round r the configuration's call sits between plain's calls 2r and 2r+1.
+    for name, vals in res.items():
+      if name == "plain":
+        continue
+      ratios = [0.5 * (plain_s[2 * r] + plain_s[2 * r + 1]) / s for r, (s, _) in enumerate(vals)]
+      last = vals[-1][1]
+      cell["rows"].append({
+          "drafter": name[0], "K": name[1], "tok_s": tokens / statistics.median(
+              [s for s, _ in vals]),
+          "speedup": statistics.median(ratios), "tau": last.stats.mean_accepted_length,
+          "iterations": last.stats.iterations,
+          "k_histogram": {str(k): n for k, n in (last.stats.k_histogram or {}).items()}})
+    for d in drafters:
+      fixed = [r for r in cell["rows"] if r["drafter"] == d and r["K"] != "auto"]
+      auto = [r for r in cell["rows"] if r["drafter"] == d and r["K"] == "auto"][0]
+      best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
+      auto["best_fixed"] = None if best is None else best["K"]
+      auto["share_of_best_fixed"] = None if best is None else auto["speedup"] / best["speedup"]
+      auto["share_of_best_fixed_or_plain"] = None if best is None else auto["speedup"] / max(
+          best["speedup"], 1.0)
+    report["cells"].append(cell)
+    print(f"\nB={b}: plain {cell['plain_tok_s']:.1f} tok/s, noise {cell['noise_pct']:.0f} %")
+    for r in cell["rows"]:
+      extra = (f"  share of best K {r['share_of_best_fixed']:.2f}, of best K or plain "
+               f"{r['share_of_best_fixed_or_plain']:.2f}  K rounds {r['k_histogram']}"
+               if r["K"] == "auto" else "")
+      print(f"  {r['drafter']:<40} K={r['K']!s:<5} {r['tok_s']:8.1f} tok/s  "
+            f"{r['speedup']:.2f}x  tau {r['tau']:.2f}  iters {r['iterations']}{extra}",
+            flush=True)
+    report["cost_tables"] = [t.as_dict() for t in calibration._TABLES.values()]
+    atomic_write_json(args.out, report)
+
+
+if __name__ == "__main__":
+  main()
