@@ -17,15 +17,21 @@ step the loop really runs (below: plain is final). Row b's draft position j is a
 the positions before it were, with probability alpha_bj (estimated live, below), so a round of
 K drafts emits tau_b(K) = 1 + a_b0 + a_b0 a_b1 + ... + a_b0 ... a_b(K-1) tokens in expectation
 (per-position survival: a drafter's acceptance falls along the chain). Row b still needs R_b
-tokens (its token limit minus its length). The loop runs until its slowest row is done, so
-every round the governor takes
+tokens (its token limit minus its length). Every round the governor takes
 
-    K* = argmin_K  t(K) * max_{b active} R_b / tau_b(K)             (objective "slowest")
+    K* = argmax_K  sum_{b active} tau_b(K) / t(K)                    (objective "mean")
 
-(ties to the smaller K): the rounds the slowest row needs at K, times what a round costs.
-With equal rows this is the most expected tokens per second; a row that cannot gain (gated, or
-poorly drafted) with as many tokens left as the others makes drafting a loss for the batch,
-which the mean model `argmax_K sum_b tau_b(K) / t(K)` (objective "mean") misses. K = 0 is plain
+(ties to the smaller K), i.e. the most expected tokens per second for the batch, or, with
+objective="slowest", since the loop runs until its slowest row is done,
+
+    K* = argmin_K  t(K) * max_{b active} R_b / tau_b(K)
+
+the rounds the slowest row needs at K, times what a round costs: a row that cannot gain
+(gated, or poorly drafted) with as many tokens left as the others makes drafting a loss for
+the batch, which the mean misses. "mean" is the default because "slowest", measured, took the
+minimum of noisy per-row estimates for the truth: at B = 16 (widened stories260K, float32,
+AVX2 CPU) two warm-up rounds were enough for one of 16 rows to look hopeless, and it decoded
+plainly where K = 2 was 1.25x (docs/governor.md). K = 0 is plain
 decoding (tau = 1 per row), so where drafting costs more than it brings (large B, poor
 drafts) it decodes plainly. Per-row budgets: row b drafts min(K, R_b - 1) (a draft past its
 limit could never be emitted), or none when its first-draft alpha_b0 < gate_alpha. The verify

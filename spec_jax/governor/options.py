@@ -25,9 +25,9 @@ OPTIONS = {
                   "(default 0.05; 0 = never)",
     "costs": "a cost table {K: seconds per round} to use instead of calibrating",
     "schedule": "a fixed sequence of K, cycled (tests): overrides the choice",
-    "objective": "what K minimises: 'slowest' (default: the rounds the slowest row still "
-                 "needs times the round's cost; the loop runs until its last row is done) or "
-                 "'mean' (the batch's expected tokens per second of one round)",
+    "objective": "what K optimises: 'mean' (default: the batch's expected tokens per second "
+                 "of one round) or 'slowest' (the rounds the slowest row still needs times "
+                 "the round's cost; the loop runs until its last row is done)",
 }
 OBJECTIVES = ("slowest", "mean")
 
@@ -66,7 +66,7 @@ class Governor:
     if not is_int(warm) or warm < 0:
       raise ValueError(f"Governor warmup_rounds must be an integer >= 0, got {warm!r}")
     self.warmup_rounds = int(warm)
-    objective = options.get("objective", "slowest")
+    objective = options.get("objective", "mean")
     if objective not in OBJECTIVES:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
