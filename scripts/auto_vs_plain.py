@@ -56,7 +56,7 @@ def main(argv=None):
     prompts, _ = prompt_token_lists(target, "tinystories", b, 8, 128, 0)
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=[],
               key=jax.random.key(0))
-    tables, runs = {}, {}
+    runs = {}
     runs["plain"] = lambda: sj.generate(target, prompts, **kw)
     for d, dr in drafters.items():
       for k in args.K:
@@ -64,11 +64,11 @@ def main(argv=None):
                                                       num_draft=k, **kw)
       t0 = time.perf_counter()
       gov = sj.Governor(**gov_opts)
-      out = sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
-      tables[d] = time.perf_counter() - t0
+      sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
       runs[(d, "auto")] = lambda dr=dr, gov=gov: sj.generate(
           target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
-      print(f"[B={b}] {d}: governor calibrated and warm in {tables[d]:.0f} s", flush=True)
+      print(f"[B={b}] {d}: governor calibrated and warm in {time.perf_counter() - t0:.0f} s",
+            flush=True)
     for name, run in runs.items():                      # compile and warm
       t0 = time.perf_counter()
       run()
@@ -113,9 +113,12 @@ def main(argv=None):
     report["cells"].append(cell)
     print(f"\nB={b}: plain {cell['plain_tok_s']:.1f} tok/s, noise {cell['noise_pct']:.0f} %")
     for r in cell["rows"]:
-      extra = (f"  share of best K {r['share_of_best_fixed']:.2f}, of best K or plain "
-               f"{r['share_of_best_fixed_or_plain']:.2f}  K rounds {r['k_histogram']}"
-               if r["K"] == "auto" else "")
+      extra = ""
+      if r["K"] == "auto" and r["best_fixed"] is not None:
+        extra = (f"  share of best K {r['share_of_best_fixed']:.2f}, of best K or plain "
+                 f"{r['share_of_best_fixed_or_plain']:.2f}")
+      if r["K"] == "auto":
+        extra += f"  K rounds {r['k_histogram']}"
       print(f"  {r['drafter']:<40} K={r['K']!s:<5} {r['tok_s']:8.1f} tok/s  "
             f"{r['speedup']:.2f}x  tau {r['tau']:.2f}  iters {r['iterations']}{extra}",
             flush=True)
