@@ -31,8 +31,8 @@ from spec_jax.models.transformer import KVCache, forward
 from tests.numerics import MODEL_ULPS, assert_f32_close
 from tests.stats_helpers import (assert_same_distribution, chi2_critical, chi2_sf,
                                  chi_square)
-from tests.test_lossless import (N, NEW, PROMPT, TARGET_CFG, DRAFT_CFG, exact_joint,
-                                 joint_counts, _peaky)
+from tests.test_lossless import (N, NEW, NEW6, PROMPT, TARGET_CFG, DRAFT_CFG, counts3,
+                                 exact_joint, exact_joint6, joint_counts, _peaky)
 
 GREEDY = sj.Sampling(temperature=0.0)
 CFG = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -178,6 +178,8 @@ def _small_models():
 
 
 LOSSLESS = {
+    # A plain round, then K = 2 (the drafter catches up). Six new tokens: with three, the
+    # K = 2 round would come with one token left and a budget of min(2, 1 - 1) = 0 drafts.
     "sampled_0_2": (False, sj.Governor(ks=(0, 1, 2), schedule=(0, 2))),
     "argmax_1_0": (True, sj.Governor(ks=(0, 1, 2), schedule=(1, 0))),
     # Rows whose round-1 draft was rejected drop below gate_alpha and are gated in round 2:
@@ -197,16 +199,24 @@ LOSSLESS = {
 @pytest.mark.parametrize("case", list(LOSSLESS))
 def test_auto_is_lossless(case):
   greedy_drafts, gov = LOSSLESS[case]
+  new = NEW6 if case == "sampled_0_2" else NEW
   target, draft = _small_models()
   sampling = sj.Sampling(temperature=1.0, top_p=0.9)
   out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(
-      draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov, max_new_tokens=NEW,
+      draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov, max_new_tokens=new,
                     sampling=sampling, key=jax.random.key(4), stop_tokens=[], capacity=16)
   toks = np.asarray(out.tokens)
-  assert toks.shape == (N, NEW)
+  assert toks.shape == (N, new)
   assert 0.05 < out.stats.acceptance_rate < 0.98, out.stats.summary()
-  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling),
-                           alpha=1e-3)
+  if new == NEW:
+    assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling),
+                             alpha=1e-3)
+  else:                              # tokens 1-3 and 4-6 against the exact joint's marginals
+    joint = exact_joint6(target, PROMPT, sampling)
+    assert_same_distribution(counts3(toks[:, :3]), joint.sum(axis=(3, 4, 5)), alpha=1e-3,
+                             label="tokens 1-3")
+    assert_same_distribution(counts3(toks[:, 3:]), joint.sum(axis=(0, 1, 2)), alpha=1e-3,
+                             label="tokens 4-6")
 
 
 @pytest.mark.slow   # 40k rows
