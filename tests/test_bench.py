@@ -84,10 +84,12 @@ def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, cap
   from spec_jax.bench.specs import load_model
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   calibration.clear_memory()
-  monkeypatch.setattr(calibration, "measure_round_costs", lambda target, drafter, batch,
-                      capacity, greedy, ks, repeats=3, **kw: {
-                          k: {"per_iter_s": 1e-3 * (1 + 0.2 * k), "spread_pct": 0.0}
-                          for k in ks})
+  measured = []
+
+  def fake_measure(target, drafter, batch, capacity, greedy, ks, repeats=3, **kw):
+    measured.append(capacity)
+    return {k: {"per_iter_s": 1e-3 * (1 + 0.2 * k), "spread_pct": 0.0} for k in ks}
+  monkeypatch.setattr(calibration, "measure_round_costs", fake_measure)
   out = tmp_path / "gov.json"
   rc = cli.main(["--pairs", "random:tiny@ngram", "-K", "1", "auto", "-B", "2",
                  "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
@@ -101,6 +103,7 @@ def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, cap
   assert auto["best_fixed_K"] == 1 and auto["share_of_best_fixed"] == pytest.approx(
       auto["speedup"] / rows[1]["speedup"])
   assert auto["governor_costs"]["ks"] == [0, 1, 2, 4, 6, 8]
+  assert len(measured) == 1, measured     # the bench's table is the one generate() runs with
   assert auto["bound"] is None and auto["c_verify"] is None
   (g,) = data["governor"]
   assert g["batch"] == 2 and g["k_histogram"] == auto["k_histogram"]

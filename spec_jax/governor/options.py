@@ -26,8 +26,10 @@ OPTIONS = {
     "costs": "a cost table {K: seconds per round} to use instead of calibrating",
     "schedule": "a fixed sequence of K, cycled (tests): overrides the choice",
     "objective": "what K optimises: 'mean' (default: the batch's expected tokens per second "
-                 "of one round) or 'slowest' (the rounds the slowest row still needs times "
-                 "the round's cost; the loop runs until its last row is done)",
+                 "of one round) or 'slowest' (the expected rounds the slowest row still needs "
+                 "times the round's cost; the loop runs until its last row is done)",
+    "pool_weight": "judged drafts the batch's pooled acceptance is worth in each row's "
+                   "estimate under objective 'slowest', >= 0 (default 4; 0 = rows alone)",
 }
 OBJECTIVES = ("slowest", "mean")
 
@@ -70,6 +72,7 @@ class Governor:
     if objective not in OBJECTIVES:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
+    self.pool_weight = self._real(options, "pool_weight", 4.0, 0.0, math.inf)
     costs = options.get("costs")
     if costs is not None:
       if isinstance(costs, CostTable):
@@ -116,7 +119,8 @@ class Governor:
 
   def _key(self):
     return (self.max_draft, self.ks, self.schedule, self.smoothing, self.prior_alpha,
-            self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs, self.objective)
+            self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs, self.objective,
+            self.pool_weight)
 
   def __hash__(self):
     return hash(self._key())
@@ -130,7 +134,8 @@ class Governor:
             "prior_alpha": self.prior_alpha, "prior_weight": self.prior_weight,
             "warmup_rounds": self.warmup_rounds, "gate_alpha": self.gate_alpha,
             "costs": None if self.costs is None else dict(self.costs),
-            "schedule": self.schedule, "objective": self.objective}
+            "schedule": self.schedule, "objective": self.objective,
+            "pool_weight": self.pool_weight}
 
   def __repr__(self):
     return "Governor(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"

@@ -26,6 +26,7 @@ from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
 from spec_jax.decoding import calibration
+from spec_jax.decoding.prompts import pad_batch
 
 
 def _tree_drafters(setup, tree=None) -> list:
@@ -277,12 +278,14 @@ def model_of(setup, dspec: str):
 
 
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
-  """The cost table generate(num_draft='auto') used in this cell (this process's memory or
-  the disk cache: no measuring) and the largest candidate K -> (CostTable or None, K max)."""
+  """The cost table generate(num_draft='auto') uses in this cell, and the largest candidate
+  K -> (CostTable or None, K max). Measured here once (or read from this process's memory or
+  the disk cache) at the capacity generate() will pick for these prompts (pad_batch's bucket),
+  so that generate's own calibration finds it instead of measuring a second table."""
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
   kmax = max(gov.candidates(drafter))
-  capacity = engine_capacity(max(len(r) for r in prompts), setup.max_new, kmax)
+  capacity = pad_batch(setup.model, prompts, setup.max_new, kmax, None, None)[2]
   try:
     table = calibration.calibrate(setup.model, drafter, batch, capacity=capacity,
                                    greedy=temp == 0, governor=gov)
