@@ -16,12 +16,10 @@ openings (8 words). Noise: the spread of plain's bracketing calls, in percent of
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import jax
-import numpy as np
 
 import spec_jax as sj
 from spec_jax.bench.prompts import prompt_token_lists
@@ -43,6 +41,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--ks", type=int, nargs="*", default=None,
                   help="the governor's candidate K (default: its own)")
+  ap.add_argument("--objectives", nargs="+", default=["mean"], choices=["mean", "slowest"],
+                  help="one governor column per objective (the cost table is shared)")
   ap.add_argument("--out", default="auto_vs_plain.json")
   args = ap.parse_args(argv)
 
@@ -62,13 +62,14 @@ def main(argv=None):
       for k in args.K:
         runs[(d, k)] = lambda dr=dr, k=k: sj.generate(target, prompts, drafter=dr,
                                                       num_draft=k, **kw)
-      t0 = time.perf_counter()
-      gov = sj.Governor(**gov_opts)
-      sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
-      runs[(d, "auto")] = lambda dr=dr, gov=gov: sj.generate(
-          target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
-      print(f"[B={b}] {d}: governor calibrated and warm in {time.perf_counter() - t0:.0f} s",
-            flush=True)
+      for obj in args.objectives:
+        t0 = time.perf_counter()
+        gov = sj.Governor(objective=obj, **gov_opts)
+        sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
+        runs[(d, "auto-" + obj)] = lambda dr=dr, gov=gov: sj.generate(
+            target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
+        print(f"[B={b}] {d}: governor ({obj}) calibrated and warm in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
     for name, run in runs.items():                      # compile and warm
       t0 = time.perf_counter()
       run()
@@ -102,24 +103,26 @@ def main(argv=None):
           "speedup": statistics.median(ratios), "tau": last.stats.mean_accepted_length,
           "iterations": last.stats.iterations,
           "k_histogram": {str(k): n for k, n in (last.stats.k_histogram or {}).items()}})
+    is_auto = lambda r: str(r["K"]).startswith("auto")
     for d in drafters:
-      fixed = [r for r in cell["rows"] if r["drafter"] == d and r["K"] != "auto"]
-      auto = [r for r in cell["rows"] if r["drafter"] == d and r["K"] == "auto"][0]
+      fixed = [r for r in cell["rows"] if r["drafter"] == d and not is_auto(r)]
       best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
-      auto["best_fixed"] = None if best is None else best["K"]
-      auto["share_of_best_fixed"] = None if best is None else auto["speedup"] / best["speedup"]
-      auto["share_of_best_fixed_or_plain"] = None if best is None else auto["speedup"] / max(
-          best["speedup"], 1.0)
+      for auto in [r for r in cell["rows"] if r["drafter"] == d and is_auto(r)]:
+        auto["best_fixed"] = None if best is None else best["K"]
+        auto["share_of_best_fixed"] = None if best is None else (
+            auto["speedup"] / best["speedup"])
+        auto["share_of_best_fixed_or_plain"] = None if best is None else (
+            auto["speedup"] / max(best["speedup"], 1.0))
     report["cells"].append(cell)
     print(f"\nB={b}: plain {cell['plain_tok_s']:.1f} tok/s, noise {cell['noise_pct']:.0f} %")
     for r in cell["rows"]:
       extra = ""
-      if r["K"] == "auto" and r["best_fixed"] is not None:
+      if is_auto(r) and r["best_fixed"] is not None:
         extra = (f"  share of best K {r['share_of_best_fixed']:.2f}, of best K or plain "
                  f"{r['share_of_best_fixed_or_plain']:.2f}")
-      if r["K"] == "auto":
+      if is_auto(r):
         extra += f"  K rounds {r['k_histogram']}"
-      print(f"  {r['drafter']:<40} K={r['K']!s:<5} {r['tok_s']:8.1f} tok/s  "
+      print(f"  {r['drafter']:<40} K={r['K']!s:<12} {r['tok_s']:8.1f} tok/s  "
             f"{r['speedup']:.2f}x  tau {r['tau']:.2f}  iters {r['iterations']}{extra}",
             flush=True)
     report["cost_tables"] = [t.as_dict() for t in calibration._TABLES.values()]
