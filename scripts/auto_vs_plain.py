@@ -25,6 +25,7 @@ import spec_jax as sj
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.specs import load_model, make_drafter
 from spec_jax.decoding import calibration
+from spec_jax.decoding.prompts import pad_batch
 from spec_jax.files import atomic_write_json
 from spec_jax.timing import interleaved_rounds
 
@@ -41,6 +42,8 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--ks", type=int, nargs="*", default=None,
                   help="the governor's candidate K (default: its own)")
+  ap.add_argument("--cost-repeats", type=int, default=3,
+                  help="timed rounds per K of the governor's cost table (sj.calibrate)")
   ap.add_argument("--objectives", nargs="+", default=["mean"], choices=["mean", "slowest"],
                   help="one governor column per objective (the cost table is shared)")
   ap.add_argument("--out", default="auto_vs_plain.json")
@@ -62,6 +65,13 @@ def main(argv=None):
       for k in args.K:
         runs[(d, k)] = lambda dr=dr, k=k: sj.generate(target, prompts, drafter=dr,
                                                       num_draft=k, **kw)
+      t0 = time.perf_counter()              # the table generate() reads (same capacity)
+      gov = sj.Governor(**gov_opts)
+      capacity = pad_batch(target, prompts, args.max_new_tokens, max(gov.candidates(dr)),
+                           None, None)[2]
+      calibration.calibrate(target, dr, b, capacity=capacity, greedy=args.temperature == 0,
+                            governor=gov, repeats=args.cost_repeats)
+      print(f"[B={b}] {d}: cost table in {time.perf_counter() - t0:.0f} s", flush=True)
       for obj in args.objectives:
         t0 = time.perf_counter()
         gov = sj.Governor(objective=obj, **gov_opts)

@@ -306,12 +306,12 @@ def test_choice_maximises_expected_tokens_per_second():
 
 def test_slowest_row_bounds_the_batch():
   """objective="slowest": the expected rounds the slowest active row needs times the round's
-  cost; the mean-throughput model (the default) drafts where the slowest row makes it a
+  cost (the default); the mean-throughput model drafts where the slowest row makes it a
   loss."""
   ks = (0, 1, 2, 4)
-  slowest = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1, objective="slowest")
-  mean = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1)
-  assert mean.objective == "mean"
+  slowest = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1)
+  mean = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.1, objective="mean")
+  assert slowest.objective == "slowest"
   active = jnp.ones((2,), bool)
   it = jnp.int32(10)
   cheap = jnp.asarray([1.0, 1.1, 1.2, 1.4])

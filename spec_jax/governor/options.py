@@ -25,9 +25,9 @@ OPTIONS = {
                   "(default 0.05; 0 = never)",
     "costs": "a cost table {K: seconds per round} to use instead of calibrating",
     "schedule": "a fixed sequence of K, cycled (tests): overrides the choice",
-    "objective": "what K optimises: 'mean' (default: the batch's expected tokens per second "
-                 "of one round) or 'slowest' (the expected rounds the slowest row still needs "
-                 "times the round's cost; the loop runs until its last row is done)",
+    "objective": "what K optimises: 'slowest' (default: the expected rounds the slowest row "
+                 "still needs times the round's cost; the loop runs until its last row is "
+                 "done) or 'mean' (the batch's expected tokens per second of one round)",
     "pool_weight": "judged drafts the batch's pooled acceptance is worth in each row's "
                    "estimate under objective 'slowest', >= 0 (default 4; 0 = rows alone)",
 }
@@ -68,7 +68,7 @@ class Governor:
     if not is_int(warm) or warm < 0:
       raise ValueError(f"Governor warmup_rounds must be an integer >= 0, got {warm!r}")
     self.warmup_rounds = int(warm)
-    objective = options.get("objective", "mean")
+    objective = options.get("objective", "slowest")
     if objective not in OBJECTIVES:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
