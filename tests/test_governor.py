@@ -444,7 +444,9 @@ def test_bad_input_raises_before_compiling():
       (dict(max_draft=0), "max_draft must be an integer >= 1"),
       (dict(ks=(0, 1), schedule=(0, 2)), r"schedule uses K \[2\]"),
       (dict(costs={0: 1.0, 1: -1.0}), "positive seconds"),
-      (dict(warmup_rounds=-1), "warmup_rounds")]:
+      (dict(warmup_rounds=-1), "warmup_rounds"),
+      (dict(pool_weight=-1.0), r"pool_weight must be a number in \[0, inf\]"),
+      (dict(objective="median"), "objective must be one of")]:
     with pytest.raises(ValueError, match=message):
       sj.Governor(**options)
 
