@@ -25,7 +25,7 @@ import spec_jax as sj
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.specs import load_model, make_drafter
 from spec_jax.decoding import calibration
-from spec_jax.decoding.prompts import pad_batch
+from spec_jax.decoding.prompts import default_capacity
 from spec_jax.files import atomic_write_json
 from spec_jax.timing import interleaved_rounds
 
@@ -44,7 +44,7 @@ def main(argv=None):
                   help="the governor's candidate K (default: its own)")
   ap.add_argument("--cost-repeats", type=int, default=3,
                   help="timed rounds per K of the governor's cost table (sj.calibrate)")
-  ap.add_argument("--objectives", nargs="+", default=["mean"], choices=["mean", "slowest"],
+  ap.add_argument("--objectives", nargs="+", default=["slowest"], choices=["mean", "slowest"],
                   help="one governor column per objective (the cost table is shared)")
   ap.add_argument("--out", default="auto_vs_plain.json")
   args = ap.parse_args(argv)
@@ -67,8 +67,8 @@ def main(argv=None):
                                                       num_draft=k, **kw)
       t0 = time.perf_counter()              # the table generate() reads (same capacity)
       gov = sj.Governor(**gov_opts)
-      capacity = pad_batch(target, prompts, args.max_new_tokens, max(gov.candidates(dr)),
-                           None, None)[2]
+      capacity = default_capacity(target, prompts, args.max_new_tokens,
+                                  max(gov.candidates(dr)))
       calibration.calibrate(target, dr, b, capacity=capacity, greedy=args.temperature == 0,
                             governor=gov, repeats=args.cost_repeats)
       print(f"[B={b}] {d}: cost table in {time.perf_counter() - t0:.0f} s", flush=True)

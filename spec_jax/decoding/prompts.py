@@ -100,6 +100,13 @@ def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
                     prompt_bucket)
 
 
+def default_capacity(target, ids: list, max_new_tokens: int, k: int) -> int:
+  """The KV-cache capacity generate() picks when none is given: capacity_bucket of the longest
+  prompt + max_new_tokens + K + 1 (what a cost table for its decode must be measured at)."""
+  needed = max(len(r) for r in ids) + max_new_tokens + k + 1
+  return capacity_bucket(needed, target.config.max_position_embeddings)
+
+
 def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_bucket):
   """prepare_batch after the prompts were checked (ids: list[list[int]], non-empty rows).
 
@@ -117,8 +124,8 @@ def pad_batch(target, ids: list, max_new_tokens: int, k: int, capacity, prompt_b
                      f"exceeds the model's context of {max_pos} positions")
   needed = longest + max_new_tokens + k + 1
   if capacity is None:
-    capacity = capacity_bucket(needed, max_pos) if prompt_bucket is None else round_up(
-        needed, CAPACITY_BUCKET)
+    capacity = default_capacity(target, ids, max_new_tokens, k) if prompt_bucket is None \
+        else round_up(needed, CAPACITY_BUCKET)
   else:
     check_capacity(capacity, longest, max_new_tokens, k)
   if prompt_bucket is None:

@@ -26,7 +26,7 @@ from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
 from spec_jax.decoding import calibration
-from spec_jax.decoding.prompts import pad_batch
+from spec_jax.decoding.prompts import default_capacity
 
 
 def _tree_drafters(setup, tree=None) -> list:
@@ -280,12 +280,12 @@ def model_of(setup, dspec: str):
 def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
   """The cost table generate(num_draft='auto') uses in this cell, and the largest candidate
   K -> (CostTable or None, K max). Measured here once (or read from this process's memory or
-  the disk cache) at the capacity generate() will pick for these prompts (pad_batch's bucket),
+  the disk cache) at the capacity generate() will pick for these prompts (default_capacity),
   so that generate's own calibration finds it instead of measuring a second table."""
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
   kmax = max(gov.candidates(drafter))
-  capacity = pad_batch(setup.model, prompts, setup.max_new, kmax, None, None)[2]
+  capacity = default_capacity(setup.model, prompts, setup.max_new, kmax)
   try:
     table = calibration.calibrate(setup.model, drafter, batch, capacity=capacity,
                                    greedy=temp == 0, governor=gov)
