@@ -120,6 +120,30 @@ def test_feature_head_state_matches_a_fresh_unroll(kind):
   assert_f32_close(o_train, o_cached, MODEL_ULPS)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3-reduced", "eagle3_fused", "mtp"])
+def test_init_state_in_chunks_equals_one_forward(kind, monkeypatch):
+  """init_state over the prompt in chunks of C positions (the memory bound of an 8B head's
+  prefill) gives the state of one forward over it: the cache at every prompt slot and the
+  first draft's feature, for ragged prompts ending inside, at the end of, and after a chunk
+  (P = 14 is not a multiple of C = 4: the last chunk reads padding, and would write past the
+  cache's 14 slots)."""
+  target = greedy_target()
+  head = make_head(kind, target, scale=0.3)
+  seqs = [PROMPTS[2][:14], PROMPTS[2][:5], [1, 9, 4, 4, 2, 8]]
+  lengths = [len(s) for s in seqs]
+  # A fresh function per call: the chunk is a class attribute, outside jit's cache key.
+  fresh = lambda: jax.jit(lambda *a: _init_from_prompt.__wrapped__(*a), static_argnums=(0, 1))
+  one = state_from_scratch(head, target, seqs, lengths, capacity=14, init=fresh())
+  monkeypatch.setattr(type(head), "prefill_chunk", 4)
+  chunked = state_from_scratch(head, target, seqs, lengths, capacity=14, init=fresh())
+  assert_f32_close(chunked.next_feature, one.next_feature, MODEL_ULPS)
+  for b, n in enumerate(lengths):                       # slots < prompt_lens = n - 1
+    for got, want in ((chunked.k, one.k), (chunked.v, one.v)):
+      got, want = (x[b, :, :n - 1] if head.head_major_cache else x[b, :n - 1]
+                   for x in (got, want))
+      assert_f32_close(got, want, MODEL_ULPS)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle3_fused"])
 def test_training_time_test_unroll_matches_drafting(kind):
   """Step s of the unroll at slot j equals the s-th draft when the real prefix ends at slot
@@ -254,7 +278,7 @@ def recording(drafter):
   return out
 
 
-def state_from_scratch(drafter, target, seqs, lengths, capacity):
+def state_from_scratch(drafter, target, seqs, lengths, capacity, init=None):
   """The drafter's state for committed rows seqs[b][:lengths[b]], computed by init_state from a
   fresh target forward over all but the last committed token (what a prefill of that prompt
   would give): no commit involved."""
@@ -264,9 +288,9 @@ def state_from_scratch(drafter, target, seqs, lengths, capacity):
   for i, (s, n) in enumerate(zip(seqs, lengths)):
     prompt[i, :n - 1] = s[:n - 1]
     buf[i, :n] = s[:n]
-  return _init_from_prompt(drafter, target.config, drafter.params, target.params,
-                           jnp.asarray(prompt), jnp.asarray(buf),
-                           jnp.asarray(lengths, jnp.int32) - 1)
+  return (init or _init_from_prompt)(drafter, target.config, drafter.params, target.params,
+                                     jnp.asarray(prompt), jnp.asarray(buf),
+                                     jnp.asarray(lengths, jnp.int32) - 1)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -31,9 +31,9 @@ committed token has not been fed to the target yet), so the head cache is valid 
 < lengths-1, and the state also carries `next_feature` = o at slot lengths-2: the prediction
 of f_{lengths-1}, whose logits give the first draft (token `lengths`).
 
-  init_state: pairs (prefill hidden j, tokens j+1) for j < P at offset 0 (one forward over the
-    padded prompt; slots >= prompt_lens are stale and overwritten later); next_feature = o at
-    slot prompt_lens-1.
+  init_state: pairs (prefill hidden j, tokens j+1) for j < P at offset 0 (the padded prompt in
+    chunks of C positions, as the target's prefill; slots >= prompt_lens are stale and
+    overwritten later); next_feature = o at slot prompt_lens-1.
   propose: draft 1 from next_feature; then for i = 1..K-1 the pair (o_prev, draft_i) goes to
     slot lengths-2+i, its output gives draft i+1. These speculative slots are overwritten.
   commit: the verify fed [last committed, d_1..d_K] at positions p = lengths_before-1 ..
@@ -68,6 +68,7 @@ from spec_jax.models.config import ModelConfig
 from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
 from spec_jax.models.cache import default_head_major
 from spec_jax.models.llama.forward import decoder_layer
+from spec_jax.models.prefill import PREFILL_CHUNK
 
 
 @flax.struct.dataclass
@@ -104,6 +105,8 @@ class FeatureHead(FrozenDrafter):
 
   kind = "eagle"
   supports_tree = True
+  # Prompt positions per head forward in init_state (static; the target's prefill chunk).
+  prefill_chunk = PREFILL_CHUNK
 
   params: Any = params_field()
   target_config: ModelConfig = dataclasses.field()
@@ -220,14 +223,49 @@ class FeatureHead(FrozenDrafter):
   # ----------------------------------------------------------------------- drafter interface
 
   def init_state(self, params, prefill: PrefillInfo):
+    """The prompt's pairs (f_j, token j+1), j < P, through the head's layer at slots 0..P-1,
+    in chunks of `prefill_chunk` positions (as the target's prefill: models.prefill), so the
+    head's activations are [B, C, ...] rather than [B, P, ...] (at 8B, B = 8, P = 512 the
+    unchunked MLP alone held two float32 [B, P, 14336] buffers)."""
     b, s = prefill.tokens.shape
     p = prefill.prompt_tokens.shape[1]
-    feats = self.target_feature(params, prefill.hidden, prefill.layer_hidden)      # [B, P, D]
     nxt = jnp.pad(prefill.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]                    # token j+1
     k, v = self._empty_cache(b, s)
-    o, k, v = self._step(params, prefill.target_params, nxt, feats, k, v,
-                         jnp.zeros((b,), jnp.int32))
-    last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    hidden = prefill.hidden
+    layer_hidden = tuple(prefill.layer_hidden)
+    c = max(1, min(int(self.prefill_chunk), p))
+
+    def run(start, width, k, v):
+      piece = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
+      feats = self.target_feature(params, None if hidden is None else piece(hidden),
+                                  tuple(piece(h) for h in layer_hidden))      # [B, C, D]
+      return self._step(params, prefill.target_params, piece(nxt), feats, k, v,
+                        jnp.full((b,), start, jnp.int32))
+
+    if c == p:                                   # a short prompt buffer: one forward
+      o, k, v = run(0, p, k, v)
+      last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+      return FeatureHeadState(k=k, v=v, next_feature=last)
+    padded = -(-p // c) * c
+    if padded != p:                              # the last chunk reads zeros past P
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, padded - p)) + ((0, 0),) * (x.ndim - 2))
+      nxt, layer_hidden = pad(nxt), tuple(pad(h) for h in layer_hidden)
+      hidden = None if hidden is None else pad(hidden)
+    lens = prefill.prompt_lens.astype(jnp.int32)
+    shape = jax.eval_shape(lambda k, v: run(jnp.int32(0), c, k, v)[0], k, v)
+
+    def body(i, carry):
+      k, v, last = carry
+      start = i * c
+      o, k, v = run(start, c, k, v)
+      here = lens - 1 - start                    # row b's last prompt slot within this chunk
+      pick = jnp.take_along_axis(o, jnp.clip(here, 0, c - 1)[:, None, None], axis=1)[:, 0]
+      last = jnp.where(((here >= 0) & (here < c))[:, None], pick, last)
+      return k, v, last
+
+    n_chunks = (jnp.max(lens) + c - 1) // c
+    k, v, last = jax.lax.fori_loop(0, n_chunks, body,
+                                   (k, v, jnp.zeros((b, shape.shape[-1]), shape.dtype)))
     return FeatureHeadState(k=k, v=v, next_feature=last)
 
   def _draw(self, logits, key, sampling, greedy=False):
