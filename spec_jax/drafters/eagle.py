@@ -292,7 +292,15 @@ class EAGLE3(FeatureHead):
     eps = self.layer_config.rms_norm_eps
     e = rms_norm(self._embed(params, target_params, tokens), params["embed_norm"], eps)
     f = feature.astype(jnp.float32)
-    return f, jnp.concatenate([e, rms_norm(f, params["hidden_norm"], eps)], axis=-1)
+    # The layer's input in the target's activation dtype when the head's weights are no wider
+    # (bf16 beside a bf16 target on an accelerator; float32 on CPU and for a float32 head): its
+    # q/k/v then leave the dots in that dtype, as the target's do. (With float32 outputs
+    # XLA:TPU fused RoPE's head-major relayout into the dot and kept a transposed copy of
+    # wq|wk|wv, 96 MiB at 8B, live through the whole decode: docs/accelerators.md.)
+    act = jnp.result_type(matmul.activation_dtype(self.target_config),
+                          params["layer"]["wq"].dtype)
+    h = jnp.concatenate([e, rms_norm(f, params["hidden_norm"], eps)], axis=-1)
+    return f, h.astype(act)
 
   def _step(self, params, target_params, tokens, feature, k, v, offsets, positions=None,
             tree_mask=None):
