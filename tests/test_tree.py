@@ -300,6 +300,28 @@ def test_verify_tree_matches_the_reference(sampled, distinct):
   assert 0 < np.asarray(got[2]).mean() < depth
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["one-hot", "sampled"])
+def test_verify_from_logits_row_by_row_equals_the_batched_transform(sampled):
+  """verify_tree_logits (p computed one row at a time: the memory bound of a 32-node tree at a
+  128k vocabulary) returns exactly what verify_tree returns on sampling.probs of the whole
+  batch, with per-row temperature (0 included), top-k, top-p and min-p."""
+  depth, b = 3, 8
+  tree, _ = _random_trees(jax.random.key(7 + sampled), b, 8, depth, sampled)
+  logits = 3.0 * jax.random.normal(jax.random.key(3), (b, 8, V))
+  sampling = sj.Sampling(temperature=[1.0, 0.7, 0.0, 1.3, 1.0, 0.5, 1.0, 2.0],
+                         top_k=[0, 3, 0, 0, 2, 0, 0, 5],
+                         top_p=[1.0, 1.0, 1.0, 0.8, 1.0, 0.6, 1.0, 0.9],
+                         min_p=[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0]).as_arrays(b)
+  key = jax.random.key(5)
+  got = jax.jit(functools.partial(tree_lib.verify_tree_logits, depth=depth))(
+      key, tree, logits, sampling)
+  want = jax.jit(functools.partial(tree_lib.verify_tree, depth=depth))(
+      key, tree, sj.sampling.probs(logits, sampling))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert 0 < np.asarray(got[2]).mean() < depth
+
+
 def test_greedy_verification_is_one_hot_verification():
   depth = 3
   tree, p = _random_trees(jax.random.key(3), 64, 8, depth, False)
@@ -603,8 +625,8 @@ def test_mixed_greedy_and_sampled_rows_in_one_tree_batch():
 def test_the_engine_check_catches_a_lossy_tree_verifier(monkeypatch, candidates, setting, hooks):
   target, draft = _models()
   sampling = SETTINGS[setting]
-  monkeypatch.setattr(tree_round_lib, "verify_tree",    # what the tree round calls
-                      functools.partial(tree_lib.verify_tree, **hooks))
+  for name in ("verify_tree", "verify_tree_logits"):    # what the tree round calls
+    monkeypatch.setattr(tree_round_lib, name, functools.partial(getattr(tree_lib, name), **hooks))
   clear_compiled()
   try:
     toks, _ = _tree_joint(sj.drafters.DraftModel(draft), sampling,

@@ -112,6 +112,39 @@ def verify_tree(key, tree: DraftTree, target_probs, depth: int, *, residual=None
   return _emitted(tree.tokens, path, n, final, depth), path, n
 
 
+def verify_tree_logits(key, tree: DraftTree, target_logits, sampling, depth: int, *,
+                       residual=None, accept_ratio=None):
+  """`verify_tree` with p = sampling.probs(target_logits) computed one row at a time.
+
+  The same result, bit for bit (the same per-row keys and the same row computation), but only
+  one row's [N+1, V] probabilities and filter buffers (top-k / top-p's sort) exist at a time
+  rather than the batch's: at B = 8, a 32-node tree and a 128k vocabulary each [B, N+1, V]
+  float32 buffer is 125 MiB, and the batched transform kept about ten of them live (XLA:TPU's
+  buffer report, docs/accelerators.md). Without the penalties' history (with one, call
+  sampling.probs and verify_tree).
+
+  Args:
+    target_logits: float [B, N+1, V] the target's logits at every node.
+    sampling: the per-row Sampling (leaves [B, ...] or scalars).
+    key, tree, depth, residual, accept_ratio: as verify_tree.
+  Returns: as verify_tree.
+  """
+  b = tree.tokens.shape[0]
+  keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
+  rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (b,)) if jnp.ndim(x) == 0 else x, sampling)
+  q = None if tree.q is None else tree.q.astype(jnp.float32)
+
+  def one_row(xs):
+    key_, tokens, parents, valid, logits, q_row, setting = xs
+    p = sampling_lib.probs(logits[None], jax.tree.map(lambda x: x[None], setting))[0]
+    return _verify_row(key_, tokens, parents, valid, p, q_row, depth=depth,
+                       distinct=tree.distinct, residual=residual, accept_ratio=accept_ratio)
+
+  path, n, final = jax.lax.map(one_row, (keys, tree.tokens, tree.parents, tree.valid,
+                                         target_logits, q, rows))
+  return _emitted(tree.tokens, path, n, final, depth), path, n
+
+
 def verify_tree_greedy(tree: DraftTree, target_argmax, depth: int):
   """Greedy verification: the longest root-to-leaf path whose tokens are the target's argmax
   (the first matching child at each node), then the argmax at its end. No random draws.

@@ -15,7 +15,7 @@ from spec_jax.drafters.base import DraftContext, VerifyInfo
 from spec_jax.tree.build import ancestor_mask
 from spec_jax.drafters.registry import TREE_DRAFTERS
 from spec_jax.tree.spec import TreeSpec, check_tree
-from spec_jax.tree.verify import verify_tree, verify_tree_greedy
+from spec_jax.tree.verify import verify_tree, verify_tree_greedy, verify_tree_logits
 
 
 def tree_round(env, st, *, spec: TreeSpec):
@@ -40,6 +40,9 @@ def tree_round(env, st, *, spec: TreeSpec):
   if env.greedy:
     amax = sampling_lib.greedy_tokens(out.logits, env.sampling, hist)
     emitted, path, n_acc = verify_tree_greedy(tree, amax, spec.depth)
+  elif hist is None:                   # p one row at a time (memory: verify_tree_logits)
+    emitted, path, n_acc = verify_tree_logits(accept_key, tree, out.logits, env.sampling,
+                                              spec.depth)
   else:
     p = sampling_lib.probs(out.logits, env.sampling, hist)
     emitted, path, n_acc = verify_tree(accept_key, tree, p, spec.depth)
