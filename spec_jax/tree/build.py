@@ -197,23 +197,12 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       valid=with_root(kept_valid, True, False),
       distinct=candidates == "distinct")
   if sampled:
-    # q of node j = its row of the frontiers' q's: one gather [B, N+1, V] from their
-    # concatenation (plus a zero row for leaves and padding). Index scatters only: scattering
-    # each frontier's [B, F, V] into q_all made XLA:TPU store them with B minor, padded 16x
-    # (250 MiB each at B = 8, F = 4, V = 128k; docs/accelerators.md).
-    qs = [q_root[:, :1]] + [q for _, q in frontier_q]
-    rows_q = jnp.concatenate(qs + [jnp.zeros((b, 1, v), jnp.float32)], axis=1)
-    zero_row = rows_q.shape[1] - 1
-    src = jnp.full((b, n + 2), zero_row, jnp.int32).at[:, 0].set(0)
-    first = 1
+    q_all = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(q_root[:, 0])
     for cands, q in frontier_q:
-      # A frontier node that was not kept maps to -1: dropped (slot n + 1, cut below).
+      # A frontier node that was not kept maps to -1: dropped by the scatter.
       at = jnp.take_along_axis(node_of, cands, axis=1)
-      f_here = cands.shape[1]
-      src = src.at[rows, jnp.where(at < 0, n + 1, at)].set(
-          jnp.broadcast_to(first + jnp.arange(f_here, dtype=jnp.int32), (b, f_here)))
-      first += f_here
-    tree = tree.replace(q=jnp.take_along_axis(rows_q, src[:, :n + 1, None], axis=1))
+      q_all = q_all.at[rows, jnp.where(at < 0, n + 1, at)].set(q, mode="drop")
+    tree = tree.replace(q=q_all)
   return tree, carry
 
 
