@@ -30,6 +30,16 @@ import argparse
 import sys
 import time
 
+import jax
+
+# Importing these makes no backend (spec_jax's package has imported jax already); the
+# environment setup_environment sets is read when the first backend is made, in main.
+from kernels_pallas import dispatch, platform, reference
+from spec_jax.aot import program, shapes
+from spec_jax.aot.cli import describe, parse_tree, setup_environment
+from spec_jax.decoding import target as target_lib
+from spec_jax.models import blocks, llama
+
 CI_TARGET = "ci-llama-1b"
 CI_DRAFT = "ci-llama-1b-draft"
 CI_EAGLE3 = "ci-eagle3-llama-1b"
@@ -59,25 +69,18 @@ def put_back(defect: str) -> None:
   logits    the prefill's logits at every prompt position [B, P, V]               defect 2
   platform  every backend choice from jax.default_backend() (the CPU host)       defect 3
   """
-  import jax
-  from kernels_pallas import dispatch, platform
   if defect == "mesh":
     dispatch.sharded = lambda call, mesh, *args, **kw: call(*args)
   elif defect == "fuse":
-    from spec_jax.aot import program
-    from spec_jax.models import llama
     # The family record is frozen; this put-back (one process, a diagnosis) swaps its in-jit
     # hook for the fused layout, which every target and draft model of the family reads.
     object.__setattr__(llama.FAMILY, "prepare", llama.layout.execution_layout)
     original = program.abstract_call
     program.abstract_call = lambda *a, **k: original(*a, **dict(k, prepared=False))
   elif defect == "scores":
-    from kernels_pallas import reference
-    from spec_jax.models import blocks
     blocks.verify_attention_blocked = reference.verify_attention_reference
   elif defect == "logits":
-    from spec_jax.decoding import target
-    target.ModelTarget.forward_last = target.Target.forward_last
+    target_lib.ModelTarget.forward_last = target_lib.Target.forward_last
   elif defect == "platform":
     platform.current = lambda: platform.normalize(jax.default_backend())
     platform.is_cpu = lambda: platform.current() == "cpu"
@@ -108,13 +111,10 @@ def main(argv=None) -> int:
   p.add_argument("--put-back", choices=DEFECTS, default=None)
   p.add_argument("--only", type=int, nargs="*", default=None, help="run these RUNS indices")
   args = p.parse_args(argv)
-  from spec_jax.aot.cli import describe, setup_environment
   setup_environment(PLATFORM, 4)
   if args.put_back:
     put_back(args.put_back)
     print(f"put back: defect {args.put_back!r} (main's behaviour)")
-  from spec_jax.aot import program, shapes
-  from spec_jax.aot.cli import parse_tree
   start, bad = time.perf_counter(), []
   target = shapes.abstract_model(shapes.target_config(CI_TARGET))
   for i, (label, spec, mesh, k, tree) in enumerate(RUNS):

@@ -65,10 +65,11 @@ from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, Ve
                                    frozen_drafter, params_field)
 from spec_jax.models import matmul
 from spec_jax.models.config import ModelConfig
-from spec_jax.models.blocks import apply_rope, embed, lm_head, rms_norm, rope_inv_freq
+from spec_jax.models.blocks import (ForwardOutput, apply_rope, embed, lm_head, rms_norm,
+                                    rope_inv_freq)
 from spec_jax.models.cache import default_head_major
 from spec_jax.models.llama.forward import decoder_layer
-from spec_jax.models.prefill import PREFILL_CHUNK
+from spec_jax.models.prefill import PREFILL_CHUNK, chunked_prefill
 
 
 @flax.struct.dataclass
@@ -224,49 +225,32 @@ class FeatureHead(FrozenDrafter):
 
   def init_state(self, params, prefill: PrefillInfo):
     """The prompt's pairs (f_j, token j+1), j < P, through the head's layer at slots 0..P-1,
-    in chunks of `prefill_chunk` positions (as the target's prefill: models.prefill), so the
+    in chunks of `prefill_chunk` positions by the target's own chunked prefill
+    (models.prefill.chunked_prefill, the head's output o standing for its logits), so the
     head's activations are [B, C, ...] rather than [B, P, ...] (at 8B, B = 8, P = 512 the
     unchunked MLP alone held two float32 [B, P, 14336] buffers)."""
     b, s = prefill.tokens.shape
     p = prefill.prompt_tokens.shape[1]
-    nxt = jnp.pad(prefill.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]                    # token j+1
-    k, v = self._empty_cache(b, s)
-    hidden = prefill.hidden
-    layer_hidden = tuple(prefill.layer_hidden)
     c = max(1, min(int(self.prefill_chunk), p))
+    padded = -(-p // c) * c                     # chunked_prefill pads the tokens to this
+    pad = lambda x: None if x is None else jnp.pad(
+        x, ((0, 0), (0, padded - p)) + ((0, 0),) * (x.ndim - 2))
+    hidden, layer_hidden = pad(prefill.hidden), tuple(pad(h) for h in prefill.layer_hidden)
+    nxt = jnp.pad(prefill.tokens, ((0, 0), (0, 1)))[:, 1:p + 1]                    # token j+1
 
-    def run(start, width, k, v):
-      piece = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
-      feats = self.target_feature(params, None if hidden is None else piece(hidden),
-                                  tuple(piece(h) for h in layer_hidden))      # [B, C, D]
-      return self._step(params, prefill.target_params, piece(nxt), feats, k, v,
-                        jnp.full((b,), start, jnp.int32))
+    def forward(tokens, cache, offsets, last, layers):
+      del layers
+      piece = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(
+          x, offsets[0], tokens.shape[1], axis=1)
+      feats = self.target_feature(params, piece(hidden), tuple(map(piece, layer_hidden)))
+      o, k, v = self._step(params, prefill.target_params, tokens, feats, *cache, offsets)
+      o_last = jnp.take_along_axis(o, jnp.maximum(last, 0)[:, None, None], axis=1)
+      return ForwardOutput(o_last, None, (), (k, v))
 
-    if c == p:                                   # a short prompt buffer: one forward
-      o, k, v = run(0, p, k, v)
-      last = jnp.take_along_axis(o, (prefill.prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-      return FeatureHeadState(k=k, v=v, next_feature=last)
-    padded = -(-p // c) * c
-    if padded != p:                              # the last chunk reads zeros past P
-      pad = lambda x: jnp.pad(x, ((0, 0), (0, padded - p)) + ((0, 0),) * (x.ndim - 2))
-      nxt, layer_hidden = pad(nxt), tuple(pad(h) for h in layer_hidden)
-      hidden = None if hidden is None else pad(hidden)
-    lens = prefill.prompt_lens.astype(jnp.int32)
-    shape = jax.eval_shape(lambda k, v: run(jnp.int32(0), c, k, v)[0], k, v)
-
-    def body(i, carry):
-      k, v, last = carry
-      start = i * c
-      o, k, v = run(start, c, k, v)
-      here = lens - 1 - start                    # row b's last prompt slot within this chunk
-      pick = jnp.take_along_axis(o, jnp.clip(here, 0, c - 1)[:, None, None], axis=1)[:, 0]
-      last = jnp.where(((here >= 0) & (here < c))[:, None], pick, last)
-      return k, v, last
-
-    n_chunks = (jnp.max(lens) + c - 1) // c
-    k, v, last = jax.lax.fori_loop(0, n_chunks, body,
-                                   (k, v, jnp.zeros((b, shape.shape[-1]), shape.dtype)))
-    return FeatureHeadState(k=k, v=v, next_feature=last)
+    out = chunked_prefill(forward, nxt, prefill.prompt_lens, self._empty_cache(b, s), chunk=c,
+                          keep_hidden=False)
+    k, v = out.cache
+    return FeatureHeadState(k=k, v=v, next_feature=out.last_logits)   # float32 [B, D]
 
   def _draw(self, logits, key, sampling, greedy=False):
     if self.greedy_drafts or greedy:
