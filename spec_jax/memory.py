@@ -25,6 +25,7 @@ import numpy as np
 from spec_jax.decoding.loop import init_loop
 from spec_jax.decoding.rounds import NoDrafter
 from spec_jax.decoding.strategies import Chain, Strategy
+from spec_jax.models.cache import KVCache
 from spec_jax.sharding import DATA, MODEL, param_shardings
 
 GiB = 1024 ** 3
@@ -120,6 +121,17 @@ def rows_bytes(tree, batch: int, mesh=None) -> int:
       n //= data
     total += n
   return total
+
+
+def state_bytes(tree, batch: int, mesh=None) -> int:
+  """Bytes per device of decode state: the KVCaches in it (a draft model's, a head's) split
+  like the target's (cache_bytes: the compiler shards them by kv heads on "model" too, e.g. a
+  draft model's cache [L, B, Hkv / 4, S, Dh] per device under model=4 in XLA:TPU's program),
+  the other arrays by rows (rows_bytes)."""
+  is_cache = lambda x: isinstance(x, KVCache)
+  leaves = jax.tree.leaves(tree, is_leaf=is_cache)
+  return (sum(cache_bytes(c, mesh) for c in leaves if is_cache(c)) +
+          rows_bytes([x for x in leaves if not is_cache(x)], batch, mesh))
 
 
 @dataclasses.dataclass
@@ -226,7 +238,7 @@ def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_l
   st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
   batch = prompt_tokens.shape[0]
   kv = cache_bytes(st.cache, mesh)
-  rest = rows_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh)
+  rest = state_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh)
   return Estimate(weights=params_bytes(params, mesh),
           drafter_weights=params_bytes(drafter_params, mesh),
           kv_cache=kv, state=rest)

@@ -188,6 +188,21 @@ def test_memory_estimate_counts_weights_and_cache_per_device():
   assert with_history.state - est.state == 4 * cfg.vocab_size * (4 + 1)
 
 
+def test_memory_estimate_splits_a_drafters_cache_by_heads_on_model():
+  """A draft model's KV cache in the decode state counts one model shard per device, as the
+  compiler splits it (its kv heads on "model"), and the other state by rows on "data"."""
+  import types
+  cache = jax.eval_shape(lambda: KVCache.zeros(TINY, 4, 64, head_major=True))
+  tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+  whole = memory.state_bytes((tokens, {"cache": cache}), 4)
+  mesh = types.SimpleNamespace(axis_names=("data", "model"), devices=np.empty((2, 2)))
+  split = memory.state_bytes((tokens, {"cache": cache}), 4, mesh)
+  cache_whole = memory.cache_bytes(cache)
+  assert TINY.num_kv_heads % 2 == 0
+  assert whole == cache_whole + 4 * 64 * 4
+  assert split == cache_whole // 4 + 4 * 64 * 4 // 2
+
+
 def test_aot_cli_refuses_bad_arguments(capsys):
   from spec_jax.aot.cli import main
   assert main(["--model", "no-such-config", "--platform", "cuda"]) == 2

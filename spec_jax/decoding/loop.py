@@ -48,8 +48,10 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     sampling: Sampling with scalars or per-row [B] arrays.
     stop_tokens: a tuple of ints or an int32 [N] array; () never stops early.
     max_new_tokens: int, or a traced int32 scalar (then capacity is not checked against it).
-    cache: optional cache to decode into (a KVCache [L, B, S, Hkv, Dh] for spec_jax.models;
-      donate it with `donate_argnums` to reuse its memory); default target.init_cache(B, S).
+    cache: optional cache to decode into (a KVCache [L, B, S, Hkv, Dh] for spec_jax.models);
+      default target.init_cache(B, S). Passing one saves no memory: the decode does not return
+      the cache, so a donated one cannot be aliased, and on XLA:TPU a cache donated and
+      returned made the program's peak larger, not smaller (docs/accelerators.md).
     round_costs: for a strategy that chooses its rounds by cost (num_draft="auto": the
       governor), float [len(governor.ks)] seconds (or any common unit) of one round at each
       candidate K, in the order of `governor.candidates(drafter)` —
