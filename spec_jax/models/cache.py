@@ -125,10 +125,15 @@ def move_kv(cache: KVCache, lengths, path, n_accepted) -> KVCache:
   dst = jnp.where(j < n_accepted[:, None], lengths[:, None] + j, s)
 
   def move(buf):
-    if cache.head_major:     # advanced (rows, slots) around the head slice: [B, D, L, Hkv, Dh]
-      return buf.at[:, rows, :, dst].set(buf[:, rows, :, src], mode="drop")
-    picked = buf[:, rows, src]                                           # [L, B, D, Hkv, Dh]
-    return buf.at[:, rows, dst].set(picked, mode="drop")
+    # Every index explicit but the [Hkv, Dh] window, as write_rows writes the buffer: with the
+    # layers in the window ([L, .., Hkv, Dh]) XLA:TPU relaid the whole cache out for this one
+    # move and kept both copies (+1 GiB a chip for an 8B tree under model=4).
+    layer = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None, None]
+    if cache.head_major:     # advanced (layer, rows, slots) around the head slice
+      return buf.at[layer, rows[None], :, dst[None]].set(buf[layer, rows[None], :, src[None]],
+                                                         mode="drop")
+    return buf.at[layer, rows[None], dst[None]].set(buf[layer, rows[None], src[None]],
+                                                    mode="drop")
 
   return cache.map(move)
 
