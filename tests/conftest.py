@@ -10,16 +10,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_backend_optimization_level=0"
                            " --xla_llvm_disable_expensive_passes=true").strip()
 
-# One persistent compilation cache per test run, shared by both xdist workers and every
-# subprocess a test starts (the CLI, the multi-process launcher): a program one process
-# compiled, another loads. The controller makes the folder before it spawns the workers, which
-# inherit its environment; a folder the caller chose (SPEC_JAX_TEST_COMPILE_CACHE) is kept.
-if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import tempfile
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get(
-      "SPEC_JAX_TEST_COMPILE_CACHE") or tempfile.mkdtemp(prefix="spec_jax_test_xla_")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
