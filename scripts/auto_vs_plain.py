@@ -11,6 +11,11 @@ best fixed K, its K histogram and its cost table; writes the numbers as JSON.
 
 The target is widened stories260K (configs/bench_widened.yaml's); prompts are TinyStories
 openings (8 words). Noise: the spread of plain's bracketing calls, in percent of its median.
+
+--learn-prior adds a column per governor: the same governor started from the acceptance it
+learned in one untimed call on B other prompts (the next B openings, disjoint from the timed
+ones), passed as generate(acceptance_prior=...) to every timed call, as a server would carry it
+from earlier requests (spec_jax.governor: no drafted warm-up rounds then).
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ def main(argv=None):
                   help="timed rounds per K of the governor's cost table (sj.calibrate)")
   ap.add_argument("--objectives", nargs="+", default=["slowest"], choices=["mean", "slowest"],
                   help="one governor column per objective (the cost table is shared)")
+  ap.add_argument("--learn-prior", action="store_true",
+                  help="add a column per governor started from an acceptance learned on other "
+                       "prompts (generate's acceptance_prior)")
   ap.add_argument("--out", default="auto_vs_plain.json")
   args = ap.parse_args(argv)
 
@@ -56,7 +64,8 @@ def main(argv=None):
   report = {"target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "repeats": args.repeats, "cells": []}
   for b in args.batch:
-    prompts, _ = prompt_token_lists(target, "tinystories", b, 8, 128, 0)
+    both, _ = prompt_token_lists(target, "tinystories", 2 * b, 8, 128, 0)
+    prompts, other_prompts = both[:b], both[b:]    # timed; where a prior is learned
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=[],
               key=jax.random.key(0))
     runs = {}
@@ -80,6 +89,15 @@ def main(argv=None):
             target, prompts, drafter=dr, num_draft="auto", governor=gov, **kw)
         print(f"[B={b}] {d}: governor ({obj}) calibrated and warm in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
+        if args.learn_prior:
+          learned = sj.generate(target, other_prompts, drafter=dr, num_draft="auto",
+                                governor=gov, **kw).stats.position_acceptance
+          report.setdefault("learned_priors", {})[f"B={b} {d} {obj}"] = list(learned)
+          print(f"[B={b}] {d}: acceptance learned on {b} other prompts: "
+                f"{[round(a, 3) for a in learned]}", flush=True)
+          runs[(d, "auto-" + obj + "+prior")] = lambda dr=dr, gov=gov, learned=learned: \
+              sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov,
+                          acceptance_prior=learned, **kw)
     for name, run in runs.items():                      # compile and warm
       t0 = time.perf_counter()
       run()

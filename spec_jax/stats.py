@@ -56,6 +56,9 @@ class SpecStats:
   strategy: the label of the round strategy that ran (decoding.strategies: "K=4",
     "K=auto(<=8)", "tree D=..."), what summary() prints first; "" = written from num_draft,
     auto and tree.
+  position_acceptance: generate()'s per-position acceptance pooled over the rows
+    (DecodeResult.position_acceptance: the governor's estimate with num_draft="auto"), what a
+    later call of the same pair takes as its acceptance_prior; None when not measured.
   """
   rounds: int
   drafted: int
@@ -76,6 +79,7 @@ class SpecStats:
   auto: bool = False
   tree: Optional[tuple] = None
   strategy: str = ""
+  position_acceptance: Optional[tuple] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,

@@ -71,7 +71,7 @@ def test_decode_in_user_jit_equals_generate(models, temperature):
   # generate() gets its DecodeResult back packed into one vector (PackedDecode): every field
   # unpacks to the values, shape and dtype that decode returned.
   for name in ("lengths", "prompt_lens", "rounds", "drafted", "accepted", "accepted_at",
-               "finished_at_round", "iterations", "k_rounds"):
+               "finished_at_round", "iterations", "k_rounds", "position_acceptance"):
     got, want = getattr(out.result, name), np.asarray(getattr(res, name))
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got, want)
     np.testing.assert_array_equal(got, want, err_msg=name)

@@ -541,6 +541,38 @@ def test_dflash_stays_in_sync_across_plain_rounds(tmp_path, monkeypatch):
   assert drafted.sum() > 0
 
 
+def test_context_is_written_chunk_by_chunk_over_the_real_prompt_only():
+  """init_state writes the prompt's context K/V 64 positions at a time, only over the chunks
+  the longest prompt reaches: every slot below a row's prompt length equals the one-shot write
+  over the whole buffer (generate pads prompts to the capacity), slots past the last chunk are
+  left zero."""
+  from tests import test_governor as tg
+  target = tg.greedy_target()
+  d = DFlash.init(target, key=jax.random.key(5), block_size=4, num_layers=2,
+                  target_layers=(0, 2), init_std=0.3)
+  b, p, s = 2, 200, 256
+  lens = jnp.asarray([70, 100], jnp.int32)
+  prompts = jax.random.randint(jax.random.key(3), (b, p), 1, target.config.vocab_size)
+  pre = sj.forward(target.params, target.config, prompts, sj.KVCache.zeros(target.config, b, s),
+                   jnp.zeros((b,), jnp.int32), return_layers=d.target_layers)
+  info = PrefillInfo(tokens=jnp.zeros((b, s), jnp.int32), prompt_tokens=prompts,
+                     prompt_lens=lens, hidden=pre.hidden, layer_hidden=pre.layer_hidden,
+                     target_params=target.params,
+                     sampling=sj.Sampling(temperature=1.0).as_arrays(b))
+  params = d.prepare(d.params)
+  chunked = jax.jit(d.init_state)(params, info)
+  c = d.layer_config
+  zeros = jnp.zeros((c.num_layers, b, c.num_kv_heads, s, c.head_dim), jnp.float32)
+  empty = chunked.replace(k=zeros, v=zeros)
+  whole = d._write_context(params, empty, pre.layer_hidden, jnp.zeros((b,), jnp.int32))
+  for got, want in ((chunked.k, whole.k), (chunked.v, whole.v)):
+    for row in range(b):
+      np.testing.assert_allclose(got[:, row, :, :int(lens[row])],
+                                 want[:, row, :, :int(lens[row])], rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got[:, :, :, 128:]))         # two chunks ran, not four
+    assert np.any(np.asarray(got[:, :, :, 100:128]))
+
+
 # ----------------------------------------------------------------------------- trained on stories
 
 def _train_config(tmp_path, **sections):

@@ -428,6 +428,12 @@ def test_bad_input_raises_before_compiling():
       (dict(drafter=sj.drafters.NGram(), num_draft="Auto"), "num_draft"),
       (dict(drafter=sj.drafters.NGram(), num_draft="auto", governor={"nope": 1}),
        r"unknown governor option\(s\) \['nope'\]; allowed: max_draft, ks"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="auto", acceptance_prior=[0.5, 1.5]),
+       r"acceptance_prior must be a non-empty sequence of per-position acceptances in \[0, 1\]"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="auto", acceptance_prior=[]),
+       "acceptance_prior must be"),
+      (dict(drafter=sj.drafters.NGram(), num_draft="auto", acceptance_prior="high"),
+       "acceptance_prior must be"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):
@@ -517,6 +523,93 @@ def _count_dots(jaxpr) -> int:
         if hasattr(inner, "eqns"):
           n += _count_dots(inner)
   return n
+
+
+# ----------------------------------------------------------------------------- learned prior
+
+def test_acceptance_prior_replaces_the_guess_and_the_warm_up():
+  """An acceptance learned by earlier calls (stats.position_acceptance) starts the governor:
+  no drafted warm-up, so at a prior where drafting cannot pay every round is plain, and at one
+  where it pays the first round drafts. Lossless either way, one executable for all calls."""
+  target = greedy_target()
+  drafter = make_drafter("draft_model")
+  gov = sj.Governor(ks=(0, 1, 2), costs={0: 1.0, 1: 1.6, 2: 2.2})
+  run = lambda prior: sj.generate(target, PROMPTS, drafter=drafter, num_draft="auto",
+                                  governor=gov, max_new_tokens=MAX_NEW, sampling=GREEDY,
+                                  stop_tokens=[], acceptance_prior=prior)
+  guess = run(None)                      # the default: prior_alpha and two drafted rounds
+  compiled = len(compiled_lib._COMPILED)
+  assert sum(n for k, n in guess.stats.k_histogram.items() if k) >= 2
+  learned = guess.stats.position_acceptance
+  assert len(learned) == 2 and all(0.0 <= a <= 1.0 for a in learned)
+  hopeless, certain, fed_back = run([0.0]), run([1.0, 1.0]), run(learned)
+  assert hopeless.stats.k_histogram == {0: hopeless.stats.iterations}     # plain throughout
+  assert certain.result.rounds.sum() > 0 and certain.stats.k_histogram.get(2, 0) >= 1
+  assert np.asarray(certain.result.drafted).sum() > 0
+  for out in (guess, hopeless, certain, fed_back):
+    assert out.tokens == plain_greedy()
+  assert len(compiled_lib._COMPILED) == compiled      # the prior is an argument, not static
+  # A position never judged keeps its prior: the estimate handed back is the prior, unmoved.
+  assert hopeless.stats.position_acceptance == (0.0, 0.0)
+
+
+def test_entry_cost_counts_at_the_first_choice_only():
+  """round_costs' last entry (CostTable.entry_seconds): what the first drafted round pays once
+  (the drafter's prompt work). It tips the first choice to plain where drafting gains less
+  than it over the call, and no later choice (by then it is paid)."""
+  ks = (0, 1)
+  gov = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.0)
+  active, remaining = jnp.ones((1,), bool), jnp.asarray([10.0])
+  gs = _gs([0.3])          # K = 1: ~1 + 9 / 1.3 rounds at 1.1 against 10 plain rounds at 1.0
+  pick = lambda costs, it: ks[int(governor_lib.choose(gov, ks, gs, jnp.asarray(costs), active,
+                                                      jnp.int32(it), remaining)[0])]
+  assert pick([1.0, 1.1], 0) == pick([1.0, 1.1, 0.0], 0) == 1
+  assert pick([1.0, 1.1, 2.0], 0) == 0        # the gain (~1.2 s) is less than the entry
+  assert pick([1.0, 1.1, 2.0], 1) == 1        # later the entry is sunk
+  gov_costs = sj.Governor(ks=ks, costs={0: 1.0, 1: 1.1}).cost_array(sj.drafters.NGram())
+  np.testing.assert_allclose(gov_costs, [1.0, 1.1, 0.0])
+
+
+def test_governor_skips_the_drafters_prompt_work_when_it_starts_plain():
+  """Strategy.init_drafter: with the first round plain (and plain final) the drafter's
+  init_state is not run (its state is zeros); otherwise it is."""
+  from spec_jax.drafters.dflash import DFlash
+  target = greedy_target()
+  # DFlash writes the prompt's context K/V at init (a draft model defers it: lazy).
+  drafter = DFlash.init(target, key=jax.random.key(5), block_size=4, num_layers=1,
+                        target_layers=(0, 2), init_std=0.3)
+  gov = sj.Governor(ks=(0, 1, 2), costs={0: 1.0, 1: 1.6, 2: 2.2})
+  strategy = Governed(gov).bind(drafter, None)
+  prompts, lens, _ = prepare_batch(target, PROMPTS, MAX_NEW, 3, CAPACITY)
+
+  def first_state(prior):
+    env, st = init_loop(target.params, jnp.asarray(prompts), jnp.asarray(lens),
+                        jax.random.key(0), config=CFG, drafter=drafter,
+                        drafter_params=drafter.params, max_new_tokens=MAX_NEW,
+                        capacity=CAPACITY, sampling=GREEDY, greedy=True, strategy=strategy,
+                        round_costs=gov.cost_array(drafter),
+                        acceptance_prior=strategy.acceptance_prior(prior))
+    return jax.tree.leaves(st.drafter_state)
+
+  skipped, ran, guessed = first_state([0.0]), first_state([1.0]), first_state(None)
+  assert all(not np.any(np.asarray(x)) for x in skipped)
+  assert any(np.any(np.asarray(x)) for x in ran) and any(np.any(np.asarray(x)) for x in guessed)
+
+
+def test_position_acceptance_from_a_chains_counts():
+  """Strategy.position_acceptance for fixed K: position j was judged in the rounds that
+  accepted position j - 1 (position 0 in every round); never judged: the one before repeats;
+  no round: -1."""
+  from types import SimpleNamespace
+  chain = sj.strategies.Chain(3)
+  final = lambda at, rounds: SimpleNamespace(counts=SimpleNamespace(
+      accepted_at=jnp.asarray(at, jnp.int32), rounds=jnp.asarray(rounds, jnp.int32)))
+  np.testing.assert_allclose(chain.position_acceptance(final([[3, 2, 0], [1, 0, 0]], [4, 2])),
+                             [4 / 6, 2 / 4, 0.0])
+  np.testing.assert_allclose(chain.position_acceptance(final([[2, 1, 1], [1, 1, 1]], [4, 2])),
+                             [3 / 6, 2 / 3, 1.0])
+  np.testing.assert_allclose(chain.position_acceptance(final([[2, 0, 0]], [2])), [1.0, 0.0, 0.0])
+  np.testing.assert_allclose(chain.position_acceptance(final([[0, 0, 0]], [0])), [-1.0] * 3)
 
 
 def test_plain_rounds_cost_what_plain_decoding_costs():

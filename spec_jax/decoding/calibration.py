@@ -39,7 +39,8 @@ from spec_jax.models.chat import default_stop_ids
 from spec_jax.sampling import Sampling
 from spec_jax.timing import interleaved_rounds, summarize
 
-COST_MODEL_VERSION = 3          # bump when what a timed round contains changes (3: plain is final)
+COST_MODEL_VERSION = 4          # bump when what a timed round contains changes (3: plain is final;
+                                # 4: the entry cost, K = 0 timed from its first round)
 DEFAULT_CAPACITY = 256
 
 
@@ -145,14 +146,16 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   Per K, one call of n new tokens (text-like prompts of up to CALIBRATION_PROMPT tokens in a
   buffer of prompt_len; stop tokens that
   never occur, so every row runs to its limit); the smallest K >= 1, k1, also runs n/2 tokens,
-  and the difference of its two lengths gives the per-call part f (prefill, dispatch). Then
-  t(K) = (min over repeats of the call's seconds - f) / its loop iterations; for K = 0 the
-  governor's warm-up rounds, if it ran any (they are forced to k1), are taken out as well. All calls
+  and the difference of its two lengths gives the per-call part f (prefill, dispatch, the
+  drafter's work on the prompt). Then t(K) = (min over repeats of the call's seconds - f) / its
+  loop iterations. K = 0 runs with an acceptance prior, so it decodes plainly from its first
+  round (no warm-up, the drafter's prompt work skipped) at both lengths: t(0) and its own
+  per-call part f0; the entry cost is f - f0 (what drafting pays once per call). All calls
   run round-robin (spec_jax.timing.interleaved_rounds), `repeats` times; a shared machine
   only ever adds time, so the fastest call is the least disturbed one. (Differencing two
   lengths for every K was tried: with few rounds at large K, a loaded machine's noise swamped
   the difference.)
-  -> {K: {'per_iter_s', 'spread_pct', 'samples'}}."""
+  -> {K: {'per_iter_s', 'spread_pct', 'samples', 'per_call_s'}, 'entry_s': seconds}."""
   kmax = max(ks)
   # prompt_len is the static prompt buffer (generate() pads to the whole capacity); the rows'
   # real prompts are at most CALIBRATION_PROMPT tokens of it, leaving room to decode.
@@ -169,13 +172,18 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   positive = [i for i, k in enumerate(ks) if k > 0]
   i1 = positive[0] if positive else 0                  # k1: the smallest K >= 1
 
+  i0 = ks.index(0) if 0 in ks else None
+
   def run(i, n):
-    costs = np.full((len(ks),), 1e30, np.float32)
-    costs[i1] = 1e29                                     # the warm-up's choice when K = 0
+    costs = np.full((len(ks) + 1,), 1e30, np.float32)
     costs[i] = 1.0
+    costs[-1] = 0.0                                       # no entry cost while measuring it
+    # K = 0 with a prior: plain from the first round (no warm-up, no drafter prompt work)
+    prior = strategy.acceptance_prior(None if i != i0 else [0.0])   # generate's executable
     compiled, args, kwargs = compiled_decode_call(
         target, drafter, prompts, lens, key, max_new_tokens=n, sampling=sampling, stop=stop,
-        capacity=capacity, greedy=greedy, mesh=mesh, strategy=strategy, round_costs=costs)
+        capacity=capacity, greedy=greedy, mesh=mesh, strategy=strategy, round_costs=costs,
+        acceptance_prior=prior)
     t0 = time.perf_counter()
     packed = compiled(*args, **kwargs)
     jax.block_until_ready(packed)
@@ -185,24 +193,27 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
             int(np.asarray(res.k_rounds)[ks[i1]]) if i != i1 else 0)
 
   runs = {(i, n_long): (lambda i=i: run(i, n_long)) for i in range(len(ks))}
-  runs[(i1, n_short)] = lambda: run(i1, n_short)
+  for i in {i1, i0} - {None}:
+    runs[(i, n_short)] = lambda i=i: run(i, n_short)
   for r in runs.values():                                # compile (once) and warm
     r()
   results = interleaved_rounds(runs, repeats)
-  (ts, its, _), (tl, itl, _) = (min(results[(i1, n)]) for n in (n_short, n_long))
-  per1 = max(tl - ts, 0.0) / max(itl - its, 1)
-  fixed = min(max(ts - its * per1, 0.0), ts)            # the per-call part f
-  per = {i: [max(t - fixed, 1e-9) / it for t, it, _ in results[(i, n_long)]] for i in positive}
+
+  def per_call(i):
+    """The per-call part of K_i's calls: the intercept of its two lengths."""
+    (ts, its, _), (tl, itl, _) = (min(results[(i, n)]) for n in (n_short, n_long))
+    per = max(tl - ts, 0.0) / max(itl - its, 1)
+    return min(max(ts - its * per, 0.0), ts)
+
+  fixed = {i: per_call(i1) for i in positive}
+  if i0 is not None:
+    fixed[i0] = per_call(i0)
   out = {}
   for i, k in enumerate(ks):
-    if k == 0:          # minus the warm-up rounds at k1, if the governor ran any
-      t1 = min(per[i1]) if positive else 0.0
-      samples = [max(t - fixed - w * t1, 1e-9) / max(it - w, 1)
-                 for t, it, w in results[(i, n_long)]]
-    else:
-      samples = per[i]
+    samples = [max(t - fixed[i], 1e-9) / it for t, it, _ in results[(i, n_long)]]
     out[k] = {"per_iter_s": min(samples), "spread_pct": summarize(samples)["spread_pct"],
-              "samples": samples, "per_call_s": fixed}
+              "samples": samples, "per_call_s": fixed[i]}
+  out["entry_s"] = max(fixed[i1] - fixed[i0], 0.0) if positive and i0 is not None else 0.0
   return out
 
 
@@ -254,7 +265,7 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
         if data.get("key") == key:
           table = CostTable(ks=tuple(data["ks"]), seconds=tuple(data["seconds"]),
                             spread_pct=tuple(data["spread_pct"]), key=key, fingerprint=digest,
-                            path=str(path))
+                            path=str(path), entry_seconds=float(data["entry_seconds"]))
       except (OSError, ValueError, KeyError, TypeError):
         table = None                            # unreadable: measure again
     if table is not None:
@@ -268,7 +279,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
                               stop_count=stop_count, mesh=mesh)
   table = CostTable(ks=tuple(ks), seconds=tuple(timed[k]["per_iter_s"] for k in ks),
                     spread_pct=tuple(timed[k]["spread_pct"] for k in ks), key=key,
-                    fingerprint=digest, path=str(path) if cache else None)
+                    fingerprint=digest, path=str(path) if cache else None,
+                    entry_seconds=float(timed.get("entry_s", 0.0)))
   table = dataclasses.replace(table, measure_seconds=time.perf_counter() - t0)
   if cache:
     atomic_write_json(path, dict(table.as_dict(), created=time.time()))
@@ -287,7 +299,7 @@ def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: i
   if ks is None:
     return None
   if max_new_tokens <= 1:
-    return np.ones((len(ks),), np.float32)
+    return np.append(np.ones((len(ks),), np.float32), np.float32(0.0))
   return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, strategy=strategy,
                    prompt_len=prompt_len, stop_count=stop_count, mesh=mesh).costs_for(ks)
 

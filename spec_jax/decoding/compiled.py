@@ -33,15 +33,21 @@ def clear_compiled() -> None:
   _COMPILED.clear()
 
 
+def _as_int32(x):
+  """Counts and token ids as int32 (exact); float32 fields bit for bit (unpacked by a view)."""
+  if x.dtype == jnp.float32:
+    return jax.lax.bitcast_convert_type(x, jnp.int32)
+  assert jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits <= 32, x.dtype
+  return x.astype(jnp.int32)
+
+
 def _packed_decode(layout: list, *args, **kwargs) -> jax.Array:
   """decode, its DecodeResult packed into one int32 vector, so that generate() copies it to the
   host in one transfer (a copy per field cost ~0.2 ms a call in place, ~1 % of a 128-token
   stories260K decode; measured). layout receives (treedef, [(shape, dtype)]) at trace time."""
   leaves, treedef = jax.tree.flatten(decode(*args, **kwargs))
-  for x in leaves:           # counts and token ids: int32 holds them exactly
-    assert jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits <= 32, x.dtype
   layout[:] = [treedef, [(x.shape, x.dtype) for x in leaves]]
-  return jnp.concatenate([jnp.ravel(x).astype(jnp.int32) for x in leaves])
+  return jnp.concatenate([jnp.ravel(_as_int32(x)) for x in leaves])
 
 
 class PackedDecode:
@@ -65,7 +71,8 @@ class PackedDecode:
   def unpack(self, flat) -> DecodeResult:
     flat = np.asarray(flat)
     return jax.tree.unflatten(self._treedef, [
-        flat[a:b].reshape(shape).astype(dtype, copy=False)
+        (flat[a:b].astype(np.int32, copy=False).view(np.float32) if dtype == np.float32
+         else flat[a:b].astype(dtype, copy=False)).reshape(shape)
         for a, b, shape, dtype in self._layout])
 
 
@@ -161,7 +168,7 @@ def _signed_execution_params(target, mesh=None) -> tuple:
 
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
                          sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
-                         strategy: Strategy, round_costs=None,
+                         strategy: Strategy, round_costs=None, acceptance_prior=None,
                          history: bool = False, processors: tuple = ()) -> tuple:
   """(compiled decode, args, kwargs) of one call as generate() makes it: inputs placed for the
   mesh, max_new_tokens traced (one executable for every length), compiled ahead of time once
@@ -171,7 +178,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
 
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
   stop: int32 [N]; strategy: the bound Strategy (strategies.strategy_for); round_costs: float32
-  [len(candidates)] or None; history: (static) carry the penalties' token history
+  [len(candidates)] or None; acceptance_prior: float32 [W] or None (the governor's learned
+  prior; generate passes -1s for none, so both share one executable); history: (static) carry the penalties' token history
   (Sampling.needs_history of the host settings); processors: (static) LogitsProcessors, their
   params passed as arguments (one executable per processors' shapes)."""
   drafter_params = None if drafter is None else drafter.params
@@ -194,4 +202,7 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                                  p.params) for p in processors))
   if round_costs is not None:
     kwargs["round_costs"] = sharding_lib.replicate(mesh, np.asarray(round_costs, np.float32))
+  if acceptance_prior is not None:
+    kwargs["acceptance_prior"] = sharding_lib.replicate(
+        mesh, np.asarray(acceptance_prior, np.float32))
   return _compiled_decode((args, kwargs), static, params_signature), args, kwargs

@@ -8,6 +8,7 @@ compilation is not timed), calibrates a cost table on first use for a strategy t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, NamedTuple, Optional
@@ -67,7 +68,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
              prompt_bucket: Optional[int] = None, governor=None, tree=None,
              messages=None, strategy=None, constraint=None,
-             processors=()) -> GenerateOutput:
+             processors=(), acceptance_prior=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -119,6 +120,12 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       speculation (spec_jax.constraints). None: unconstrained.
     processors: LogitsProcessors of your own (spec_jax.processors), applied in order after
       the penalties (and before the constraint) at every position, drafts included.
+    acceptance_prior: with num_draft="auto", what earlier calls of this target and drafter
+      saw: a sequence of per-position acceptances in [0, 1] (an earlier output's
+      `stats.position_acceptance`; shorter than the governor's largest K: the last entry
+      repeats; longer: cut). The governor starts from it instead of its guess and skips its
+      two drafted warm-up rounds, so a batch where drafting cannot pay decodes plainly from
+      its first round. None: no prior. Ignored by fixed K and trees.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -136,6 +143,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
                      "(a list of chat conversations)")
   strategy = strategy_for(strategy, drafter, num_draft, tree, governor,
                           as_target(target.config))
+  prior = strategy.acceptance_prior(acceptance_prior)      # ValueError on a bad one
   if drafter is not None:
     drafter.check_compatible(target)
   if not isinstance(sampling, Sampling):
@@ -169,7 +177,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       ids, error = [], str(e)
     ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
         target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens, capacity,
-        prompt_bucket, processors), error=error)
+        prompt_bucket, processors, prior), error=error)
   sharding_lib.check_mesh(mesh, len(ids))
   prompt_tokens, prompt_lens, capacity = pad_batch(target, ids, max_new_tokens, strategy.extent,
                                                      capacity, prompt_bucket)
@@ -187,7 +195,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
-      strategy=strategy, round_costs=costs, history=history, processors=processors)
+      strategy=strategy, round_costs=costs, acceptance_prior=prior, history=history,
+      processors=processors)
   compile_seconds = compiled.last_compile_seconds
   if compile_seconds > 0:
     # A fresh executable's first run sets its kernels up (~0.8 s for a 135M model on XLA:CPU,
@@ -209,6 +218,9 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     text = [target.tokenizer.decode(t) for t in new]
   stats = SpecStats.from_result(result, seconds=seconds, processes=processes,
                                 **strategy.stats_fields(greedy, drafter))
+  if np.size(result.position_acceptance):   # for the next call's acceptance_prior
+    stats = dataclasses.replace(stats, position_acceptance=tuple(
+        float(a) for a in np.asarray(result.position_acceptance)))
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows,
                         compile_seconds=compile_seconds)
 
@@ -224,7 +236,7 @@ def _shared_bias(sampling):
 
 
 def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, stop_tokens,
-                    capacity, prompt_bucket, processors=()) -> dict:
+                    capacity, prompt_bucket, processors=(), prior=None) -> dict:
   """What every process of a multi-process generate() must pass alike (global_batch.assemble
   compares fingerprints): all options but the prompts and per-row sampling arrays."""
   scalars = sampling.scalars()
@@ -238,5 +250,6 @@ def _agreed_options(target, drafter, strategy, max_new_tokens, sampling, key, st
           "key": np.asarray(jax.random.key_data(key)).tolist(),
           "stop_tokens": None if stop_tokens is None else np.asarray(stop_tokens).tolist(),
           "capacity": capacity, "prompt_bucket": prompt_bucket,
+          "acceptance_prior": None if prior is None else np.asarray(prior).tolist(),
           "processors": [repr(p) if getattr(p, "constraint", None) is None else
                          [repr(p), p.constraint.source] for p in processors]}

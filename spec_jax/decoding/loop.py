@@ -28,7 +28,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            drafter: Optional[Drafter] = None, drafter_params=None, num_draft=4,
            max_new_tokens, capacity: int, sampling: Sampling, stop_tokens=(),
            tree=None, mesh=None, greedy: Optional[bool] = None, cache=None,
-           governor=None, round_costs=None,
+           governor=None, round_costs=None, acceptance_prior=None,
            prefill_chunk: int = PREFILL_CHUNK, strategy=None,
            history: Optional[bool] = None, processors=(),
            processor_params=None) -> DecodeResult:
@@ -57,6 +57,11 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
       candidate K, in the order of `governor.candidates(drafter)` —
       `sj.calibrate(...).round_costs`; None takes the governor's own `costs` table (or, with a
       `schedule`, needs none).
+    acceptance_prior: with num_draft="auto", float [W] per-position acceptance learned from
+      earlier calls of the same pair (their DecodeResult.position_acceptance; W = the largest
+      candidate K): the governor starts from it instead of its guess and skips its warm-up
+      rounds (spec_jax.governor). None, or any entry < 0: no prior. Ignored by other
+      strategies.
   Static (hashable; mark them static in your jit, e.g. with functools.partial):
     config: the target's ModelConfig, or any spec_jax.Target (the target protocol,
       spec_jax.decoding.target: a JAX model of your own, wrapped in a few lines).
@@ -144,10 +149,11 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                            max_new_tokens=max_new_tokens, capacity=capacity, sampling=sampling,
                            stop_tokens=stop_tokens, greedy=greedy, mesh=mesh, cache=cache,
                            strategy=strategy, prefill_chunk=prefill_chunk, history=history,
-                           processors=processors, processor_params=processor_params)
-    env = env._replace(round_costs=costs)
+                           processors=processors, processor_params=processor_params,
+                           round_costs=costs, acceptance_prior=acceptance_prior)
     final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
-  return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final))
+  return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final),
+                         strategy.position_acceptance(final))
 
 
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
@@ -155,14 +161,16 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
               sampling: Sampling, stop_tokens=(), greedy: Optional[bool] = None, mesh=None,
               cache=None, strategy: Strategy, prefill_chunk: int = PREFILL_CHUNK,
               history: Optional[bool] = None, processors: tuple = (),
-              processor_params: tuple = ()) -> tuple:
+              processor_params: tuple = (), round_costs=None, acceptance_prior=None) -> tuple:
   """Everything before the loop (inputs already checked by `decode`): the execution layout of
   the weights, the prefill, the first token, the drafter's state -> (LoopEnv, DecodeState)
   with accepted_at [B, strategy.width] and no strategy state yet. config: a Target or a
   ModelConfig. strategy: a bound Strategy; its extent bounds the rows' lengths, and with
   lazy_drafter the loop calls drafter.catch_up before drafting (PrefillInfo.lazy).
   history: the penalties' token counts; processors (checked) with their params: the History
-  carries their states too (LoopEnv.history: either)."""
+  carries their states too (LoopEnv.history: either). round_costs, acceptance_prior: the
+  strategy's checked cost table and prior (LoopEnv), read by Strategy.init_drafter (the
+  governor skips the drafter's prefill work when its first round is plain and final)."""
   target = as_target(config)
   b, p = prompt_tokens.shape
   extent = strategy.extent
@@ -214,23 +222,24 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
   lengths = prompt_lens + 1
   done = jnp.any(first[:, None] == stop_tokens[None, :], axis=1) | (lengths >= limit)
-  drafter_state = drafter.init_state(drafter_params, PrefillInfo(
-      tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
-      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
-      lazy=strategy.lazy_drafter))
   zeros = jnp.zeros((b,), jnp.int32)
   counts = RowCounts(rounds=zeros, drafted=zeros, accepted=zeros,
                      accepted_at=jnp.zeros((b, strategy.width), jnp.int32),
                      finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32))
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
-                      drafter_state=drafter_state, key=key, counts=counts,
+                      drafter_state=None, key=key, counts=counts,
                       iterations=jnp.zeros((), jnp.int32),
                       sampling_state=() if hist is None else hist.add(
                           first[:, None], jnp.ones((b,), jnp.int32)))
   env = LoopEnv(target=target, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
-                limit=limit, greedy=greedy, layers=layers, history=history)
-  return env, state
+                limit=limit, greedy=greedy, layers=layers, history=history,
+                round_costs=round_costs, acceptance_prior=acceptance_prior)
+  init_drafter = lambda: drafter.init_state(drafter_params, PrefillInfo(
+      tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
+      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
+      lazy=strategy.lazy_drafter))
+  return env, state.replace(drafter_state=strategy.init_drafter(env, state, init_drafter))
 
 
 def _concretely_greedy(sampling: Sampling) -> bool:

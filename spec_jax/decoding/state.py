@@ -80,6 +80,10 @@ class DecodeResult:
   k_rounds: int32 [W+1], loop iterations that ran with k drafts, k = 0..W (a fixed K puts every
     iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
     histogram of choices).
+  position_acceptance: float32 [W], the acceptance of draft position j given that the ones
+    before it were accepted, pooled over the rows (Strategy.position_acceptance; -1 where
+    nothing was judged): with num_draft="auto" the governor's estimate, what the next call of
+    the same pair takes as its `acceptance_prior`.
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -91,13 +95,16 @@ class DecodeResult:
   finished_at_round: jax.Array
   iterations: jax.Array
   k_rounds: jax.Array
+  position_acceptance: jax.Array
 
   @classmethod
-  def of(cls, final: DecodeState, prompt_lens, k_rounds) -> "DecodeResult":
+  def of(cls, final: DecodeState, prompt_lens, k_rounds,
+         position_acceptance) -> "DecodeResult":
     """The result of the loop's final state."""
     counts = {f.name: getattr(final.counts, f.name) for f in dataclasses.fields(RowCounts)}
     return cls(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
-               iterations=final.iterations, k_rounds=k_rounds, **counts)
+               iterations=final.iterations, k_rounds=k_rounds,
+               position_acceptance=position_acceptance, **counts)
 
 
 class LoopEnv(NamedTuple):
@@ -110,6 +117,8 @@ class LoopEnv(NamedTuple):
   rolled: drafters run their K-1 draft steps as a loop rather than unrolled
   (DraftContext.rolled; the governor's many K compile faster). round_costs: float32 [N] the
   cost table of a strategy that chooses its rounds by cost (Strategy.round_costs), else None.
+  acceptance_prior: float32 [W] per-position acceptance learned from earlier calls (decode's
+  acceptance_prior: the governor's starting estimate), or None.
   history: (static) the loop carries the token history (DecodeState.sampling_state) and
   applies the penalties; False when every penalty is concretely off (nothing is paid)."""
   target: Target
@@ -124,6 +133,7 @@ class LoopEnv(NamedTuple):
   rolled: bool = False
   round_costs: Any = None
   history: bool = False
+  acceptance_prior: Any = None
 
   def history_of(self, st: "DecodeState"):
     """The committed sampling.History of st, or None when the loop tracks none."""

@@ -59,6 +59,15 @@ so alpha_bj = A_bj / J_bj. A K = 0 round or a gated row teaches nothing. The fir
 `warmup_rounds` loop iterations draft (the best K >= 1), so the choice rests on live evidence
 and not only on the prior.
 
+Acceptance learned across calls. A decode returns its pooled per-position estimate
+(DecodeResult.position_acceptance, sum_b A_bj / sum_b J_bj); passed to the next call as
+`acceptance_prior` it replaces the guess (prior_alpha) at every row, with the same weight, and
+the warm-up is skipped: the first round is chosen from what earlier calls of the pair saw, as
+vLLM's and SGLang's adaptive speculation carry an online acceptance estimate across requests.
+Where drafting cannot pay at that acceptance (a large batch, a dear drafter) the call decodes
+plainly from its first round instead of paying two drafted warm-up rounds; the prior is an
+input like the key, so a call stays a pure function of its arguments.
+
 Plain is final. Once the governor picks K = 0 after the warm-up, every remaining round is a
 plain step: the estimates stop moving in plain rounds, so the choice would not change (no
 probing: a probe would cost a drafting round). These steps skip the drafter's commit and the
@@ -82,7 +91,9 @@ speculative round for any K, so the output distribution is the target's (tests/t
 from spec_jax.governor.choice import (batch_seconds, choose, expected_tokens, observe,
                                      position_alpha, row_alpha)
 from spec_jax.governor.costs import CostTable
-from spec_jax.governor.options import DEFAULT_KS, OPTIONS, Governor, GovernorState
+from spec_jax.governor.options import (DEFAULT_KS, OPTIONS, Governor, GovernorState,
+                                      pooled_acceptance)
 
 __all__ = ["Governor", "GovernorState", "CostTable", "DEFAULT_KS", "OPTIONS", "choose",
-           "observe", "row_alpha", "position_alpha", "expected_tokens", "batch_seconds"]
+           "observe", "row_alpha", "position_alpha", "expected_tokens", "batch_seconds",
+           "pooled_acceptance"]

@@ -111,7 +111,9 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
            remaining=None):
   """-> (index into ks of this round's K, draft_rows bool [B]): the K whose predicted time for
   the batch is least (`batch_seconds`; ties to the smaller K); during warm-up K = 0 is excluded
-  when some K >= 1 could beat it at all (with every draft accepted, (K+1) / t(K) > 1 / t(0));
+  when some K >= 1 could beat it at all (with every draft accepted, (K+1) / t(K) > 1 / t(0)),
+  unless the state is informed (a prior learned from earlier calls: it is the evidence); at
+  the first choice (iteration 0) every K >= 1 also pays the entry cost costs[len(ks)];
   a schedule overrides the choice. remaining: int32 [B] tokens each row may still emit (None:
   the same for every row)."""
   alpha = position_alpha(gs)
@@ -122,18 +124,26 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   if gov.schedule is not None:
     order = jnp.asarray([ks.index(k) for k in gov.schedule], jnp.int32)
     return order[iteration % len(gov.schedule)], draft_rows
+  costs = jnp.asarray(costs, jnp.float32)
   seconds = []
   est = pooled_alpha(gov, gs, active & draft_rows) if gov.objective == "slowest" else alpha
+  # The entry cost (costs[len(ks)], when given): the drafter's work on the prompt, paid once
+  # before the first drafted round; only the first choice can still avoid it.
+  entry = costs[len(ks)] if costs.shape[0] > len(ks) else 0.0
+  entry = jnp.where(jnp.asarray(iteration) == 0, entry, 0.0)
   for i, k in enumerate(ks):
     tau = jnp.where(draft_rows, expected_tokens(est, k), 1.0) if k else jnp.ones(
         active.shape, jnp.float32)
     var = jnp.where(draft_rows, token_variance(est, k), 0.0) if k else None
-    seconds.append(batch_seconds(gov, tau, costs[i], active, remaining, var))
+    seconds.append(batch_seconds(gov, tau, costs[i], active, remaining, var) +
+                   (entry if k else 0.0))
   if 0 in ks and gov.warmup_rounds and any(k > 0 for k in ks):
     i0 = ks.index(0)
     could_win = jnp.any(jnp.asarray([(k + 1) * costs[i0] > costs[i]
                                      for i, k in enumerate(ks) if k > 0]))
     warm = (iteration < gov.warmup_rounds) & could_win
+    if gs.informed is not None:              # a prior learned from earlier calls: no warm-up
+      warm = warm & ~gs.informed
     seconds[i0] = jnp.where(warm, jnp.inf, seconds[i0])
   return jnp.argmin(jnp.stack(seconds)).astype(jnp.int32), draft_rows
 

@@ -18,9 +18,11 @@ OPTIONS = {
     "ks": "candidate K values (integers >= 0; default {0,1,2,4,6,8} up to max_draft and the "
           "drafter's max_draft)",
     "smoothing": "per-round decay of the acceptance counts, in [0, 1) (default 0.8)",
-    "prior_alpha": "per-token acceptance assumed before evidence, in [0, 1] (default 0.6)",
+    "prior_alpha": "per-token acceptance assumed before evidence, in [0, 1] (default 0.6; "
+                   "decode's acceptance_prior, learned from earlier calls, replaces it)",
     "prior_weight": "judged drafts the prior is worth, > 0 (default 2)",
-    "warmup_rounds": "first loop iterations that must draft (integer >= 0; default 2)",
+    "warmup_rounds": "first loop iterations that must draft (integer >= 0; default 2; none "
+                     "when decode is given an acceptance_prior)",
     "gate_alpha": "rows with smoothed alpha below this get draft length 0, in [0, 1] "
                   "(default 0.05; 0 = never)",
     "costs": "a cost table {K: seconds per round} to use instead of calibrating",
@@ -163,26 +165,31 @@ class Governor:
     return tuple(sorted(ks))
 
   def cost_array(self, drafter, round_costs=None):
-    """float32 [len(candidates)] per-round costs for decode: round_costs (an array aligned with
-    candidates(drafter), or a CostTable), else the `costs` knob, else ones when a schedule
-    decides. ValueError for a missing or misaligned table."""
+    """float32 [len(candidates) + 1] for decode: the per-round costs at each candidate K, then
+    the entry cost (what the first drafted round pays once more: the drafter's work on the
+    prompt, skipped by a call that decodes plainly from its first round; 0 when not known).
+    From round_costs (an array aligned with candidates(drafter), optionally followed by the
+    entry cost, or a CostTable), else the `costs` knob, else ones when a schedule decides.
+    ValueError for a missing or misaligned table."""
     ks = self.candidates(drafter)
     if isinstance(round_costs, CostTable):
       round_costs = round_costs.costs_for(ks)
     if round_costs is not None:
       shape = np.shape(round_costs)
-      if shape != (len(ks),):
+      if shape not in ((len(ks),), (len(ks) + 1,)):
         raise ValueError(f"round_costs must have one entry per candidate K {ks}: shape "
-                         f"({len(ks)},), got {shape}")
-      return jnp.asarray(round_costs, jnp.float32)
+                         f"({len(ks)},), or ({len(ks) + 1},) with the entry cost last; got "
+                         f"{shape}")
+      costs = jnp.asarray(round_costs, jnp.float32)
+      return costs if shape[0] > len(ks) else jnp.append(costs, 0.0)
     if self.costs is not None:
       table = dict(self.costs)
       missing = [k for k in ks if k not in table]
       if missing:
         raise ValueError(f"Governor costs has no entry for K {missing} (candidates {ks})")
-      return jnp.asarray([table[k] for k in ks], jnp.float32)
+      return jnp.asarray([table[k] for k in ks] + [0.0], jnp.float32)
     if self.schedule is not None:
-      return jnp.ones((len(ks),), jnp.float32)
+      return jnp.append(jnp.ones((len(ks),), jnp.float32), 0.0)
     raise ValueError("num_draft='auto' needs a cost table: pass round_costs="
                      "sj.calibrate(...).round_costs to decode (generate calibrates itself), or "
                      "Governor(costs={K: seconds}), or a Governor(schedule=...)")
@@ -190,15 +197,32 @@ class Governor:
   def needs_calibration(self) -> bool:
     return self.costs is None and self.schedule is None
 
-  def init_state(self, drafter, batch: int) -> "GovernorState":
+  def init_state(self, drafter, batch: int, prior=None) -> "GovernorState":
     """The governor's initial carry: the prior at every row and draft position, an empty
-    histogram."""
+    histogram.
+
+    prior: None (the guess: prior_alpha at every position, and the warm-up rounds draft), or
+    float32 [W] per-position acceptance learned from earlier calls of the same pair
+    (DecodeResult.position_acceptance; W = the largest candidate K), worth prior_weight
+    judged drafts at each position. Where every entry is >= 0 the state is `informed`: the
+    first rounds are chosen from it, with no warm-up. A traced array: one executable either way
+    (entries < 0 mean "no prior")."""
     width = (batch, max(1, max(self.candidates(drafter))))
+    alpha = jnp.full(width, self.prior_alpha, jnp.float32)
+    informed = jnp.zeros((), bool)
+    if prior is not None:
+      prior = jnp.asarray(prior, jnp.float32).reshape(-1)
+      if prior.shape != width[1:]:
+        raise ValueError(f"acceptance_prior must hold one acceptance per draft position: shape "
+                         f"{width[1:]}, got {prior.shape}")
+      informed = jnp.all(prior >= 0.0)
+      alpha = jnp.where(informed, jnp.clip(prior, 0.0, 1.0)[None, :], alpha)
     return GovernorState(
-        accepted=jnp.full(width, self.prior_alpha * self.prior_weight, jnp.float32),
+        accepted=alpha * self.prior_weight,
         judged=jnp.full(width, self.prior_weight, jnp.float32),
         k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32),
-        choice=jnp.zeros((), jnp.int32))
+        choice=jnp.zeros((), jnp.int32),
+        informed=informed)
 
 
 @flax.struct.dataclass
@@ -210,8 +234,18 @@ class GovernorState:
     the acceptance of position j given the positions before it were accepted.
   k_hist: int32 [N] loop iterations that ran with each candidate K.
   choice: int32 scalar, the index (into the candidates) of the next round's K.
+  informed: bool scalar, the prior was learned from earlier calls (no warm-up rounds).
   """
   accepted: jax.Array
   judged: jax.Array
   k_hist: jax.Array
   choice: jax.Array
+  informed: jax.Array = None
+
+
+def pooled_acceptance(gs: GovernorState):
+  """float32 [W]: the per-position acceptance pooled over the rows, sum_b A_bj / sum_b J_bj
+  (the smoothed counts, prior included: a position never judged keeps its prior). What a call
+  hands the next one as its acceptance_prior."""
+  return jnp.clip(jnp.sum(gs.accepted, axis=0) / jnp.maximum(jnp.sum(gs.judged, axis=0), 1e-6),
+                  0.0, 1.0)

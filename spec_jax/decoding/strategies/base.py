@@ -23,8 +23,9 @@ verifies [B, K+1] and masks each row's drafts past its budget):
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from spec_jax.decoding.rounds import run_until_done
@@ -58,6 +59,12 @@ class Strategy:
     del drafter, round_costs
     return None
 
+  def acceptance_prior(self, prior) -> Optional[Any]:
+    """generate()'s acceptance_prior as the array decode takes, checked; None for strategies
+    that take none (the prior is then ignored)."""
+    del prior
+    return None
+
   @property
   def calibration_ks(self) -> Optional[tuple]:
     """The K values whose per-round seconds generate() must measure for this strategy (the
@@ -68,6 +75,14 @@ class Strategy:
     """This strategy's own state after the prefill (DecodeState.strategy); () for none."""
     del env, state
     return ()
+
+  def init_drafter(self, env: LoopEnv, state: DecodeState, init: Callable[[], Any]) -> Any:
+    """The drafter's state after the prefill: init() (Drafter.init_state on the prefill),
+    unless this strategy knows before the first round that the drafter will never run (the
+    governor, when its first round is plain and plain is final). state: the state after the
+    prefill, drafter_state None."""
+    del env, state
+    return init()
 
   def round(self, env: LoopEnv, state: DecodeState) -> DecodeState:
     """One round: the state after it, statistics included (decoding.rounds.update_stats)."""
@@ -80,6 +95,25 @@ class Strategy:
   def k_rounds(self, final: DecodeState):
     """int32 [width+1]: loop iterations per number of drafts (default: all at `width`)."""
     return jnp.zeros((self.width + 1,), jnp.int32).at[self.width].set(final.iterations)
+
+  def position_acceptance(self, final: DecodeState):
+    """float32 [width]: the acceptance of draft position j given the positions before it were
+    accepted, pooled over the rows (DecodeResult.position_acceptance). Default, from the
+    counts of a round that drafts `width` tokens: position 0 was judged in every round,
+    position j in the rounds that accepted position j - 1, so a_j = sum_b accepted_at[b, j] /
+    sum_b accepted_at[b, j-1] (rounds cut by the token limit count as judged: a slight
+    underestimate); a position never judged repeats the one before it, -1 when no round ran."""
+    at = jnp.sum(final.counts.accepted_at, axis=0).astype(jnp.float32)        # [W]
+    if at.shape[0] == 0:                         # plain decoding: no draft positions
+      return at
+    judged = jnp.concatenate([jnp.sum(final.counts.rounds, keepdims=True).astype(jnp.float32),
+                              at[:-1]])
+    alpha = at / jnp.maximum(judged, 1.0)
+    known = judged > 0
+    # carry the last known position forward (positions past the first never-judged one)
+    idx = jnp.where(known, jnp.arange(at.shape[0]), -1)
+    last = jax.lax.cummax(idx, axis=0)
+    return jnp.where(last >= 0, alpha[jnp.maximum(last, 0)], -1.0)
 
   def stats_fields(self, greedy: bool, drafter) -> dict:
     """SpecStats.from_result's description of the rounds: num_draft (accepted_at's width),

@@ -9,12 +9,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_jax.decoding.rounds import chain_round
 from spec_jax.decoding.state import DecodeState, LoopEnv
 from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import Drafter
-from spec_jax.governor import Governor, GovernorState, choose, observe, row_alpha
+from spec_jax.governor import (Governor, GovernorState, choose, observe, pooled_acceptance,
+                              row_alpha)
 
 
 def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
@@ -139,12 +141,52 @@ class Governed(Strategy):
   def round_costs(self, drafter, round_costs):
     return self.governor.cost_array(drafter, round_costs)        # ValueError on a bad table
 
+  def acceptance_prior(self, prior):
+    """float32 [W] (W = the largest candidate K): generate()'s acceptance_prior (a sequence of
+    per-position acceptances in [0, 1]; shorter: the last entry repeats; longer: cut), or -1s
+    for None, so that calls with and without a prior share one executable. ValueError for
+    anything else."""
+    width = self.width
+    if prior is None:
+      return np.full((width,), -1.0, np.float32)
+    try:
+      values = np.asarray(prior, np.float64).reshape(-1)
+    except (TypeError, ValueError):
+      values = None
+    if values is None or values.size == 0 or not np.all(np.isfinite(values)) or np.any(
+        (values < 0) | (values > 1)):
+      raise ValueError(f"acceptance_prior must be a non-empty sequence of per-position "
+                       f"acceptances in [0, 1] (an earlier output's stats.position_acceptance),"
+                       f" got {prior!r}")
+    values = np.concatenate([values, np.full((max(width - values.size, 0),), values[-1])])
+    return values[:width].astype(np.float32)
+
   @property
   def calibration_ks(self):
     return self.candidates if self.governor.needs_calibration() else None
 
   def init(self, env, state) -> GovernorState:
-    return self.governor.init_state(env.drafter, state.tokens.shape[0])
+    return self.governor.init_state(env.drafter, state.tokens.shape[0], env.acceptance_prior)
+
+  def init_drafter(self, env, state, init):
+    """Skips the drafter's prefill work (DFlash's context K/V over the prompt, an EAGLE head's
+    layer over it) when the first round is plain and plain is final: the drafter never runs
+    in this call (an acceptance_prior where drafting cannot pay). Its state is then zeros of
+    the same shapes, never read. The first choice is made here as governed_loop makes it."""
+    gov = self.governor
+    if env.round_costs is None or gov.schedule is not None or 0 not in self.candidates:
+      return init()
+    gs = self.init(env, state)
+    choice, _ = choose(gov, self.candidates, gs, env.round_costs, ~state.done,
+                       state.iterations, env.limit - state.lengths)
+    shapes = jax.eval_shape(init)
+    return jax.lax.cond(choice == self.candidates.index(0),
+                        lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                        init)
+
+  def position_acceptance(self, final):
+    """The governor's estimate pooled over the rows (governor.pooled_acceptance)."""
+    return pooled_acceptance(final.strategy)
 
   def run(self, env, state):
     return governed_loop(env, self.governor, env.round_costs, state)
