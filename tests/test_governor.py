@@ -493,6 +493,10 @@ def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
   assert path.startswith(str(tmp_path / "xdg" / "spec_jax" / "governor"))
   data = json.loads(open(path).read())
   assert data["key"]["batch"] == 2 and data["key"]["capacity"] == 64 and data["ks"] == [0, 1, 2]
+  # The entry cost rides last in round_costs (0 <= it: clipped, an n-gram's is ~0).
+  assert data["entry_seconds"] == first.entry_seconds >= 0.0
+  np.testing.assert_allclose(first.round_costs, list(first.seconds) + [first.entry_seconds],
+                             rtol=1e-6)
   calibration.clear_memory()                   # a new process: read from disk
   t0 = time.perf_counter()
   again = sj.calibrate(target, drafter, 2, capacity=64, governor=gov)

@@ -21,7 +21,8 @@ tokens (its token limit minus its length). Every round the governor takes
 
     K* = argmin_K  t(K) * E[max_{b active} N_b(K)]              (objective "slowest")
 
-(ties to the smaller K; the default, since the loop runs until its slowest row is done),
+(ties to the smaller K; the default, since the loop runs until its slowest row is done;
+at the first choice of a call every K >= 1 also pays the entry cost e, below),
 or, with objective="mean", the most expected tokens per second for the batch in one round,
 
     K* = argmax_K  sum_{b active} tau_b(K) / t(K).
@@ -47,6 +48,14 @@ drafts) it decodes plainly. Per-row budgets: row b drafts min(K, R_b - 1) (a dra
 limit could never be emitted), or none when its first-draft alpha_b0 < gate_alpha. The verify
 is [B, K+1] whatever the budgets (fixed shapes): a budget below K saves no compute; the width
 K is the batch's choice.
+
+The entry cost. A call that drafts at all pays once for the drafter's work on the prompt
+(DFlash's context K/V, an EAGLE head's layer over the prompt, a draft model's prefill) and a
+call that decodes plainly from its first round does not (Strategy.init_drafter skips it when
+plain is final). `sj.calibrate` measures it as the difference of the per-call parts of K = k1
+and of K = 0 started plain (CostTable.entry_seconds, the last entry of round_costs), and the
+first choice adds it to every K >= 1. At B = 32 on widened stories260K it is ~0.3 s for an
+EAGLE-3 head and ~0.3 s for DFlash, against ~0.23 s a round (2 % of a 64-token call).
 
 Live acceptance. Per row and draft position, exponentially smoothed counts of accepted drafts
 A and judged drafts J (position j is judged when the positions before it were accepted: it is
