@@ -54,8 +54,15 @@ The entry cost. A call that drafts at all pays once for the drafter's work on th
 call that decodes plainly from its first round does not (Strategy.init_drafter skips it when
 plain is final). `sj.calibrate` measures it as the difference of the per-call parts of K = k1
 and of K = 0 started plain (CostTable.entry_seconds, the last entry of round_costs), and the
-first choice adds it to every K >= 1. At B = 32 on widened stories260K it is ~0.3 s for an
-EAGLE-3 head and ~0.3 s for DFlash, against ~0.23 s a round (2 % of a 64-token call).
+first choice adds it to every K >= 1. At B = 32 on widened stories260K it is ~0.24 s for an
+EAGLE-3 head and ~0.20 s for DFlash (prefill-only calls timed side by side), against ~0.2 s a
+plain round: under 2 % of a 64-token call, so a noisy one-repeat table may well measure 0.
+
+The plain margin. A drafted round is chosen over plain decoding only when its predicted time
+beats plain's by `plain_margin` (default 5 %, all K >= 1 scaled alike so their order holds):
+a predicted gain of 1-2 % lies inside a cost table's noise and what the model leaves out, and
+at B = 32 such rounds measured as a loss (docs/governor.md). Where drafting pays (B = 1-16:
+predicted gains of 20-90 %) the margin changes nothing.
 
 Live acceptance. Per row and draft position, exponentially smoothed counts of accepted drafts
 A and judged drafts J (position j is judged when the positions before it were accepted: it is
