@@ -13,9 +13,10 @@ The target is widened stories260K (configs/bench_widened.yaml's); prompts are Ti
 openings (8 words). Noise: the spread of plain's bracketing calls, in percent of its median.
 
 --learn-prior adds a column per governor: the same governor started from the acceptance it
-learned in one untimed call on B other prompts (the next B openings, disjoint from the timed
-ones), passed as generate(acceptance_prior=...) to every timed call, as a server would carry it
-from earlier requests (spec_jax.governor: no drafted warm-up rounds then).
+learned in untimed calls of B rows on max(B, 8) other prompts (the next openings, disjoint from
+the timed ones; the calls' estimates averaged), passed as generate(acceptance_prior=...) to
+every timed call, as a server would pool it over earlier requests (spec_jax.governor: no
+drafted warm-up rounds then).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def main(argv=None):
   report = {"target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "repeats": args.repeats, "cells": []}
   for b in args.batch:
-    both, _ = prompt_token_lists(target, "tinystories", 2 * b, 8, 128, 0)
+    n_learn = -(-max(b, 8) // b) * b
+    both, _ = prompt_token_lists(target, "tinystories", b + n_learn, 8, 128, 0)
     prompts, other_prompts = both[:b], both[b:]    # timed; where a prior is learned
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=[],
               key=jax.random.key(0))
@@ -90,10 +92,12 @@ def main(argv=None):
         print(f"[B={b}] {d}: governor ({obj}) calibrated and warm in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         if args.learn_prior:
-          learned = sj.generate(target, other_prompts, drafter=dr, num_draft="auto",
-                                governor=gov, **kw).stats.position_acceptance
+          learned = [sj.generate(target, other_prompts[i:i + b], drafter=dr, num_draft="auto",
+                                 governor=gov, **kw).stats.position_acceptance
+                     for i in range(0, len(other_prompts), b)]
+          learned = [sum(col) / len(col) for col in zip(*learned)]
           report.setdefault("learned_priors", {})[f"B={b} {d} {obj}"] = list(learned)
-          print(f"[B={b}] {d}: acceptance learned on {b} other prompts: "
+          print(f"[B={b}] {d}: acceptance learned on {len(other_prompts)} other prompts: "
                 f"{[round(a, 3) for a in learned]}", flush=True)
           runs[(d, "auto-" + obj + "+prior")] = lambda dr=dr, gov=gov, learned=learned: \
               sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov,

@@ -58,11 +58,16 @@ first choice adds it to every K >= 1. At B = 32 on widened stories260K it is ~0.
 EAGLE-3 head and ~0.20 s for DFlash (prefill-only calls timed side by side), against ~0.2 s a
 plain round: under 2 % of a 64-token call, so a noisy one-repeat table may well measure 0.
 
-The plain margin. A drafted round is chosen over plain decoding only when its predicted time
-beats plain's by `plain_margin` (default 5 %, all K >= 1 scaled alike so their order holds):
-a predicted gain of 1-2 % lies inside a cost table's noise and what the model leaves out, and
-at B = 32 such rounds measured as a loss (docs/governor.md). Where drafting pays (B = 1-16:
-predicted gains of 20-90 %) the margin changes nothing.
+The plain margin. With `plain_margin` = m > 0 a drafted round is chosen over plain decoding
+only when its predicted time beats plain's by the fraction m (all K >= 1 scaled alike, so
+their order holds). Default 0: at B = 32 the EAGLE-3 rounds it was meant to stop were
+predicted to gain more than 5 % (so 5 % changed nothing there), and at B = 1 it was not shown
+harmless (docs/governor.md).
+
+A prior learned from too little locks a call into plain decoding: with no warm-up and plain
+final, a prior from one earlier prompt (B = 1, first-position acceptance 0.49 against ~0.75 on
+the prompt at hand) made an EAGLE-3 call decode plainly throughout (0.66 of the best fixed K).
+Pool the prior over many earlier requests.
 
 Live acceptance. Per row and draft position, exponentially smoothed counts of accepted drafts
 A and judged drafts J (position j is judged when the positions before it were accepted: it is

@@ -31,8 +31,7 @@ OPTIONS = {
                  "still needs times the round's cost; the loop runs until its last row is "
                  "done) or 'mean' (the batch's expected tokens per second of one round)",
     "plain_margin": "fraction by which drafting's predicted time must beat plain decoding's "
-                    "to be chosen, >= 0 (default 0.05: a 1-2 % predicted gain is inside the "
-                    "cost table's noise)",
+                    "to be chosen, >= 0 (default 0: not shown to help; docs/governor.md)",
     "pool_weight": "judged drafts the batch's pooled acceptance is worth in each row's "
                    "estimate under objective 'slowest', >= 0 (default 4; 0 = rows alone)",
 }
@@ -78,7 +77,7 @@ class Governor:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
     self.pool_weight = self._real(options, "pool_weight", 4.0, 0.0, math.inf)
-    self.plain_margin = self._real(options, "plain_margin", 0.05, 0.0, math.inf)
+    self.plain_margin = self._real(options, "plain_margin", 0.0, 0.0, math.inf)
     costs = options.get("costs")
     if costs is not None:
       if isinstance(costs, CostTable):
