@@ -125,7 +125,9 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       `stats.position_acceptance`; shorter than the governor's largest K: the last entry
       repeats; longer: cut). The governor starts from it instead of its guess and skips its
       two drafted warm-up rounds, so a batch where drafting cannot pay decodes plainly from
-      its first round. None: no prior. Ignored by fixed K and trees.
+      its first round. For large batches: at B = 1 a pooled prior can lock a well-drafted
+      request into plain decoding (docs/governor.md). None: no prior. Ignored by fixed K and
+      trees.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
