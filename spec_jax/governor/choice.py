@@ -113,7 +113,8 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   the batch is least (`batch_seconds`; ties to the smaller K); during warm-up K = 0 is excluded
   when some K >= 1 could beat it at all (with every draft accepted, (K+1) / t(K) > 1 / t(0)),
   unless the state is informed (a prior learned from earlier calls: it is the evidence); at
-  the first choice (iteration 0) every K >= 1 also pays the entry cost costs[len(ks)], and
+  the first choice (iteration 0) every K >= 1 also pays the entry cost costs[len(ks)]
+  (objective "slowest"), and
   every K >= 1 must beat plain by the fraction gov.plain_margin;
   a schedule overrides the choice. remaining: int32 [B] tokens each row may still emit (None:
   the same for every row)."""
@@ -129,8 +130,10 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   seconds = []
   est = pooled_alpha(gov, gs, active & draft_rows) if gov.objective == "slowest" else alpha
   # The entry cost (costs[len(ks)], when given): the drafter's work on the prompt, paid once
-  # before the first drafted round; only the first choice can still avoid it.
-  entry = costs[len(ks)] if costs.shape[0] > len(ks) else 0.0
+  # before the first drafted round; only the first choice can still avoid it. Seconds: added
+  # to the "slowest" objective's predicted seconds (the "mean" objective's rate has no place
+  # for a one-time cost).
+  entry = costs[len(ks)] if costs.shape[0] > len(ks) and gov.objective == "slowest" else 0.0
   entry = jnp.where(jnp.asarray(iteration) == 0, entry, 0.0)
   for i, k in enumerate(ks):
     tau = jnp.where(draft_rows, expected_tokens(est, k), 1.0) if k else jnp.ones(
