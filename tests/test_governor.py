@@ -452,7 +452,6 @@ def test_bad_input_raises_before_compiling():
       (dict(costs={0: 1.0, 1: -1.0}), "positive seconds"),
       (dict(warmup_rounds=-1), "warmup_rounds"),
       (dict(pool_weight=-1.0), r"pool_weight must be a number in \[0, inf\]"),
-      (dict(plain_margin=-0.1), r"plain_margin must be a number in \[0, inf\]"),
       (dict(objective="median"), "objective must be one of")]:
     with pytest.raises(ValueError, match=message):
       sj.Governor(**options)
@@ -558,25 +557,22 @@ def test_acceptance_prior_replaces_the_guess_and_the_warm_up():
   assert hopeless.stats.position_acceptance == (0.0, 0.0)
 
 
-def test_entry_cost_and_plain_margin():
+def test_entry_cost_counts_at_the_first_choice_only():
   """round_costs' last entry (CostTable.entry_seconds): what the first drafted round pays once
   (the drafter's prompt work). It tips the first choice to plain where drafting gains less
-  than it over the call, and no later choice (by then it is paid). plain_margin: the fraction
-  by which drafting must beat plain."""
+  than it over the call, and no later choice (by then it is paid)."""
   ks = (0, 1)
   active, remaining = jnp.ones((1,), bool), jnp.asarray([10.0])
   gs = _gs([0.3])          # K = 1: ~1 + 9 / 1.3 rounds at 1.1 against 10 plain rounds at 1.0
 
-  def pick(costs, it, margin=0.0):
-    gov = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.0, plain_margin=margin)
+  def pick(costs, it):
+    gov = sj.Governor(ks=ks, warmup_rounds=0, gate_alpha=0.0)
     return ks[int(governor_lib.choose(gov, ks, gs, jnp.asarray(costs), active, jnp.int32(it),
                                       remaining)[0])]
 
   assert pick([1.0, 1.1], 0) == pick([1.0, 1.1, 0.0], 0) == 1
   assert pick([1.0, 1.1, 2.0], 0) == 0        # the gain (~1.2 s) is less than the entry
   assert pick([1.0, 1.1, 2.0], 1) == 1        # later the entry is sunk
-  # plain_margin: drafting must beat plain by that fraction (here it gains ~13 %).
-  assert pick([1.0, 1.1], 1, margin=0.1) == 1 and pick([1.0, 1.1], 1, margin=0.2) == 0
   gov_costs = sj.Governor(ks=ks, costs={0: 1.0, 1: 1.1}).cost_array(sj.drafters.NGram())
   np.testing.assert_allclose(gov_costs, [1.0, 1.1, 0.0])
 

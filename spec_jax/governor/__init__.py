@@ -58,12 +58,6 @@ first choice adds it to every K >= 1. At B = 32 on widened stories260K it is ~0.
 EAGLE-3 head and ~0.20 s for DFlash (prefill-only calls timed side by side), against ~0.2 s a
 plain round: under 2 % of a 64-token call, so a noisy one-repeat table may well measure 0.
 
-The plain margin. With `plain_margin` = m > 0 a drafted round is chosen over plain decoding
-only when its predicted time beats plain's by the fraction m (all K >= 1 scaled alike, so
-their order holds). Default 0: at B = 32 the EAGLE-3 rounds it was meant to stop were
-predicted to gain more than 5 % (so 5 % changed nothing there), and at B = 1 it was not shown
-harmless (docs/governor.md).
-
 A prior can lock a small batch into plain decoding: with no warm-up and plain final, an
 EAGLE-3 prior pooled over eight earlier prompts (0.59 at the first position, where the prompt
 at hand drafts at ~0.85) made a B = 1 call decode plainly throughout (0.73 of the best fixed

@@ -114,8 +114,7 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   when some K >= 1 could beat it at all (with every draft accepted, (K+1) / t(K) > 1 / t(0)),
   unless the state is informed (a prior learned from earlier calls: it is the evidence); at
   the first choice (iteration 0) every K >= 1 also pays the entry cost costs[len(ks)]
-  (objective "slowest"), and
-  every K >= 1 must beat plain by the fraction gov.plain_margin;
+  (objective "slowest");
   a schedule overrides the choice. remaining: int32 [B] tokens each row may still emit (None:
   the same for every row)."""
   alpha = position_alpha(gs)
@@ -139,10 +138,8 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
     tau = jnp.where(draft_rows, expected_tokens(est, k), 1.0) if k else jnp.ones(
         active.shape, jnp.float32)
     var = jnp.where(draft_rows, token_variance(est, k), 0.0) if k else None
-    # A drafted round must beat plain by plain_margin (all K >= 1 alike: their order holds).
-    seconds.append((batch_seconds(gov, tau, costs[i], active, remaining, var) + entry) *
-                   (1.0 + gov.plain_margin) if k else
-                   batch_seconds(gov, tau, costs[i], active, remaining, var))
+    seconds.append(batch_seconds(gov, tau, costs[i], active, remaining, var) +
+                   (entry if k else 0.0))
   if 0 in ks and gov.warmup_rounds and any(k > 0 for k in ks):
     i0 = ks.index(0)
     could_win = jnp.any(jnp.asarray([(k + 1) * costs[i0] > costs[i]

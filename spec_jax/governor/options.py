@@ -30,8 +30,6 @@ OPTIONS = {
     "objective": "what K optimises: 'slowest' (default: the expected rounds the slowest row "
                  "still needs times the round's cost; the loop runs until its last row is "
                  "done) or 'mean' (the batch's expected tokens per second of one round)",
-    "plain_margin": "fraction by which drafting's predicted time must beat plain decoding's "
-                    "to be chosen, >= 0 (default 0: not shown to help; docs/governor.md)",
     "pool_weight": "judged drafts the batch's pooled acceptance is worth in each row's "
                    "estimate under objective 'slowest', >= 0 (default 4; 0 = rows alone)",
 }
@@ -77,7 +75,6 @@ class Governor:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
     self.pool_weight = self._real(options, "pool_weight", 4.0, 0.0, math.inf)
-    self.plain_margin = self._real(options, "plain_margin", 0.0, 0.0, math.inf)
     costs = options.get("costs")
     if costs is not None:
       if isinstance(costs, CostTable):
@@ -125,7 +122,7 @@ class Governor:
   def _key(self):
     return (self.max_draft, self.ks, self.schedule, self.smoothing, self.prior_alpha,
             self.prior_weight, self.warmup_rounds, self.gate_alpha, self.costs, self.objective,
-            self.pool_weight, self.plain_margin)
+            self.pool_weight)
 
   def __hash__(self):
     return hash(self._key())
@@ -140,7 +137,7 @@ class Governor:
             "warmup_rounds": self.warmup_rounds, "gate_alpha": self.gate_alpha,
             "costs": None if self.costs is None else dict(self.costs),
             "schedule": self.schedule, "objective": self.objective,
-            "pool_weight": self.pool_weight, "plain_margin": self.plain_margin}
+            "pool_weight": self.pool_weight}
 
   def __repr__(self):
     return "Governor(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
