@@ -5,18 +5,23 @@ import os
 import pathlib
 
 # Tests run tiny shapes where XLA's compile time dominates: a lower LLVM optimisation level
-# compiles ~2.5x faster; XLA:CPU's older (non-MLIR) fusion emitters halve the backend compile
-# once more (a governed, a tree and two chain generates: 22.9 s -> 11.1 s of backend compile,
-# the same tokens; the 40k-row chi-square tests also run faster: 134 s -> 99 s). Set before
-# jax is imported; subprocesses inherit them; benchmarks never import this file.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_backend_optimization_level=0"
-                           " --xla_llvm_disable_expensive_passes=true"
-                           " --xla_cpu_use_fusion_emitters=false").strip()
+# compiles ~2.5x faster. On jaxlib 0.10, XLA:CPU's older (non-MLIR) fusion emitters cut the
+# backend compile once more (a governed, a tree and two chain generates: 22.9 s -> 11.1 s, the
+# same tokens; the 40k-row chi-square tests 134 s -> 99 s; the whole suite's backend compile
+# ~1,900 -> 1,561 worker-seconds). Only there: an XLA that does not know a flag aborts. Set
+# before jax is imported; subprocesses inherit them; benchmarks never import this file.
+_FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+try:
+  from importlib.metadata import version as _version
+  if _version("jaxlib").startswith("0.10."):
+    _FLAGS += " --xla_cpu_use_fusion_emitters=false"
+except Exception:  # noqa: BLE001 (no jaxlib metadata: the portable flags only)
+  pass
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 # No persistent compilation cache in tests: the CLI's compile_cache.enable() (called in-process
 # by some tests) would otherwise turn on ~/.cache/spec_jax/xla for the rest of that worker, so
-# the suite's time depended on what earlier runs left there (a warm cache saved 866 s of
-# compile locally; CI's clean machine has none and paid for the writes instead).
+# the suite's time depended on what earlier runs had left there (a warm cache saved 866 s of
+# compile here; CI's clean machine starts with none).
 os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
 
 import pytest  # noqa: E402
