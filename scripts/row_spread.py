@@ -3,7 +3,7 @@
 At fixed K (greedy, 64 new tokens, widened stories260K in float32, TinyStories openings: the
 timed prompts of scripts/auto_vs_plain.py), per row: the acceptance of draft position j given
 the earlier ones were accepted (from the per-row counts), its quantiles over the rows, and the
-expected rounds of the slowest row (`spec_jax.governor.choice.expected_max_rounds`, the
+expected rounds of the slowest row (`spec_jax.governor.choice.batch_seconds`, the
 governor's "slowest" model) computed two ways: every row at the pooled acceptance (what a
 pooled prior or an unseen batch gives the governor) and every row at its own; beside the loop's
 actual iterations.
@@ -23,17 +23,17 @@ import spec_jax as sj
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.specs import load_model, make_drafter
 from spec_jax.files import atomic_write_json
-from spec_jax.governor.choice import expected_max_rounds, expected_tokens, token_variance
+from spec_jax.governor.choice import batch_seconds, expected_tokens, token_variance
 
 
 def slowest_rounds(alpha, k: int, new_tokens: int) -> float:
-  """E[max_b rounds_b] for rows with per-position acceptance alpha [B, k] (the governor's
-  renewal approximation: 1 + Normal((R - 1) / tau, (R - 1) var / tau^3))."""
+  """E[max_b rounds_b] for rows with per-position acceptance alpha [B, k]: the governor's own
+  "slowest" prediction (`batch_seconds`) at one second a round."""
   alpha = jnp.asarray(alpha, jnp.float32)
-  tau, var = expected_tokens(alpha, k), token_variance(alpha, k)
-  rest = new_tokens - 1.0
-  return float(expected_max_rounds(1.0 + rest / tau, jnp.sqrt(rest * var / tau ** 3),
-                                   jnp.ones(alpha.shape[0], bool)))
+  rows = alpha.shape[0]
+  return float(batch_seconds(sj.Governor(objective="slowest"), expected_tokens(alpha, k), 1.0,
+                             jnp.ones(rows, bool), jnp.full(rows, float(new_tokens)),
+                             token_variance(alpha, k)))
 
 
 def main(argv=None):
