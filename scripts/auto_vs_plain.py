@@ -16,7 +16,9 @@ openings (8 words). Noise: the spread of plain's bracketing calls, in percent of
 learned in untimed calls of B rows on max(B, 8) other prompts (the next openings, disjoint from
 the timed ones; the calls' estimates averaged), passed as generate(acceptance_prior=...) to
 every timed call, as a server would pool it over earlier requests (spec_jax.governor: no
-drafted warm-up rounds then).
+drafted warm-up rounds then). --prior says which: `pooled` (the calls' stats.position_acceptance
+averaged) or `rows` (every learning row's stats.row_acceptance: the spread, which the slowest-row
+objective reads as a mixture); one column each. --learn-rows sets how many other prompts.
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def main(argv=None):
   ap.add_argument("--learn-prior", action="store_true",
                   help="add a column per governor started from an acceptance learned on other "
                        "prompts (generate's acceptance_prior)")
+  ap.add_argument("--prior", nargs="+", default=["pooled"], choices=["pooled", "rows"],
+                  help="with --learn-prior: the pooled estimate and/or the rows' spread, a "
+                       "column each")
+  ap.add_argument("--learn-rows", type=int, default=None,
+                  help="with --learn-prior: other prompts the prior is learned on (rounded up "
+                       "to whole batches; default max(B, 8))")
   ap.add_argument("--out", default="auto_vs_plain.json")
   args = ap.parse_args(argv)
 
@@ -65,7 +73,7 @@ def main(argv=None):
   report = {"target": args.target, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "repeats": args.repeats, "cells": []}
   for b in args.batch:
-    n_learn = -(-max(b, 8) // b) * b
+    n_learn = -(-(args.learn_rows or max(b, 8)) // b) * b
     both, _ = prompt_token_lists(target, "tinystories", b + n_learn, 8, 128, 0)
     prompts, other_prompts = both[:b], both[b:]    # timed; where a prior is learned
     kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=[],
@@ -92,16 +100,24 @@ def main(argv=None):
         print(f"[B={b}] {d}: governor ({obj}) calibrated and warm in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         if args.learn_prior:
-          learned = [sj.generate(target, other_prompts[i:i + b], drafter=dr, num_draft="auto",
-                                 governor=gov, **kw).stats.position_acceptance
-                     for i in range(0, len(other_prompts), b)]
-          learned = [sum(col) / len(col) for col in zip(*learned)]
-          report.setdefault("learned_priors", {})[f"B={b} {d} {obj}"] = list(learned)
-          print(f"[B={b}] {d}: acceptance learned on {len(other_prompts)} other prompts: "
-                f"{[round(a, 3) for a in learned]}", flush=True)
-          runs[(d, "auto-" + obj + "+prior")] = lambda dr=dr, gov=gov, learned=learned: \
-              sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov,
-                          acceptance_prior=learned, **kw)
+          stats = [sj.generate(target, other_prompts[i:i + b], drafter=dr, num_draft="auto",
+                               governor=gov, **kw).stats
+                   for i in range(0, len(other_prompts), b)]
+          learned = {
+              "pooled": [sum(col) / len(col)
+                         for col in zip(*(st.position_acceptance for st in stats))],
+              "rows": [list(r) for st in stats for r in st.row_acceptance]}
+          for kind in args.prior:
+            report.setdefault("learned_priors", {})[f"B={b} {d} {obj} {kind}"] = learned[kind]
+            shown = (learned[kind] if kind == "pooled" else
+                     f"{len(learned[kind])} rows, first-position alpha min "
+                     f"{min(r[0] for r in learned[kind]):.3f}")
+            print(f"[B={b}] {d}: acceptance ({kind}) learned on {len(other_prompts)} other "
+                  f"prompts: {shown}", flush=True)
+            suffix = "+prior" if kind == "pooled" else "+rows"
+            runs[(d, "auto-" + obj + suffix)] = lambda dr=dr, gov=gov, p=learned[kind]: \
+                sj.generate(target, prompts, drafter=dr, num_draft="auto", governor=gov,
+                            acceptance_prior=p, **kw)
     for name, run in runs.items():                      # compile and warm
       t0 = time.perf_counter()
       run()

@@ -59,6 +59,9 @@ class SpecStats:
   position_acceptance: generate()'s per-position acceptance pooled over the rows
     (DecodeResult.position_acceptance: the governor's estimate with num_draft="auto"), what a
     later call of the same pair takes as its acceptance_prior; None when not measured.
+  row_acceptance: the same per row of this output (DecodeResult.row_acceptance: the governor's
+    per-row estimates with num_draft="auto"), a tuple of tuples: an acceptance_prior that
+    carries the rows' spread; None when not measured.
   """
   rounds: int
   drafted: int
@@ -80,6 +83,7 @@ class SpecStats:
   tree: Optional[tuple] = None
   strategy: str = ""
   position_acceptance: Optional[tuple] = None
+  row_acceptance: Optional[tuple] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
@@ -170,7 +174,9 @@ class SpecStats:
         new_tokens=sum(p.new_tokens for p in parts),
         iterations=sum(p.iterations for p in parts), num_draft=first.num_draft,
         emitted=sum(p.emitted for p in parts), processes=first.processes, k_histogram=hist,
-        auto=first.auto, tree=first.tree, strategy=first.strategy)
+        auto=first.auto, tree=first.tree, strategy=first.strategy,
+        row_acceptance=(None if any(p.row_acceptance is None for p in parts)
+                        else tuple(r for p in parts for r in p.row_acceptance)))
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)

@@ -381,6 +381,94 @@ def test_expected_rounds_of_the_slowest_row_match_a_simulation(b, alpha, k, left
                              left + b - 1, rtol=1e-3)
 
 
+def test_expected_rounds_of_a_mixture_match_a_simulation():
+  """A prior with spread: each of B = 32 rows is one of Q profiles (here 31 at alpha 0.75 and
+  one hopeless at 0.02, as EAGLE-3's rows on the widened target); E[max_b N_b] with each row a
+  mixture against 4000 simulated batches whose rows draw their profile: within 3 %."""
+  choice = governor_lib.choice
+  b, k, left = 32, 2, 63
+  profiles = np.array([0.75] * 31 + [0.02], np.float32)
+  al = jnp.repeat(jnp.asarray(profiles)[:, None], 4, axis=1)                  # [Q, W]
+  tau, var = governor_lib.expected_tokens(al, k), choice.token_variance(al, k)  # [Q]
+  mean = jnp.broadcast_to(1 + (left - 1) / tau, (b, 32))
+  std = jnp.broadcast_to(jnp.sqrt((left - 1) * var / tau ** 3), (b, 32))
+  weights = jnp.full((b, 32), 1 / 32)
+  predicted = float(choice.expected_max_rounds(mean, std, jnp.ones((b,), bool), weights))
+  rng = np.random.default_rng(2)
+  alpha = profiles[rng.integers(0, 32, (4000, b))][..., None, None]           # [N, B, 1, 1]
+  hits = rng.random((4000, b, left, k)) < alpha
+  toks = 1 + np.cumprod(hits, axis=-1).sum(axis=-1)
+  simulated = (1 + np.sum(np.cumsum(toks, axis=-1) < left, axis=-1)).max(axis=1).mean()
+  assert abs(predicted - simulated) < 0.03 * simulated, (predicted, simulated)
+  # The same rows with the pooled acceptance (one profile at the mean) see no hopeless row.
+  al = jnp.full((b, 4), float(profiles.mean()))
+  tau, var = governor_lib.expected_tokens(al, k), choice.token_variance(al, k)
+  pooled = float(choice.expected_max_rounds(1 + (left - 1) / tau,
+                                            jnp.sqrt((left - 1) * var / tau ** 3),
+                                            jnp.ones((b,), bool)))
+  assert pooled < 0.75 * simulated, (pooled, simulated)
+
+
+def _spread_state(gov, batch, profiles, width=4):
+  """The governor's state started from a prior with spread: profiles [Q] (one acceptance at
+  every position), resampled to PRIOR_ROWS rows as generate() does."""
+  strategy = Governed(gov, gov.ks)
+  rows = [[a] * width for a in profiles]
+  return gov.init_state(sj.drafters.NGram(), batch, strategy.acceptance_prior(rows))
+
+
+def test_a_prior_with_spread_expects_the_poorest_rows_as_often_as_they_came():
+  """EAGLE-3's case at B = 32: one earlier row in 32 never drafts. The pooled prior (0.73)
+  says draft; the spread says that at B = 32 such a row is in the batch 64 % of the time and
+  then bounds the loop at one token a round, so with t(1) = 1.25 t(0) plain from the first
+  round; at B = 1 (one draw, 31 in 32 good) drafting still pays. As a row's own rejections accrue its weight moves to the poor
+  profile."""
+  ks = (0, 1, 2)
+  gov = sj.Governor(ks=ks, costs={0: 1.0, 1: 1.25, 2: 1.4})
+  costs, profiles = jnp.asarray([1.0, 1.25, 1.4, 0.0]), [0.75] * 31 + [0.02]
+
+  def first_choice(gs, b):
+    return ks[int(governor_lib.choose(gov, ks, gs, costs, jnp.ones((b,), bool), jnp.int32(0),
+                                      jnp.full((b,), 64))[0])]
+
+  assert first_choice(_spread_state(gov, 32, [float(np.mean(profiles))]), 32) > 0
+  assert first_choice(_spread_state(gov, 32, profiles), 32) == 0
+  assert first_choice(_spread_state(gov, 1, profiles), 1) > 0
+  gs = _spread_state(gov, 2, profiles)
+  np.testing.assert_allclose(governor_lib.profile_weights(gs), 1 / 32, rtol=1e-5)
+  for _ in range(4):          # row 0 fails its first draft four times, row 1 accepts both
+    gs = governor_lib.observe(gov, gs, jnp.ones((2,), bool), jnp.asarray([0, 2]), 2, None)
+  w = governor_lib.profile_weights(gs)
+  assert float(w[0, 0]) > 0.5 and float(w[1, 0]) < 1e-3     # the poor profile sorts first
+  # Equal profiles (a pooled prior) leave the choice as it was without spread.
+  plain = gov.init_state(sj.drafters.NGram(), 4)
+  same = _spread_state(gov, 4, [0.6])
+  for gs0 in (plain, same):
+    assert governor_lib.choose(gov, ks, gs0, costs, jnp.ones((4,), bool), jnp.int32(3),
+                               jnp.full((4,), 20))[0] == governor_lib.choose(
+        gov, ks, plain.replace(informed=None), costs, jnp.ones((4,), bool), jnp.int32(3),
+        jnp.full((4,), 20))[0]
+
+
+def test_acceptance_prior_rows_are_resampled_to_a_fixed_shape():
+  """generate()'s acceptance_prior as decode takes it: [PRIOR_ROWS, W] whatever was given
+  (one executable): a pooled row repeated, rows sorted by their expected tokens and resampled
+  at even quantiles (the best and the worst kept), -1s for none; ValueError otherwise."""
+  strategy = Governed(sj.Governor(ks=(0, 1, 2)), (0, 1, 2))
+  q = governor_lib.PRIOR_ROWS
+  assert strategy.acceptance_prior(None).shape == (q, 2)
+  np.testing.assert_allclose(strategy.acceptance_prior([0.5]), np.full((q, 2), 0.5))
+  rows = strategy.acceptance_prior([[0.9, 0.8, 0.7], [0.1, 0.5, 0.5], [0.5, 0.5, 0.5], [0.7, 0.1, 0.3]])
+  assert rows.shape == (q, 2)
+  np.testing.assert_allclose(rows[0], [0.1, 0.5])
+  np.testing.assert_allclose(rows[-1], [0.9, 0.8])
+  assert {tuple(round(float(a), 3) for a in r) for r in rows} == {
+      (0.1, 0.5), (0.5, 0.5), (0.7, 0.1), (0.9, 0.8)}
+  for bad in ([[[0.5]]], [[0.5, 1.5]], [], "0.5", [[0.5], [np.nan]]):
+    with pytest.raises(ValueError, match="acceptance_prior"):
+      strategy.acceptance_prior(bad)
+
+
 def _round_tokens(alpha, k, shape, seed):
   """Tokens of simulated chain rounds: 1 + the accepted drafts before the first rejection."""
   hits = np.random.default_rng(seed).random(tuple(np.atleast_1d(shape)) + (k,)) < alpha
@@ -546,11 +634,14 @@ def test_acceptance_prior_replaces_the_guess_and_the_warm_up():
   assert sum(n for k, n in guess.stats.k_histogram.items() if k) >= 2
   learned = guess.stats.position_acceptance
   assert len(learned) == 2 and all(0.0 <= a <= 1.0 for a in learned)
+  rows = guess.stats.row_acceptance                 # the rows' spread, one row per prompt
+  assert len(rows) == len(PROMPTS) and all(len(r) == 2 for r in rows)
   hopeless, certain, fed_back = run([0.0]), run([1.0, 1.0]), run(learned)
+  spread = run(rows)
   assert hopeless.stats.k_histogram == {0: hopeless.stats.iterations}     # plain throughout
   assert certain.result.rounds.sum() > 0 and certain.stats.k_histogram.get(2, 0) >= 1
   assert np.asarray(certain.result.drafted).sum() > 0
-  for out in (guess, hopeless, certain, fed_back):
+  for out in (guess, hopeless, certain, fed_back, spread):
     assert out.tokens == plain_greedy()
   assert len(compiled_lib._COMPILED) == compiled      # the prior is an argument, not static
   # A position never judged keeps its prior: the estimate handed back is the prior, unmoved.

@@ -125,9 +125,12 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       `stats.position_acceptance`; shorter than the governor's largest K: the last entry
       repeats; longer: cut). The governor starts from it instead of its guess and skips its
       two drafted warm-up rounds, so a batch where drafting cannot pay decodes plainly from
-      its first round. For large batches: at B = 1 a pooled prior can lock a well-drafted
-      request into plain decoding (docs/governor.md). None: no prior. Ignored by fixed K and
-      trees.
+      its first round. Or the rows' own estimates (an earlier output's
+      `stats.row_acceptance`, or several outputs' rows stacked): the spread, so that the
+      slowest-row objective weighs a row as poor as the poorest earlier ones by how often they
+      occurred (governor.choice.profile_weights). For large batches: at B = 1 a prior can
+      lock a well-drafted request into plain decoding (docs/governor.md). None: no prior.
+      Ignored by fixed K and trees.
 
   Returns:
     GenerateOutput(tokens, text, stats, result).
@@ -221,8 +224,10 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   stats = SpecStats.from_result(result, seconds=seconds, processes=processes,
                                 **strategy.stats_fields(greedy, drafter))
   if np.size(result.position_acceptance):   # for the next call's acceptance_prior
-    stats = dataclasses.replace(stats, position_acceptance=tuple(
-        float(a) for a in np.asarray(result.position_acceptance)))
+    per_row = np.asarray(result.row_acceptance)[rows.start:rows.stop]
+    stats = dataclasses.replace(
+        stats, position_acceptance=tuple(float(a) for a in np.asarray(result.position_acceptance)),
+        row_acceptance=tuple(tuple(float(a) for a in row) for row in per_row))
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows,
                         compile_seconds=compile_seconds)
 

@@ -153,7 +153,7 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                            round_costs=costs, acceptance_prior=acceptance_prior)
     final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
   return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final),
-                         strategy.position_acceptance(final))
+                         strategy.position_acceptance(final), strategy.row_acceptance(final))
 
 
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,

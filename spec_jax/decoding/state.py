@@ -84,6 +84,9 @@ class DecodeResult:
     before it were accepted, pooled over the rows (Strategy.position_acceptance; -1 where
     nothing was judged): with num_draft="auto" the governor's estimate, what the next call of
     the same pair takes as its `acceptance_prior`.
+  row_acceptance: float32 [B, W], the same for each row from its own counts
+    (Strategy.row_acceptance): the rows' spread, which a later call's `acceptance_prior` may
+    carry instead of the pooled estimate.
   """
   tokens: jax.Array
   lengths: jax.Array
@@ -96,15 +99,17 @@ class DecodeResult:
   iterations: jax.Array
   k_rounds: jax.Array
   position_acceptance: jax.Array
+  row_acceptance: jax.Array
 
   @classmethod
-  def of(cls, final: DecodeState, prompt_lens, k_rounds,
-         position_acceptance) -> "DecodeResult":
+  def of(cls, final: DecodeState, prompt_lens, k_rounds, position_acceptance,
+         row_acceptance) -> "DecodeResult":
     """The result of the loop's final state."""
     counts = {f.name: getattr(final.counts, f.name) for f in dataclasses.fields(RowCounts)}
     return cls(tokens=final.tokens, lengths=final.lengths, prompt_lens=prompt_lens,
                iterations=final.iterations, k_rounds=k_rounds,
-               position_acceptance=position_acceptance, **counts)
+               position_acceptance=position_acceptance, row_acceptance=row_acceptance,
+               **counts)
 
 
 class LoopEnv(NamedTuple):

@@ -85,6 +85,18 @@ Where drafting cannot pay at that acceptance (a large batch, a dear drafter) the
 plainly from its first round instead of paying two drafted warm-up rounds; the prior is an
 input like the key, so a call stays a pure function of its arguments.
 
+A prior with spread. A pooled rate hides the row that bounds a large batch: on the widened
+target one prompt in 32 never drafts well with EAGLE-3 (alpha_0 0.016), the pooled rate is
+0.73, and at B = 32 the loop runs as long as that row (docs/governor.md). Passed the rows of
+earlier calls instead (DecodeResult.row_acceptance, resampled to PRIOR_ROWS profiles), the
+"slowest" objective treats each row as a finite mixture over the profiles (empirical Bayes
+with the earlier rows as the population): prior weight 1/Q each, reweighted by the likelihood
+of the row's own counts (choice.profile_weights), and E[max_b N_b] integrates the mixtures'
+CDFs. So before any evidence a B = 32 batch expects a row as poor as the poorest earlier ones
+with the probability they had (one in 32 earlier rows: in 64 % of batches of 32), while one
+row (B = 1) is one draw; and a row's few rejections move its weight to the poor profiles,
+faster than its smoothed rate falls to the gate.
+
 Plain is final. Once the governor picks K = 0 after the warm-up, every remaining round is a
 plain step: the estimates stop moving in plain rounds, so the choice would not change (no
 probing: a probe would cost a drafting round). These steps skip the drafter's commit and the
@@ -106,11 +118,11 @@ speculative round for any K, so the output distribution is the target's (tests/t
 """
 
 from spec_jax.governor.choice import (batch_seconds, choose, expected_tokens, observe,
-                                     position_alpha, row_alpha)
+                                     position_alpha, profile_weights, row_alpha)
 from spec_jax.governor.costs import CostTable
-from spec_jax.governor.options import (DEFAULT_KS, OPTIONS, Governor, GovernorState,
-                                      pooled_acceptance)
+from spec_jax.governor.options import (DEFAULT_KS, OPTIONS, PRIOR_ROWS, Governor,
+                                      GovernorState, pooled_acceptance)
 
 __all__ = ["Governor", "GovernorState", "CostTable", "DEFAULT_KS", "OPTIONS", "choose",
            "observe", "row_alpha", "position_alpha", "expected_tokens", "batch_seconds",
-           "pooled_acceptance"]
+           "pooled_acceptance", "profile_weights", "PRIOR_ROWS"]

@@ -68,26 +68,64 @@ def pooled_alpha(gov: Governor, gs: GovernorState, rows):
 _GRID = 128
 
 
-def expected_max_rounds(mean, std, active):
-  """E[max_b N_b] over the active rows, N_b ~ Normal(mean_b, std_b^2) independent and >= 0:
-  lo + the integral over [lo, hi] of P(max > n) = 1 - prod_b Phi((n - mean_b) / std_b), where
-  P(max > n) ~ 1 below lo and ~ 0 above hi; midpoint rule on a grid.
-  mean, std: float32 [B]; active: bool [B] (no active row: 0)."""
-  std = jnp.maximum(std, 1e-3)
-  lo = jnp.maximum(jnp.max(jnp.where(active, mean - 6.0 * std, 0.0)), 0.0)
-  hi = jnp.max(jnp.where(active, mean + 6.0 * std, 0.0))
+def expected_max_rounds(mean, std, active, weights=None):
+  """E[max_b N_b] over the active rows, N_b independent and >= 0: lo + the integral over
+  [lo, hi] of P(max > n) = 1 - prod_b F_b(n), where P(max > n) ~ 1 below lo and ~ 0 above hi;
+  midpoint rule on a grid.
+
+  mean, std: float32 [B] (N_b ~ Normal(mean_b, std_b^2)) or [B, Q] with weights [B, Q] (rows
+  summing to 1): N_b a mixture, F_b(n) = sum_q w_bq Phi((n - mean_bq) / std_bq) (a row whose
+  acceptance is one of Q profiles, `profile_weights`); active: bool [B] (no active row: 0)."""
+  mean, std = jnp.asarray(mean, jnp.float32), jnp.maximum(jnp.asarray(std, jnp.float32), 1e-3)
+  if mean.ndim == 1:
+    mean, std = mean[:, None], std[:, None]
+  if weights is None:
+    weights = jnp.ones(mean.shape, jnp.float32) / mean.shape[1]
+  act = active[:, None]
+  # below lo some row is surely unfinished (all its components are); above hi every row is done
+  lo = jnp.maximum(jnp.max(jnp.where(active, jnp.min(mean - 6.0 * std, axis=1), 0.0)), 0.0)
+  hi = jnp.max(jnp.where(act, mean + 6.0 * std, 0.0))
   n = lo + (hi - lo) * (jnp.arange(_GRID, dtype=jnp.float32) + 0.5) / _GRID      # midpoints
-  cdf = 0.5 * (1.0 + jax.lax.erf((n[:, None] - mean[None, :]) / (std[None, :] * jnp.sqrt(2.0))))
+  z = (n[:, None, None] - mean[None]) / (std[None] * jnp.sqrt(2.0))               # [G, B, Q]
+  cdf = jnp.sum(weights[None] * 0.5 * (1.0 + jax.lax.erf(z)), axis=2)            # [G, B]
   below = jnp.prod(jnp.where(active[None, :], cdf, 1.0), axis=1)                 # P(max <= n)
   return jnp.where(jnp.any(active), lo + (hi - lo) / _GRID * jnp.sum(1.0 - below), 0.0)
 
 
-def batch_seconds(gov: Governor, tau, cost, active, remaining, variance=None):
+def profile_weights(gs: GovernorState, eps: float = 0.01):
+  """float32 [B, Q]: each row's posterior weight on the Q profiles of an acceptance prior with
+  spread (GovernorState.profiles: the rows of earlier calls), a finite-mixture empirical
+  Bayes: prior 1/Q each, times the likelihood of the row's own smoothed counts under profile
+  q, prod_j p_qj^A_bj (1 - p_qj)^(J_bj - A_bj) (p clipped to [eps, 1 - eps]). Before any
+  evidence every row is the population (uniform weights): at B = 32 a profile one earlier
+  row in 32 had is likely in the batch. After a few rejections a row's weight moves to the
+  poor profiles. Equal profiles (a pooled prior, the guess) give uniform weights."""
+  mean = jnp.mean(gs.profiles, axis=0)
+  own_a = jnp.maximum(gs.accepted - gs.prior_mass * mean, 0.0)                   # [B, W]
+  own_r = jnp.maximum(gs.judged - gs.prior_mass - own_a, 0.0)
+  p = jnp.clip(gs.profiles, eps, 1.0 - eps)                                      # [Q, W]
+  loglik = own_a @ jnp.log(p).T + own_r @ jnp.log1p(-p).T                        # [B, Q]
+  return jax.nn.softmax(loglik, axis=1)
+
+
+def profile_alpha(gs: GovernorState, est):
+  """float32 [B, Q, W]: row b's estimate `est` [B, W] (its counts shrunk toward the pool:
+  `pooled_alpha`) moved by the prior's share of its counts from the profiles' mean to profile
+  q: est_b + prior_mass_b / J_b * (profile_q - mean). Before any evidence the components are
+  the profiles themselves; the prior's share fades as the row's own evidence accrues
+  (prior_mass decays, J grows)."""
+  spread = gs.profiles - jnp.mean(gs.profiles, axis=0)                            # [Q, W]
+  scale = gs.prior_mass / jnp.maximum(gs.judged, 1e-6)                            # [B, W]
+  return jnp.clip(est[:, None, :] + scale[:, None, :] * spread[None], 0.0, 1.0)
+
+
+def batch_seconds(gov: Governor, tau, cost, active, remaining, variance=None, weights=None):
   """Predicted seconds for the batch at one K (lower is better; the module docstring).
 
   tau: float32 [B] each row's expected tokens per round at this K; variance: float32 [B] the
   variance of a round's tokens (None: 0); cost: seconds per round; active: bool [B];
-  remaining: float32 [B] tokens each row still needs.
+  remaining: float32 [B] tokens each row still needs. With a prior's profiles ("slowest"
+  only): tau, variance [B, Q] per profile and weights [B, Q] (`profile_weights`).
   objective "slowest": the loop runs until its last row is done, so the cost of a round times
   the expected number of rounds the slowest row needs, E[max_b N_b]. Row b needs N_b rounds
   for R_b tokens at tau_b tokens a round, the rounds of a renewal process: approximately
@@ -101,9 +139,11 @@ def batch_seconds(gov: Governor, tau, cost, active, remaining, variance=None):
     if variance is None:                   # plain rounds: one token each, no spread
       return cost * jnp.max(jnp.where(active, remaining, 0.0))
     rest = jnp.maximum(remaining - 1.0, 0.0)   # the first round emits >= 1 token for sure
+    if jnp.ndim(tau) == 2:
+      rest = rest[:, None]
     mean = 1.0 + rest / tau
     std = jnp.sqrt(rest * variance / tau ** 3)
-    return cost * expected_max_rounds(mean, std, active)
+    return cost * expected_max_rounds(mean, std, active, weights)
   return cost / jnp.maximum(jnp.sum(jnp.where(active, tau, 0.0)), 1e-6)
 
 
@@ -128,6 +168,12 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   costs = jnp.asarray(costs, jnp.float32)
   seconds = []
   est = pooled_alpha(gov, gs, active & draft_rows) if gov.objective == "slowest" else alpha
+  weights = None
+  if gov.objective == "slowest" and gs.profiles is not None:   # a prior with spread: mixtures
+    weights = profile_weights(gs)                                    # [B, Q]
+    est = profile_alpha(gs, est)                                # [B, Q, W]
+  rows = draft_rows if weights is None else draft_rows[:, None]
+  ones = jnp.ones(est.shape[:-1], jnp.float32)
   # The entry cost (costs[len(ks)], when given): the drafter's work on the prompt, paid once
   # before the first drafted round; only the first choice can still avoid it. Seconds: added
   # to the "slowest" objective's predicted seconds (the "mean" objective's rate has no place
@@ -135,10 +181,9 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
   entry = costs[len(ks)] if costs.shape[0] > len(ks) and gov.objective == "slowest" else 0.0
   entry = jnp.where(jnp.asarray(iteration) == 0, entry, 0.0)
   for i, k in enumerate(ks):
-    tau = jnp.where(draft_rows, expected_tokens(est, k), 1.0) if k else jnp.ones(
-        active.shape, jnp.float32)
-    var = jnp.where(draft_rows, token_variance(est, k), 0.0) if k else None
-    seconds.append(batch_seconds(gov, tau, costs[i], active, remaining, var) +
+    tau = jnp.where(rows, expected_tokens(est, k), 1.0) if k else ones
+    var = jnp.where(rows, token_variance(est, k), 0.0) if k else None
+    seconds.append(batch_seconds(gov, tau, costs[i], active, remaining, var, weights) +
                    (entry if k else 0.0))
   if 0 in ks and gov.warmup_rounds and any(k > 0 for k in ks):
     i0 = ks.index(0)
@@ -176,5 +221,9 @@ def observe(gov: Governor, gs: GovernorState, active, accepted, k: int,
   judged = (pos <= a) & (pos < budget[:, None])
   hit = (pos < a).astype(jnp.float32)
   lam = gov.smoothing
+  mass = gs.prior_mass
+  if mass is not None:
+    mass = jnp.where(judged, lam * mass, mass)
   return gs.replace(accepted=jnp.where(judged, lam * gs.accepted + hit, gs.accepted),
-                    judged=jnp.where(judged, lam * gs.judged + 1.0, gs.judged))
+                    judged=jnp.where(judged, lam * gs.judged + 1.0, gs.judged),
+                    prior_mass=mass)

@@ -34,6 +34,10 @@ OPTIONS = {
                    "estimate under objective 'slowest', >= 0 (default 4; 0 = rows alone)",
 }
 OBJECTIVES = ("slowest", "mean")
+# Rows of an acceptance prior with spread (generate's acceptance_prior of shape [M, W], an
+# earlier output's stats.row_acceptance): resampled to this many, so that every prior (and
+# none) is the same argument shape, i.e. one executable.
+PRIOR_ROWS = 32
 
 
 def is_int(x) -> bool:
@@ -203,26 +207,36 @@ class Governor:
 
     prior: None (the guess: prior_alpha at every position, and the warm-up rounds draft), or
     float32 [W] per-position acceptance learned from earlier calls of the same pair
-    (DecodeResult.position_acceptance; W = the largest candidate K), worth prior_weight
-    judged drafts at each position. Where every entry is >= 0 the state is `informed`: the
-    first rounds are chosen from it, with no warm-up. A traced array: one executable either way
-    (entries < 0 mean "no prior")."""
+    (DecodeResult.position_acceptance; W = the largest candidate K), or float32 [Q, W] the
+    rows of earlier calls (DecodeResult.row_acceptance, resampled to Q = PRIOR_ROWS rows by
+    Governed.acceptance_prior): the spread of per-row acceptance, which the slowest-row
+    objective reads as a mixture (`choice.profile_weights`). Each row starts at the rows'
+    mean, worth prior_weight judged drafts at each position. Where every entry is >= 0 the
+    state is `informed`: the first rounds are chosen from it, with no warm-up. A traced
+    array: one executable either way (entries < 0 mean "no prior")."""
     width = (batch, max(1, max(self.candidates(drafter))))
     alpha = jnp.full(width, self.prior_alpha, jnp.float32)
     informed = jnp.zeros((), bool)
+    profiles = None
     if prior is not None:
-      prior = jnp.asarray(prior, jnp.float32).reshape(-1)
-      if prior.shape != width[1:]:
+      prior = jnp.asarray(prior, jnp.float32)
+      if prior.ndim == 1:
+        prior = prior[None, :]
+      if prior.ndim != 2 or prior.shape[1:] != width[1:]:
         raise ValueError(f"acceptance_prior must hold one acceptance per draft position: shape "
-                         f"{width[1:]}, got {prior.shape}")
+                         f"{width[1:]} or (rows, {width[1]}), got {prior.shape}")
       informed = jnp.all(prior >= 0.0)
-      alpha = jnp.where(informed, jnp.clip(prior, 0.0, 1.0)[None, :], alpha)
+      profiles = jnp.where(informed, jnp.clip(prior, 0.0, 1.0), self.prior_alpha)
+      alpha = jnp.broadcast_to(jnp.mean(profiles, axis=0)[None, :], width)
     return GovernorState(
         accepted=alpha * self.prior_weight,
         judged=jnp.full(width, self.prior_weight, jnp.float32),
         k_hist=jnp.zeros((len(self.candidates(drafter)),), jnp.int32),
         choice=jnp.zeros((), jnp.int32),
-        informed=informed)
+        informed=informed,
+        profiles=profiles,
+        prior_mass=None if profiles is None else jnp.full(width, self.prior_weight,
+                                                          jnp.float32))
 
 
 @flax.struct.dataclass
@@ -235,12 +249,20 @@ class GovernorState:
   k_hist: int32 [N] loop iterations that ran with each candidate K.
   choice: int32 scalar, the index (into the candidates) of the next round's K.
   informed: bool scalar, the prior was learned from earlier calls (no warm-up rounds).
+  profiles: float32 [Q, W] the per-row acceptance of earlier calls' rows (the prior's spread;
+    Q equal rows when the prior is pooled or the guess), or None (no spread: the estimates
+    alone).
+  prior_mass: float32 [B, W] the judged drafts of the prior still in accepted / judged (it
+    decays as evidence arrives: prior_weight * smoothing ** times judged), or None. The row's
+    own counts are accepted - prior_mass * mean(profiles), judged - prior_mass.
   """
   accepted: jax.Array
   judged: jax.Array
   k_hist: jax.Array
   choice: jax.Array
   informed: jax.Array = None
+  profiles: jax.Array = None
+  prior_mass: jax.Array = None
 
 
 def pooled_acceptance(gs: GovernorState):

@@ -15,8 +15,8 @@ from spec_jax.decoding.rounds import chain_round
 from spec_jax.decoding.state import DecodeState, LoopEnv
 from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import Drafter
-from spec_jax.governor import (Governor, GovernorState, choose, observe, pooled_acceptance,
-                              row_alpha)
+from spec_jax.governor import (PRIOR_ROWS, Governor, GovernorState, choose, observe,
+                               pooled_acceptance, position_alpha, row_alpha)
 
 
 def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
@@ -142,24 +142,33 @@ class Governed(Strategy):
     return self.governor.cost_array(drafter, round_costs)        # ValueError on a bad table
 
   def acceptance_prior(self, prior):
-    """float32 [W] (W = the largest candidate K): generate()'s acceptance_prior (a sequence of
-    per-position acceptances in [0, 1]; shorter: the last entry repeats; longer: cut), or -1s
-    for None, so that calls with and without a prior share one executable. ValueError for
-    anything else."""
-    width = self.width
+    """float32 [Q, W] (Q = governor PRIOR_ROWS, W = the largest candidate K): generate()'s
+    acceptance_prior as decode takes it, or -1s for None, so that calls with and without a
+    prior share one executable. The prior is either one sequence of per-position acceptances
+    in [0, 1] (an earlier output's stats.position_acceptance, pooled over its rows: repeated
+    Q times) or a sequence of such rows (stats.row_acceptance, the spread of the rows: sorted
+    by their expected tokens and resampled to Q rows at evenly spaced quantiles, the best and
+    the worst kept); a row shorter than W repeats its last entry, a longer one is cut.
+    ValueError for anything else."""
+    width, q = self.width, PRIOR_ROWS
     if prior is None:
-      return np.full((width,), -1.0, np.float32)
+      return np.full((q, width), -1.0, np.float32)
     try:
-      values = np.asarray(prior, np.float64).reshape(-1)
+      values = np.asarray(prior, np.float64)
     except (TypeError, ValueError):
       values = None
-    if values is None or values.size == 0 or not np.all(np.isfinite(values)) or np.any(
-        (values < 0) | (values > 1)):
+    if (values is None or values.ndim not in (1, 2) or values.size == 0
+        or not np.all(np.isfinite(values)) or np.any((values < 0) | (values > 1))):
       raise ValueError(f"acceptance_prior must be a non-empty sequence of per-position "
-                       f"acceptances in [0, 1] (an earlier output's stats.position_acceptance),"
-                       f" got {prior!r}")
-    values = np.concatenate([values, np.full((max(width - values.size, 0),), values[-1])])
-    return values[:width].astype(np.float32)
+                       f"acceptances in [0, 1] (an earlier output's stats.position_acceptance)"
+                       f" or a sequence of such rows (stats.row_acceptance), got {prior!r}")
+    rows = values[None, :] if values.ndim == 1 else values
+    rows = np.concatenate([rows, np.repeat(rows[:, -1:], max(width - rows.shape[1], 0), 1)],
+                          axis=1)[:, :width]
+    tau = np.sum(np.cumprod(rows, axis=1), axis=1)          # expected tokens at K = W, less 1
+    rows = rows[np.argsort(tau, kind="stable")]
+    pick = np.rint(np.linspace(0, rows.shape[0] - 1, q)).astype(int)
+    return rows[pick].astype(np.float32)
 
   @property
   def calibration_ks(self):
@@ -187,6 +196,11 @@ class Governed(Strategy):
   def position_acceptance(self, final):
     """The governor's estimate pooled over the rows (governor.pooled_acceptance)."""
     return pooled_acceptance(final.strategy)
+
+  def row_acceptance(self, final):
+    """float32 [B, W]: each row's estimate at the end (governor.position_alpha, its prior
+    decayed by the evidence)."""
+    return position_alpha(final.strategy)
 
   def run(self, env, state):
     return governed_loop(env, self.governor, env.round_costs, state)
