@@ -495,6 +495,11 @@ def test_alpha_estimate_counts_accepted_and_first_failure():
   gs4 = governor_lib.observe(gov, gs, active, accepted, 4, jnp.asarray([4, 1, 4], jnp.int32))
   np.testing.assert_allclose(gs4.accepted[1], [1.6, 1.2, 1.2, 1.2])
   assert governor_lib.observe(gov, gs, active, accepted, 0, None) is gs
+  # row_acceptance (what a later call's prior with spread carries): the whole call's counts,
+  # undecayed, without the prior; the prior where a position was never judged.
+  gs5 = governor_lib.observe(gov, gs2, active, jnp.asarray([0, 2, 0], jnp.int32), 4, None)
+  np.testing.assert_allclose(governor_lib.row_acceptance(gs5)[:2],
+                             [[0.5, 1.0, 1.0, 1.0], [1.0, 0.5, 0.0, 0.6]])
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -121,8 +121,8 @@ from spec_jax.governor.choice import (batch_seconds, choose, expected_tokens, ob
                                      position_alpha, profile_weights, row_alpha)
 from spec_jax.governor.costs import CostTable
 from spec_jax.governor.options import (DEFAULT_KS, OPTIONS, PRIOR_ROWS, Governor,
-                                      GovernorState, pooled_acceptance)
+                                      GovernorState, pooled_acceptance, row_acceptance)
 
 __all__ = ["Governor", "GovernorState", "CostTable", "DEFAULT_KS", "OPTIONS", "choose",
            "observe", "row_alpha", "position_alpha", "expected_tokens", "batch_seconds",
-           "pooled_acceptance", "profile_weights", "PRIOR_ROWS"]
+           "pooled_acceptance", "profile_weights", "PRIOR_ROWS", "row_acceptance"]

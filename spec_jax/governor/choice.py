@@ -242,6 +242,10 @@ def observe(gov: Governor, gs: GovernorState, active, accepted, k: int,
   mass = gs.prior_mass
   if mass is not None:
     mass = jnp.where(judged, lam * mass, mass)
+  seen = {}
+  if gs.seen_judged is not None:
+    seen = dict(seen_accepted=jnp.where(judged, gs.seen_accepted + hit, gs.seen_accepted),
+                seen_judged=jnp.where(judged, gs.seen_judged + 1.0, gs.seen_judged))
   return gs.replace(accepted=jnp.where(judged, lam * gs.accepted + hit, gs.accepted),
                     judged=jnp.where(judged, lam * gs.judged + 1.0, gs.judged),
-                    prior_mass=mass)
+                    prior_mass=mass, **seen)

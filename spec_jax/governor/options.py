@@ -236,7 +236,9 @@ class Governor:
         informed=informed,
         profiles=profiles,
         prior_mass=None if profiles is None else jnp.full(width, self.prior_weight,
-                                                          jnp.float32))
+                                                          jnp.float32),
+        seen_accepted=jnp.zeros(width, jnp.float32),
+        seen_judged=jnp.zeros(width, jnp.float32))
 
 
 @flax.struct.dataclass
@@ -255,6 +257,10 @@ class GovernorState:
   prior_mass: float32 [B, W] the judged drafts of the prior still in accepted / judged (it
     decays as evidence arrives: prior_weight * smoothing ** times judged), or None. The row's
     own counts are accepted - prior_mass * mean(profiles), judged - prior_mass.
+  seen_accepted, seen_judged: float32 [B, W] the same counts over the whole call, undecayed
+    and without the prior, or None: each row's acceptance over the call (row_acceptance), the
+    spread a later call's prior carries (the smoothed estimates, worth about 1 / (1 -
+    smoothing) judged drafts, would overstate it with their own noise).
   """
   accepted: jax.Array
   judged: jax.Array
@@ -263,6 +269,19 @@ class GovernorState:
   informed: jax.Array = None
   profiles: jax.Array = None
   prior_mass: jax.Array = None
+  seen_accepted: jax.Array = None
+  seen_judged: jax.Array = None
+
+
+def row_acceptance(gs: GovernorState):
+  """float32 [B, W]: each row's acceptance of draft position j over the whole call (the
+  undecayed counts, prior excluded); where a position was never judged, the smoothed
+  estimate (its prior). What DecodeResult.row_acceptance hands a later call."""
+  smoothed = jnp.clip(gs.accepted / jnp.maximum(gs.judged, 1e-6), 0.0, 1.0)
+  if gs.seen_judged is None:
+    return smoothed
+  return jnp.where(gs.seen_judged > 0, gs.seen_accepted / jnp.maximum(gs.seen_judged, 1e-6),
+                   smoothed)
 
 
 def pooled_acceptance(gs: GovernorState):

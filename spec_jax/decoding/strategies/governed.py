@@ -16,7 +16,8 @@ from spec_jax.decoding.state import DecodeState, LoopEnv
 from spec_jax.decoding.strategies.base import Strategy
 from spec_jax.drafters.base import Drafter
 from spec_jax.governor import (PRIOR_ROWS, Governor, GovernorState, choose, observe,
-                               pooled_acceptance, position_alpha, row_alpha)
+                               pooled_acceptance, row_alpha)
+from spec_jax.governor import row_acceptance as governor_row_acceptance
 
 
 def governed_loop(env: LoopEnv, gov: Governor, costs, state: DecodeState,
@@ -198,9 +199,9 @@ class Governed(Strategy):
     return pooled_acceptance(final.strategy)
 
   def row_acceptance(self, final):
-    """float32 [B, W]: each row's estimate at the end (governor.position_alpha, its prior
-    decayed by the evidence)."""
-    return position_alpha(final.strategy)
+    """float32 [B, W]: each row's acceptance over the call (governor.row_acceptance: its
+    undecayed counts; the prior where a position was never judged)."""
+    return governor_row_acceptance(final.strategy)
 
   def run(self, env, state):
     return governed_loop(env, self.governor, env.round_costs, state)
