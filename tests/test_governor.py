@@ -420,20 +420,27 @@ def _spread_state(gov, batch, profiles, width=4):
 def test_a_prior_with_spread_expects_the_poorest_rows_as_often_as_they_came():
   """EAGLE-3's case at B = 32: one earlier row in 32 never drafts. The pooled prior (0.73)
   says draft; the spread says that at B = 32 such a row is in the batch 64 % of the time and
-  then bounds the loop at one token a round, so with t(1) = 1.25 t(0) plain from the first
-  round; at B = 1 (one draw, 31 in 32 good) drafting still pays. As a row's own rejections accrue its weight moves to the poor
+  then bounds the loop at one token a round, so with t(1) = 1.25 t(0) plain (after the
+  warm-up, which a prior with spread keeps); at B = 1 (one draw, 31 in 32 good) drafting
+  still pays. As a row's own rejections accrue its weight moves to the poor
   profile."""
   ks = (0, 1, 2)
   gov = sj.Governor(ks=ks, costs={0: 1.0, 1: 1.25, 2: 1.4})
   costs, profiles = jnp.asarray([1.0, 1.25, 1.4, 0.0]), [0.75] * 31 + [0.02]
 
-  def first_choice(gs, b):
-    return ks[int(governor_lib.choose(gov, ks, gs, costs, jnp.ones((b,), bool), jnp.int32(0),
+  def first_choice(gs, b, it=0):
+    return ks[int(governor_lib.choose(gov, ks, gs, costs, jnp.ones((b,), bool), jnp.int32(it),
                                       jnp.full((b,), 64))[0])]
 
   assert first_choice(_spread_state(gov, 32, [float(np.mean(profiles))]), 32) > 0
-  assert first_choice(_spread_state(gov, 32, profiles), 32) == 0
-  assert first_choice(_spread_state(gov, 1, profiles), 1) > 0
+  # A prior with spread keeps the drafted warm-up (its evidence tells this batch's rows from
+  # the population's poor ones); a pooled prior skips it.
+  assert first_choice(_spread_state(gov, 32, profiles), 32) > 0
+  assert first_choice(_spread_state(gov, 32, [0.02]), 32) == 0
+  # Past the warm-up, on the profiles alone (no evidence yet): plain at B = 32, draft at 1.
+  assert first_choice(_spread_state(gov, 32, profiles), 32, it=2) == 0
+  assert first_choice(_spread_state(gov, 32, [float(np.mean(profiles))]), 32, it=2) > 0
+  assert first_choice(_spread_state(gov, 1, profiles), 1, it=2) > 0
   gs = _spread_state(gov, 2, profiles)
   np.testing.assert_allclose(governor_lib.profile_weights(gs), 1 / 32, rtol=1e-5)
   for _ in range(4):          # row 0 fails its first draft four times, row 1 accepts both
@@ -496,10 +503,14 @@ def test_alpha_estimate_counts_accepted_and_first_failure():
   np.testing.assert_allclose(gs4.accepted[1], [1.6, 1.2, 1.2, 1.2])
   assert governor_lib.observe(gov, gs, active, accepted, 0, None) is gs
   # row_acceptance (what a later call's prior with spread carries): the whole call's counts,
-  # undecayed, without the prior; the prior where a position was never judged.
+  # undecayed, without the prior.
   gs5 = governor_lib.observe(gov, gs2, active, jnp.asarray([0, 2, 0], jnp.int32), 4, None)
-  np.testing.assert_allclose(governor_lib.row_acceptance(gs5)[:2],
-                             [[0.5, 1.0, 1.0, 1.0], [1.0, 0.5, 0.0, 0.6]])
+  pool = governor_lib.pooled_acceptance(gs5)      # shrunk toward it by pool_weight judged drafts
+  np.testing.assert_allclose(governor_lib.row_acceptance(gs5, 0.0)[:2],      # never judged: pool
+                             [[0.5, 1.0, 1.0, 1.0], [1.0, 0.5, 0.0, float(pool[3])]], atol=1e-6)
+  np.testing.assert_allclose(governor_lib.row_acceptance(gs5, 4.0)[1],
+                             (np.asarray([2.0, 1.0, 0.0, 0.0]) + 4 * pool) /
+                             (np.asarray([2.0, 2.0, 1.0, 0.0]) + 4), rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input

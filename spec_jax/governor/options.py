@@ -273,15 +273,19 @@ class GovernorState:
   seen_judged: jax.Array = None
 
 
-def row_acceptance(gs: GovernorState):
-  """float32 [B, W]: each row's acceptance of draft position j over the whole call (the
-  undecayed counts, prior excluded); where a position was never judged, the smoothed
-  estimate (its prior). What DecodeResult.row_acceptance hands a later call."""
-  smoothed = jnp.clip(gs.accepted / jnp.maximum(gs.judged, 1e-6), 0.0, 1.0)
+def row_acceptance(gs: GovernorState, pool_weight: float = 4.0):
+  """float32 [B, W]: each row's acceptance of draft position j over the whole call, its
+  undecayed counts (prior excluded) shrunk toward the call's pooled rate P_j worth
+  `pool_weight` judged drafts: (A_bj + w P_j) / (J_bj + w), the empirical-Bayes posterior mean.
+  A row judged twice says little (0 / 2 is not hopeless), one judged thirty times says what
+  it is: without the shrinkage the rows' spread would be their counting noise. What
+  DecodeResult.row_acceptance hands a later call."""
   if gs.seen_judged is None:
-    return smoothed
-  return jnp.where(gs.seen_judged > 0, gs.seen_accepted / jnp.maximum(gs.seen_judged, 1e-6),
-                   smoothed)
+    return jnp.clip(gs.accepted / jnp.maximum(gs.judged, 1e-6), 0.0, 1.0)
+  pool = pooled_acceptance(gs)
+  mass = gs.seen_judged + pool_weight
+  return jnp.where(mass > 0, jnp.clip((gs.seen_accepted + pool_weight * pool) /
+                                      jnp.maximum(mass, 1e-6), 0.0, 1.0), pool)
 
 
 def pooled_acceptance(gs: GovernorState):

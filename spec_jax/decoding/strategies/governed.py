@@ -200,8 +200,8 @@ class Governed(Strategy):
 
   def row_acceptance(self, final):
     """float32 [B, W]: each row's acceptance over the call (governor.row_acceptance: its
-    undecayed counts; the prior where a position was never judged)."""
-    return governor_row_acceptance(final.strategy)
+    undecayed counts shrunk toward the pooled rate by the governor's pool_weight)."""
+    return governor_row_acceptance(final.strategy, self.governor.pool_weight)
 
   def run(self, env, state):
     return governed_loop(env, self.governor, env.round_costs, state)
