@@ -95,7 +95,12 @@ of the row's own counts (choice.profile_weights), and E[max_b N_b] integrates th
 CDFs. So before any evidence a B = 32 batch expects a row as poor as the poorest earlier ones
 with the probability they had (one in 32 earlier rows: in 64 % of batches of 32), while one
 row (B = 1) is one draw; and a row's few rejections move its weight to the poor profiles,
-faster than its smoothed rate falls to the gate.
+faster than its smoothed rate falls to the gate. The rows handed over are each row's
+whole-call counts shrunk toward the call's pooled rate by pool_weight judged drafts
+(governor.row_acceptance): raw estimates carry their counting noise, and a mixture over
+them expected poor rows that were not there (plain at B = 16 where K = 2 gained 1.28x). A
+prior with spread keeps the drafted warm-up: without evidence the mixture is a bet on the
+population, and plain is final.
 
 Plain is final. Once the governor picks K = 0 after the warm-up, every remaining round is a
 plain step: the estimates stop moving in plain rounds, so the choice would not change (no

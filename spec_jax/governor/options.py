@@ -212,8 +212,9 @@ class Governor:
     Governed.acceptance_prior): the spread of per-row acceptance, which the slowest-row
     objective reads as a mixture (`choice.profile_weights`). Each row starts at the rows'
     mean, worth prior_weight judged drafts at each position. Where every entry is >= 0 the
-    state is `informed`: the first rounds are chosen from it, with no warm-up. A traced
-    array: one executable either way (entries < 0 mean "no prior")."""
+    state is `informed`: the first rounds are chosen from it, with no warm-up (a pooled
+    prior; one with spread keeps the drafted warm-up, whose evidence weighs the mixture). A
+    traced array: one executable either way (entries < 0 mean "no prior")."""
     width = (batch, max(1, max(self.candidates(drafter))))
     alpha = jnp.full(width, self.prior_alpha, jnp.float32)
     informed = jnp.zeros((), bool)
