@@ -442,10 +442,10 @@ def test_a_prior_with_spread_expects_the_poorest_rows_as_often_as_they_came():
   assert first_choice(_spread_state(gov, 32, [float(np.mean(profiles))]), 32, it=2) > 0
   assert first_choice(_spread_state(gov, 1, profiles), 1, it=2) > 0
   gs = _spread_state(gov, 2, profiles)
-  np.testing.assert_allclose(governor_lib.profile_weights(gs), 1 / 32, rtol=1e-5)
+  np.testing.assert_allclose(governor_lib.profile_weights(gov, gs), 1 / 32, rtol=1e-5)
   for _ in range(4):          # row 0 fails its first draft four times, row 1 accepts both
     gs = governor_lib.observe(gov, gs, jnp.ones((2,), bool), jnp.asarray([0, 2]), 2, None)
-  w = governor_lib.profile_weights(gs)
+  w = governor_lib.profile_weights(gov, gs)
   assert float(w[0, 0]) > 0.5 and float(w[1, 0]) < 1e-3     # the poor profile sorts first
   # Equal profiles (a pooled prior) leave the choice as it was without spread.
   plain = gov.init_state(sj.drafters.NGram(), 4)
@@ -725,6 +725,13 @@ def test_position_acceptance_from_a_chains_counts():
                              [3 / 6, 2 / 3, 1.0])
   np.testing.assert_allclose(chain.position_acceptance(final([[2, 0, 0]], [2])), [1.0, 0.0, 0.0])
   np.testing.assert_allclose(chain.position_acceptance(final([[0, 0, 0]], [0])), [-1.0] * 3)
+  # row_acceptance: each row's own counts shrunk toward that pool by 4 judged drafts
+  pool = np.asarray([4 / 6, 2 / 4, 0.0])
+  np.testing.assert_allclose(chain.row_acceptance(final([[3, 2, 0], [1, 0, 0]], [4, 2])),
+                             [(np.asarray([3, 2, 0]) + 4 * pool) / (np.asarray([4, 3, 2]) + 4),
+                              (np.asarray([1, 0, 0]) + 4 * pool) / (np.asarray([2, 1, 0]) + 4)],
+                             rtol=1e-6)
+  np.testing.assert_allclose(chain.row_acceptance(final([[0, 0, 0]], [0])), [[-1.0] * 3])
 
 
 def test_plain_rounds_cost_what_plain_decoding_costs():

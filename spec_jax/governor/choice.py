@@ -94,7 +94,7 @@ def expected_max_rounds(mean, std, active, weights=None):
   return jnp.where(jnp.any(active), lo + (hi - lo) / _GRID * jnp.sum(1.0 - below), 0.0)
 
 
-def profile_weights(gs: GovernorState, eps: float = 0.01):
+def profile_weights(gov: Governor, gs: GovernorState, eps: float = 0.01):
   """float32 [B, Q]: each row's posterior weight on the Q profiles of an acceptance prior with
   spread (GovernorState.profiles: the rows of earlier calls), a finite-mixture empirical
   Bayes: prior 1/Q each, times the likelihood of the row's own smoothed counts under profile
@@ -102,22 +102,29 @@ def profile_weights(gs: GovernorState, eps: float = 0.01):
   evidence every row is the population (uniform weights): at B = 32 a profile one earlier
   row in 32 had is likely in the batch. After a few rejections a row's weight moves to the
   poor profiles. Equal profiles (a pooled prior, the guess) give uniform weights."""
-  mean = jnp.mean(gs.profiles, axis=0)
-  own_a = jnp.maximum(gs.accepted - gs.prior_mass * mean, 0.0)                   # [B, W]
-  own_r = jnp.maximum(gs.judged - gs.prior_mass - own_a, 0.0)
+  mean, mass = jnp.mean(gs.profiles, axis=0), prior_mass(gov, gs)
+  own_a = jnp.maximum(gs.accepted - mass * mean, 0.0)                           # [B, W]
+  own_r = jnp.maximum(gs.judged - mass - own_a, 0.0)
   p = jnp.clip(gs.profiles, eps, 1.0 - eps)                                      # [Q, W]
   loglik = own_a @ jnp.log(p).T + own_r @ jnp.log1p(-p).T                        # [B, Q]
   return jax.nn.softmax(loglik, axis=1)
 
 
-def profile_alpha(gs: GovernorState, est):
+def prior_mass(gov: Governor, gs: GovernorState):
+  """float32 [B, W]: the judged drafts of the prior still in each row's smoothed counts,
+  prior_weight * smoothing ** (times judged): the row's own counts are accepted - mass *
+  mean(profiles) and judged - mass."""
+  return gov.prior_weight * gov.smoothing ** gs.seen_judged
+
+
+def profile_alpha(gov: Governor, gs: GovernorState, est):
   """float32 [B, Q, W]: row b's estimate `est` [B, W] (its counts shrunk toward the pool:
   `pooled_alpha`) moved by the prior's share of its counts from the profiles' mean to profile
   q: est_b + prior_mass_b / J_b * (profile_q - mean). Before any evidence the components are
   the profiles themselves; the prior's share fades as the row's own evidence accrues
-  (prior_mass decays, J grows)."""
+  (`prior_mass` decays, J grows)."""
   spread = gs.profiles - jnp.mean(gs.profiles, axis=0)                            # [Q, W]
-  scale = gs.prior_mass / jnp.maximum(gs.judged, 1e-6)                            # [B, W]
+  scale = prior_mass(gov, gs) / jnp.maximum(gs.judged, 1e-6)                      # [B, W]
   return jnp.clip(est[:, None, :] + scale[:, None, :] * spread[None], 0.0, 1.0)
 
 
@@ -181,7 +188,7 @@ def choose(gov: Governor, ks: tuple, gs: GovernorState, costs, active, iteration
     # (only where the profiles differ: equal ones, a pooled prior or the guess, give the
     # single estimate's seconds at a twentieth of the cost, 0.03 against 0.6 ms at B = 32)
     seconds = jax.lax.cond(_has_spread(gs),
-                           lambda: predict(profile_alpha(gs, est), profile_weights(gs)),
+                           lambda: predict(profile_alpha(gov, gs, est), profile_weights(gov, gs)),
                            lambda: predict(est, None))
   else:
     seconds = predict(est, None)
@@ -248,13 +255,10 @@ def observe(gov: Governor, gs: GovernorState, active, accepted, k: int,
   judged = (pos <= a) & (pos < budget[:, None])
   hit = (pos < a).astype(jnp.float32)
   lam = gov.smoothing
-  mass = gs.prior_mass
-  if mass is not None:
-    mass = jnp.where(judged, lam * mass, mass)
   seen = {}
   if gs.seen_judged is not None:
     seen = dict(seen_accepted=jnp.where(judged, gs.seen_accepted + hit, gs.seen_accepted),
                 seen_judged=jnp.where(judged, gs.seen_judged + 1.0, gs.seen_judged))
   return gs.replace(accepted=jnp.where(judged, lam * gs.accepted + hit, gs.accepted),
                     judged=jnp.where(judged, lam * gs.judged + 1.0, gs.judged),
-                    prior_mass=mass, **seen)
+                    **seen)

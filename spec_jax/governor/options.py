@@ -38,6 +38,8 @@ OBJECTIVES = ("slowest", "mean")
 # earlier output's stats.row_acceptance): resampled to this many, so that every prior (and
 # none) is the same argument shape, i.e. one executable.
 PRIOR_ROWS = 32
+# Judged drafts a pooled rate is worth in a row's estimate (Governor's pool_weight default).
+DEFAULT_POOL_WEIGHT = 4.0
 
 
 def is_int(x) -> bool:
@@ -78,7 +80,8 @@ class Governor:
     if objective not in OBJECTIVES:
       raise ValueError(f"Governor objective must be one of {OBJECTIVES}, got {objective!r}")
     self.objective = objective
-    self.pool_weight = self._real(options, "pool_weight", 4.0, 0.0, math.inf)
+    self.pool_weight = self._real(options, "pool_weight", DEFAULT_POOL_WEIGHT, 0.0,
+                                  math.inf)
     costs = options.get("costs")
     if costs is not None:
       if isinstance(costs, CostTable):
@@ -236,8 +239,6 @@ class Governor:
         choice=jnp.zeros((), jnp.int32),
         informed=informed,
         profiles=profiles,
-        prior_mass=None if profiles is None else jnp.full(width, self.prior_weight,
-                                                          jnp.float32),
         seen_accepted=jnp.zeros(width, jnp.float32),
         seen_judged=jnp.zeros(width, jnp.float32))
 
@@ -255,13 +256,11 @@ class GovernorState:
   profiles: float32 [Q, W] the per-row acceptance of earlier calls' rows (the prior's spread;
     Q equal rows when the prior is pooled or the guess), or None (no spread: the estimates
     alone).
-  prior_mass: float32 [B, W] the judged drafts of the prior still in accepted / judged (it
-    decays as evidence arrives: prior_weight * smoothing ** times judged), or None. The row's
-    own counts are accepted - prior_mass * mean(profiles), judged - prior_mass.
   seen_accepted, seen_judged: float32 [B, W] the same counts over the whole call, undecayed
     and without the prior, or None: each row's acceptance over the call (row_acceptance), the
     spread a later call's prior carries (the smoothed estimates, worth about 1 / (1 -
-    smoothing) judged drafts, would overstate it with their own noise).
+    smoothing) judged drafts, would overstate it with their own noise); seen_judged also
+    says how much of the prior is left in the smoothed counts (choice.prior_mass).
   """
   accepted: jax.Array
   judged: jax.Array
@@ -269,12 +268,11 @@ class GovernorState:
   choice: jax.Array
   informed: jax.Array = None
   profiles: jax.Array = None
-  prior_mass: jax.Array = None
   seen_accepted: jax.Array = None
   seen_judged: jax.Array = None
 
 
-def row_acceptance(gs: GovernorState, pool_weight: float = 4.0):
+def row_acceptance(gs: GovernorState, pool_weight: float = DEFAULT_POOL_WEIGHT):
   """float32 [B, W]: each row's acceptance of draft position j over the whole call, its
   undecayed counts (prior excluded) shrunk toward the call's pooled rate P_j worth
   `pool_weight` judged drafts: (A_bj + w P_j) / (J_bj + w), the empirical-Bayes posterior mean.
@@ -283,10 +281,18 @@ def row_acceptance(gs: GovernorState, pool_weight: float = 4.0):
   DecodeResult.row_acceptance hands a later call."""
   if gs.seen_judged is None:
     return jnp.clip(gs.accepted / jnp.maximum(gs.judged, 1e-6), 0.0, 1.0)
-  pool = pooled_acceptance(gs)
-  mass = gs.seen_judged + pool_weight
-  return jnp.where(mass > 0, jnp.clip((gs.seen_accepted + pool_weight * pool) /
-                                      jnp.maximum(mass, 1e-6), 0.0, 1.0), pool)
+  return shrunk_rates(gs.seen_accepted, gs.seen_judged, pooled_acceptance(gs), pool_weight)
+
+
+def shrunk_rates(accepted, judged, pool, weight: float = DEFAULT_POOL_WEIGHT):
+  """float32 [B, W]: per-row rates (A_bj + w P_j) / (J_bj + w) from counts accepted, judged
+  [B, W] and a pooled rate pool [W] worth w judged drafts (P_j where J_bj + w = 0): the
+  empirical-Bayes posterior mean that the rows of an acceptance prior are
+  (governor.row_acceptance, Strategy.row_acceptance)."""
+  accepted, judged = jnp.asarray(accepted, jnp.float32), jnp.asarray(judged, jnp.float32)
+  pool = jnp.broadcast_to(jnp.asarray(pool, jnp.float32), accepted.shape)
+  mass = judged + weight
+  return jnp.where(mass > 0, (accepted + weight * pool) / jnp.maximum(mass, 1e-6), pool)
 
 
 def pooled_acceptance(gs: GovernorState):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from spec_jax.decoding.rounds import run_until_done
 from spec_jax.decoding.state import DecodeState, LoopEnv
+from spec_jax.governor.options import shrunk_rates
 
 
 class Strategy:
@@ -103,13 +104,29 @@ class Strategy:
     position j in the rounds that accepted position j - 1, so a_j = sum_b accepted_at[b, j] /
     sum_b accepted_at[b, j-1] (rounds cut by the token limit count as judged: a slight
     underestimate); a position never judged repeats the one before it, -1 when no round ran."""
-    return _acceptance_from_counts(jnp.sum(final.counts.accepted_at, axis=0),
-                                   jnp.sum(final.counts.rounds))
+    at = jnp.sum(final.counts.accepted_at, axis=0).astype(jnp.float32)        # [W]
+    if at.shape[0] == 0:                         # plain decoding: no draft positions
+      return at
+    judged = jnp.concatenate([jnp.sum(final.counts.rounds, keepdims=True).astype(jnp.float32),
+                              at[:-1]])
+    alpha = at / jnp.maximum(judged, 1.0)
+    known = judged > 0
+    # carry the last known position forward (positions past the first never-judged one)
+    idx = jnp.where(known, jnp.arange(at.shape[0]), -1)
+    last = jax.lax.cummax(idx, axis=0)
+    return jnp.where(last >= 0, alpha[jnp.maximum(last, 0)], -1.0)
 
   def row_acceptance(self, final: DecodeState):
-    """float32 [B, width]: position_acceptance for each row from its own counts
-    (DecodeResult.row_acceptance: the spread a later call's acceptance_prior can carry)."""
-    return jax.vmap(_acceptance_from_counts)(final.counts.accepted_at, final.counts.rounds)
+    """float32 [B, width]: each row's acceptance from its own counts (judged as in
+    position_acceptance), shrunk toward the pooled rate (governor.options.shrunk_rates: a
+    row judged twice stays near the pool); -1 where no round ran at all.
+    DecodeResult.row_acceptance: the spread a later call's acceptance_prior can carry."""
+    at = final.counts.accepted_at.astype(jnp.float32)                          # [B, W]
+    if at.shape[1] == 0:
+      return at
+    judged = jnp.concatenate([final.counts.rounds.astype(jnp.float32)[:, None], at[:, :-1]],
+                             axis=1)
+    return shrunk_rates(at, judged, self.position_acceptance(final))
 
   def stats_fields(self, greedy: bool, drafter) -> dict:
     """SpecStats.from_result's description of the rounds: num_draft (accepted_at's width),
@@ -121,19 +138,3 @@ class Strategy:
   def label(self) -> str:
     """What statistics print for these rounds (SpecStats.strategy)."""
     return type(self).__name__
-
-
-def _acceptance_from_counts(accepted_at, rounds):
-  """float32 [W] per-position acceptance from the counts of rounds that draft W tokens:
-  accepted_at [W] rounds that accepted position j, rounds (scalar) the rounds (Strategy.
-  position_acceptance)."""
-  at = accepted_at.astype(jnp.float32)
-  if at.shape[0] == 0:                         # plain decoding: no draft positions
-    return at
-  judged = jnp.concatenate([jnp.reshape(rounds, (1,)).astype(jnp.float32), at[:-1]])
-  alpha = at / jnp.maximum(judged, 1.0)
-  known = judged > 0
-  # carry the last known position forward (positions past the first never-judged one)
-  idx = jnp.where(known, jnp.arange(at.shape[0]), -1)
-  last = jax.lax.cummax(idx, axis=0)
-  return jnp.where(last >= 0, alpha[jnp.maximum(last, 0)], -1.0)
