@@ -24,14 +24,20 @@ BLOCK = 256          # cache slots per step (8B prefill, P = 512: 128 MiB of f32
 
 def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
                              sliding_window=None, *, head_major: bool = False,
-                             block: int = BLOCK):
+                             block: int = BLOCK, layer=None):
   """verify_attention_reference's contract (see it for the arguments) in key blocks.
 
   q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (head_major: [B, Hkv, S, D]); kv_lengths
   int32 [B]; tree_mask bool [B, T, W] or None; sliding_window int or None; block: cache slots
-  per step (capped at S). Returns [B, T, Hq, D] in q's dtype.
+  per step (capped at S). layer: k_cache and v_cache are stacked [L, ...] caches and this
+  (static) slab is attended to: each step slices its key block straight out of the stack (a
+  slab k_cache[layer] carried into the loop was a copy of the layer's cache on TPU).
+  Returns [B, T, Hq, D] in q's dtype.
   """
   b, t, hq, d = q.shape
+  stack = (k_cache, v_cache)
+  if layer is not None:
+    k_cache, v_cache = k_cache[layer], v_cache[layer]    # for the shapes only
   if head_major:
     hkv, s = k_cache.shape[1], k_cache.shape[2]
   else:
@@ -59,8 +65,15 @@ def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
     # The last block of a ragged cache is shifted to end at S; keys it shares with the block
     # before are masked as already counted ("fresh").
     start = jnp.minimum(i * block, s - block)
-    keys, vals = (jax.lax.dynamic_slice_in_dim(c, start, block, axis=seq_axis).astype(dtype)
-                  for c in (k_cache, v_cache))
+    if layer is None:
+      keys, vals = (jax.lax.dynamic_slice_in_dim(c, start, block, axis=seq_axis).astype(dtype)
+                    for c in (k_cache, v_cache))
+    else:
+      at = [jnp.int32(layer)] + [jnp.int32(0)] * 4
+      at[1 + seq_axis] = start
+      size = list(stack[0].shape)
+      size[0], size[1 + seq_axis] = 1, block
+      keys, vals = (jax.lax.dynamic_slice(c, at, size)[0].astype(dtype) for c in stack)
     if not head_major:                                 # one block [B,blk,Hkv,D] -> [B,Hkv,blk,D]
       keys, vals = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(vals, 1, 2)
     pos = start + jnp.arange(block, dtype=jnp.int32)

@@ -194,3 +194,46 @@ def sharded(call, mesh, q, k_cache, v_cache, kv_lengths, tree_mask, head_major: 
     args = (q, k_cache, v_cache, kv_lengths, tree_mask)
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=heads,
                        check_vma=False)(*args)
+
+
+def _cache_kernel(call, cache, row_args, head_args=(), num_kv_heads=None):
+  """call(cache, *row_args, *head_args) -> cache, shard_mapped over the kernel mesh like the
+  attention (rows on "data", KV heads on "model"; the stacked cache [L, B, Hkv, S, D] split
+  alike); called as it is without a mesh or inside a shard_map already."""
+  mesh = platform_lib.mesh()
+  if mesh is None or jax.sharding.get_abstract_mesh().manual_axes:
+    return call(cache, *row_args, *head_args)
+  heads, rows, _ = kernel_specs(mesh, cache.shape[1], cache.shape[2])
+  cache_spec = P(None, heads[0], heads[2], None, None)
+  row_specs = tuple(P(rows[0], *([None] * (a.ndim - 1))) for a in row_args)
+  return jax.shard_map(call, mesh=mesh, in_specs=(cache_spec,) + row_specs + (heads,) *
+                       len(head_args), out_specs=cache_spec, check_vma=False)(
+                           cache, *row_args, *head_args)
+
+
+def write_kv(cache, layer, new, offsets, *, interpret: bool = False):
+  """cache [L, B, Hkv, S, D] (head-major, stacked) <- new [B, T, Hkv, D] at slab `layer`, row b,
+  slots offsets[b] .. offsets[b] + T - 1 (past S dropped), with the TPU write kernel
+  (kernels_pallas.kv_write_tpu) in place, shard_mapped under a kernel mesh. None when the
+  kernel does not take these shapes (the caller scatters). interpret: the Pallas interpreter
+  (tests on CPU)."""
+  from kernels_pallas import kv_write_tpu
+  if kv_write_tpu.unsupported_reason(cache.shape, new.shape, cache.dtype) is not None:
+    return None
+  layer = jnp.asarray(layer, jnp.int32)
+  call = lambda c, o, n: kv_write_tpu.write_slots_pallas_tpu(c, layer, n, o,
+                                                             interpret=interpret)
+  return _cache_kernel(call, cache, (offsets.astype(jnp.int32),), (new,))
+
+
+def move_kv(cache, lengths, src, n_accepted, *, interpret: bool = False):
+  """In every layer of cache [L, B, Hkv, S, D] (head-major, stacked), row b: slot
+  lengths[b] + j <- slot src[b, j] for j < n_accepted[b], with the TPU move kernel in place
+  (kernels_pallas.kv_write_tpu.move_slots_pallas_tpu), shard_mapped under a kernel mesh. None
+  when the kernel does not take these shapes (the caller gathers and scatters)."""
+  from kernels_pallas import kv_write_tpu
+  if kv_write_tpu.move_unsupported_reason(cache.shape, cache.dtype, src.shape[1]) is not None:
+    return None
+  call = lambda c, l, s, n: kv_write_tpu.move_slots_pallas_tpu(c, l, s, n, interpret=interpret)
+  return _cache_kernel(call, cache, (lengths.astype(jnp.int32), src.astype(jnp.int32),
+                                     n_accepted.astype(jnp.int32)))

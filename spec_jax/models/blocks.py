@@ -97,13 +97,17 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 
 
 
-def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False):
+def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False,
+              layer: Optional[int] = None):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
   [B,Hkv,S,Dh] -> [B,T,Hq,Dh]; kv_lengths, tree_mask as kernels_pallas.verify_attention's.
   config: a ModelConfig or an AttentionSpec (attention_impl, sliding_window). (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
   the whole stack with kernels_pallas' layer= made XLA:TPU copy the entire stack into the
   custom call's layout before every call, 512 MiB a layer for an 8-layer 8B-wide decode,
   measured; a slice costs one layer's copy.)"""
+  if layer is not None:
+    stacked = (k_layer, v_layer)
+    k_layer, v_layer = k_layer[layer], v_layer[layer]
   t = q.shape[1]
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
@@ -111,22 +115,35 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 32 new tokens) with a square tree mask.
+    if layer is not None:      # key blocks sliced straight out of the stacked cache
+      return _jnp_attention(q, *stacked, kv_lengths, tree_mask,
+                            window if needs_window else None, head_major, layer=layer)
     return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
                           window if needs_window else None, head_major)
   if kernels_pallas.dispatch.resolve(config.attention_impl)[0] is None:   # no kernel here (CPU)
     return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, None, head_major)
+  if layer is not None and head_major and platform.current() == "tpu":
+    # The TPU write kernel keeps the stacked cache in its row-major layout, so the attention
+    # kernel reads slab `layer` of it in place (a slice would be a copy per call).
+    return _kernel_attention(config, q, *stacked, kv_lengths, tree_mask, head_major,
+                             layer=layer)
   return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major)
 
 
-def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_major: bool):
+def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_major: bool,
+                   layer: Optional[int] = None):
   """The jnp attention: over a cache longer than one block, in key blocks up to the longest
   row (kernels_pallas.blocked): a prefill never makes float32 scores [B, Hq, T, S] over the
   whole capacity (the largest buffer of the program otherwise), and a decode step reads only
   the filled part of a generous capacity bucket."""
-  attend = verify_attention_blocked if k_layer.shape[2 if head_major else 1] > BLOCK \
-      else verify_attention_reference
-  return attend(q, k_layer, v_layer, kv_lengths, tree_mask, sliding_window=window,
-                head_major=head_major)
+  seq_axis = (2 if head_major else 1) + (layer is not None)
+  if k_layer.shape[seq_axis] > BLOCK:
+    return verify_attention_blocked(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                    sliding_window=window, head_major=head_major, layer=layer)
+  if layer is not None:
+    k_layer, v_layer = k_layer[layer], v_layer[layer]
+  return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
+                                    sliding_window=window, head_major=head_major)
 
 
 def _kernel_path(config, q, s: int, tree_mask) -> bool:
@@ -140,7 +157,7 @@ def _kernel_path(config, q, s: int, tree_mask) -> bool:
 
 
 def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask,
-                      head_major: bool = False):
+                      head_major: bool = False, layer: Optional[int] = None):
   """kernels_pallas.verify_attention over [B,S,Hkv,Dh] caches ([B,Hkv,S,Dh] head-major): the
   jnp reference, the TPU or the GPU kernel, as it resolves for the platform."""
   # A float32 query (a drafter head's) on a bf16 cache: the kernel runs in the cache's dtype
@@ -148,7 +165,7 @@ def _kernel_attention(config, q, k_cache, v_cache, kv_lengths, tree_mask,
   low = matmul.is_low_precision(k_cache.dtype) and q.dtype != k_cache.dtype
   out = kernels_pallas.verify_attention(q.astype(k_cache.dtype) if low else q, k_cache, v_cache,
                                         kv_lengths, tree_mask, impl=config.attention_impl,
-                                        head_major=head_major)
+                                        head_major=head_major, layer=layer)
   return out.astype(q.dtype)
 
 

@@ -100,6 +100,12 @@ def write_rows(cache, layer: int, new, offsets, head_major: bool = False):
 
   One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
   it and stacking it back would copy the whole cache every layer)."""
+  if head_major and kernels_pallas.platform.current() == "tpu":
+    # The TPU kernel writes in place and keeps the cache row-major (kernels_pallas.kv_write_tpu:
+    # this scatter made XLA:TPU copy every layer's cache before each attention call).
+    written = kernels_pallas.dispatch.write_kv(cache, layer, new, offsets)
+    if written is not None:
+      return written
   b, t = new.shape[:2]
   rows = jnp.arange(b, dtype=jnp.int32)[:, None]
   cols = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -125,6 +131,10 @@ def move_kv(cache: KVCache, lengths, path, n_accepted) -> KVCache:
   dst = jnp.where(j < n_accepted[:, None], lengths[:, None] + j, s)
 
   def move(buf):
+    if cache.head_major and kernels_pallas.platform.current() == "tpu":
+      moved = kernels_pallas.dispatch.move_kv(buf, lengths, src, n_accepted)
+      if moved is not None:
+        return moved
     # Every index explicit but the [Hkv, Dh] window, as write_rows writes the buffer: with the
     # layers in the window ([L, .., Hkv, Dh]) XLA:TPU relaid the whole cache out for this one
     # move and kept both copies (+1 GiB a chip for an 8B tree under model=4).

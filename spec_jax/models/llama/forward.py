@@ -68,8 +68,8 @@ def decoder_layer(config, lp, x, positions, k_cache, v_cache, offsets, tree_mask
   k = apply_rope(k, positions, tables=rope)
   k_cache = write_rows(k_cache, layer, k, offsets, head_major)
   v_cache = write_rows(v_cache, layer, v, offsets, head_major)
-  attn = attention(config, q, k_cache[layer], v_cache[layer], offsets + t, tree_mask,
-                    head_major)
+  attn = attention(config, q, k_cache, v_cache, offsets + t, tree_mask, head_major,
+                   layer=layer)
   x = x + out_projection(lp, attn.reshape(b, t, hq * dh))
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + swiglu_mlp(lp, h)
