@@ -115,14 +115,15 @@ def windowed_tree_mask(kv_lengths, t: int, s: int, tree_mask, positions, window:
 
 
 def attend(config, plan, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool,
-           wide_mask=None):
+           wide_mask=None, layer=None):
   """One layer's verify attention. q [B, T, Hq, Dh] already scaled for the reference's
-  Dh ** -0.5; wide_mask: windowed_tree_mask for sliding layers with explicit positions."""
+  Dh ** -0.5; wide_mask: windowed_tree_mask for sliding layers with explicit positions.
+  layer: k_layer, v_layer are a group's stacked buffers and this the slot read (in place)."""
   if wide_mask is not None:
     return attention(AttentionSpec(config.attention_impl), q, k_layer, v_layer, kv_lengths,
-                     wide_mask, head_major)
+                     wide_mask, head_major, layer=layer)
   return attention(AttentionSpec(config.attention_impl, plan.window), q, k_layer, v_layer,
-                   kv_lengths, tree_mask, head_major)
+                   kv_lengths, tree_mask, head_major, layer=layer)
 
 
 def q_scale(config, head_dim: int) -> float:
@@ -175,8 +176,8 @@ def decoder_layer(config, plan, lp, x, rope, k_bufs, v_bufs, offsets, tree_mask,
     k, v = project_kv(config, plan, lp, h, rope)
     k_bufs = k_bufs[:g] + (write_rows(k_bufs[g], slot, k, offsets, head_major),) + k_bufs[g + 1:]
     v_bufs = v_bufs[:g] + (write_rows(v_bufs[g], slot, v, offsets, head_major),) + v_bufs[g + 1:]
-  attn = attend(config, plan, q, k_bufs[g][slot], v_bufs[g][slot], offsets + t, tree_mask,
-                head_major, wide_mask)
+  attn = attend(config, plan, q, k_bufs[g], v_bufs[g], offsets + t, tree_mask, head_major,
+                wide_mask, layer=slot)
   o = dot(attn.reshape(b, t, config.num_heads * plan.head_dim), lp["wo"]).astype(dtype)
   x = x + norm(o, lp["post_attn_norm"], eps, plus_one).astype(dtype)
   h = norm(x, lp["mlp_norm"], eps, plus_one).astype(dtype)

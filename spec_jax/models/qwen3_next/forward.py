@@ -123,8 +123,8 @@ def attention_mixer(config, lp, h, rope, kv: KVCache, slot: int, offsets):
   q, k = partial_rope(q, cos, sin), partial_rope(k, cos, sin)
   kbuf = write_rows(kv.k, slot, k, offsets, kv.head_major)
   vbuf = write_rows(kv.v, slot, v, offsets, kv.head_major)
-  attn = attention(AttentionSpec(c.attention_impl), q, kbuf[slot], vbuf[slot], offsets + t, None,
-                   kv.head_major)
+  attn = attention(AttentionSpec(c.attention_impl), q, kbuf, vbuf, offsets + t, None,
+                   kv.head_major, layer=slot)
   attn = attn.reshape(b, t, hq * dh).astype(dtype)
   attn = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype)
   return dot(attn, lp["wo"]).astype(dtype), KVCache(k=kbuf, v=vbuf, head_major=kv.head_major)
