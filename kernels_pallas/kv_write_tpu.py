@@ -1,4 +1,5 @@
-"""Writing new keys / values into a head-major stacked KV cache on TPU, in place, with Pallas.
+"""The TPU cache kernels: new keys / values written into a head-major stacked KV cache, and a
+tree round's accepted path moved to contiguous slots, in place, with Pallas.
 
 Why a kernel. The cache is [L, B, Hkv, S, D] (the TPU attention kernel reads one head's
 [block_k, D] window of it in place). Written with XLA's scatter at slots offsets[b] + t, XLA:TPU
@@ -16,8 +17,14 @@ one-hot [W, T] x [T, D] matmul per head (exact: one 1.0 per output element, floa
 accumulation), and writes the window back. Slots at or past S are dropped (as the scatter's
 mode="drop" did); the window itself always lies inside the buffer.
 
-Grid: one step per row b (rows are independent, "parallel"). offsets and the layer are scalars
-in SMEM. The cache operand is aliased to the output: XLA updates the buffer in place.
+The move (`move_slots_pallas_tpu`, after a tree round): slot lengths[b] + j takes slot
+src[b, j] for j < n_accepted[b]. Each source's aligned tile is read first (all reads before
+any write, as the gather-then-scatter it replaces), the D sources are picked out of them and
+placed into the aligned window of the destinations, both with one-hot matmuls, in every layer.
+
+Grids: the write one step per row b, the move one per (layer, row); all steps independent
+("parallel"). Offsets, lengths, sources and the layer are scalars in SMEM. The cache operand
+is aliased to the output: XLA updates the buffer in place.
 """
 
 from __future__ import annotations

@@ -101,10 +101,13 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
               layer: Optional[int] = None):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
   [B,Hkv,S,Dh] -> [B,T,Hq,Dh]; kv_lengths, tree_mask as kernels_pallas.verify_attention's.
-  config: a ModelConfig or an AttentionSpec (attention_impl, sliding_window). (A layer's slab of the stacked cache, sliced by the caller: handing a kernel
-  the whole stack with kernels_pallas' layer= made XLA:TPU copy the entire stack into the
-  custom call's layout before every call, 512 MiB a layer for an 8-layer 8B-wide decode,
-  measured; a slice costs one layer's copy.)"""
+  config: a ModelConfig or an AttentionSpec (attention_impl, sliding_window).
+
+  layer: k_layer, v_layer are the stacked caches [L, B, ...] and `layer` (a static int) the
+  slab attended to. On TPU the kernel and the blocked prefill read it in place: the cache
+  kernels (kernels_pallas.kv_write_tpu) keep the stack row-major, and a slab sliced out and
+  handed to a custom call or a loop was a copy of that layer's K and V every call. Elsewhere
+  the slab is sliced here."""
   if layer is not None:
     stacked = (k_layer, v_layer)
     k_layer, v_layer = k_layer[layer], v_layer[layer]
