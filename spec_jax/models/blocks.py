@@ -118,7 +118,11 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 32 new tokens) with a square tree mask.
-    if layer is not None:      # key blocks sliced straight out of the stacked cache
+    if layer is not None and q.shape[-1] % 128 == 0:
+      # Key blocks sliced straight out of the stacked cache. (With a head_dim below the 128
+      # lanes XLA:TPU lays whatever the loop's dots read out transposed: handed the stack it
+      # copied the whole stack per layer, 512 MiB for Llama-3.2-1B's cache at B = 8,
+      # S = 4096; handed a slab, one slab.)
       return _jnp_attention(q, *stacked, kv_lengths, tree_mask,
                             window if needs_window else None, head_major, layer=layer)
     return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
