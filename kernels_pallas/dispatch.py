@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import pallas_gpu, pallas_tpu, platform as platform_lib
+from kernels_pallas import kv_write_tpu, pallas_gpu, pallas_tpu, platform as platform_lib
 from kernels_pallas.reference import verify_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
@@ -196,7 +196,7 @@ def sharded(call, mesh, q, k_cache, v_cache, kv_lengths, tree_mask, head_major: 
                        check_vma=False)(*args)
 
 
-def _cache_kernel(call, cache, row_args, head_args=(), num_kv_heads=None):
+def _cache_kernel(call, cache, row_args, head_args=()):
   """call(cache, *row_args, *head_args) -> cache, shard_mapped over the kernel mesh like the
   attention (rows on "data", KV heads on "model"; the stacked cache [L, B, Hkv, S, D] split
   alike); called as it is without a mesh or inside a shard_map already."""
@@ -217,7 +217,6 @@ def write_kv(cache, layer, new, offsets, *, interpret: bool = False):
   (kernels_pallas.kv_write_tpu) in place, shard_mapped under a kernel mesh. None when the
   kernel does not take these shapes (the caller scatters). interpret: the Pallas interpreter
   (tests on CPU)."""
-  from kernels_pallas import kv_write_tpu
   if kv_write_tpu.unsupported_reason(cache.shape, new.shape, cache.dtype) is not None:
     return None
   layer = jnp.asarray(layer, jnp.int32)
@@ -231,7 +230,6 @@ def move_kv(cache, lengths, src, n_accepted, *, interpret: bool = False):
   lengths[b] + j <- slot src[b, j] for j < n_accepted[b], with the TPU move kernel in place
   (kernels_pallas.kv_write_tpu.move_slots_pallas_tpu), shard_mapped under a kernel mesh. None
   when the kernel does not take these shapes (the caller gathers and scatters)."""
-  from kernels_pallas import kv_write_tpu
   if kv_write_tpu.move_unsupported_reason(cache.shape, cache.dtype, src.shape[1]) is not None:
     return None
   call = lambda c, l, s, n: kv_write_tpu.move_slots_pallas_tpu(c, l, s, n, interpret=interpret)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import dispatch, kv_write_tpu, platform
+from kernels_pallas import kv_write_tpu
 from spec_jax.models.cache import KVCache, move_kv, write_rows
 from tests.test_accelerators import TINY, _lowered, _run
 

@@ -111,7 +111,6 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   if layer is not None:
     stacked = (k_layer, v_layer)
     k_layer, v_layer = k_layer[layer], v_layer[layer]
-  t = q.shape[1]
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
   needs_window = window is not None and window < s

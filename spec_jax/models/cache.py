@@ -99,7 +99,9 @@ def write_rows(cache, layer: int, new, offsets, head_major: bool = False):
   offsets[b] .. offsets[b]+T-1.
 
   One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
-  it and stacking it back would copy the whole cache every layer)."""
+  it and stacking it back would copy the whole cache every layer). In a TPU program a
+  head-major cache is written by the Pallas kernel instead (whatever attention_impl says: the
+  cache layout is the kernels'), so that XLA:TPU keeps it row-major."""
   if head_major and kernels_pallas.platform.current() == "tpu":
     # The TPU kernel writes in place and keeps the cache row-major (kernels_pallas.kv_write_tpu:
     # this scatter made XLA:TPU copy every layer's cache before each attention call).
