@@ -587,6 +587,13 @@ def test_ngram_and_head_trees_keep_the_target_joint():
   toks, stats = _tree_joint(head, sampling, TREES["sampled"], seed=4)
   assert stats.mean_accepted_length > 1.2, stats.summary()
   assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling))
+  # A draft vocabulary of 5 of the 8 tokens: the tree's q lives over it (DraftTree.q_vocab),
+  # and the output still follows the target over all 8.
+  head = sj.drafters.EAGLE3.init(target, key=jax.random.key(5), init_std=0.5,
+                                 draft_tokens=[1, 3, 4, 6, 7])
+  toks, stats = _tree_joint(head, sampling, TREES["sampled"], seed=6)
+  assert stats.mean_accepted_length > 1.1, stats.summary()
+  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling))
 
 
 def test_a_rows_tree_does_not_depend_on_the_batch():
@@ -754,3 +761,41 @@ def test_the_gpu_kernel_verifies_a_32_node_tree():
   lengths = jnp.asarray([40, 60], jnp.int32)
   out = kernels_pallas.verify_attention(q, k, v, lengths, mask, impl="pallas", kernel="gpu")
   assert_f32_close(out, verify_attention_reference(q, k, v, lengths, mask))
+
+
+@pytest.mark.parametrize("sampled_kind", ["sampled", "distinct"])
+def test_a_tree_over_a_draft_vocabulary_keeps_q_over_it(sampled_kind):
+  """A drafter that proposes only V_d tokens (EAGLE-3's draft vocabulary) keeps the tree's q
+  over them (DraftTree.q_vocab): the tokens are target ids inside the vocabulary, q is the
+  drafter's distribution there (renormalised: what the draws came from), and verification
+  returns exactly what it returns with q expanded over all V."""
+  b, depth = 16, 3
+  vocab = jnp.asarray([1, 3, 4, 6, 7], jnp.int32)
+  logits = 2.0 * jax.random.normal(jax.random.key(0), (b, V))
+  outside = jnp.ones((V,), bool).at[vocab].set(False)
+  mask = lambda x: jnp.where(outside, -jnp.inf, x)
+
+  def expand(tokens, parents, depths, start, carry):
+    new = tokens[:, start:]
+    return mask(2.0 * jax.random.normal(jax.random.key(1), new.shape + (V,))), carry
+
+  spec = sj.TreeSpec(depth=depth, top_k=2, num_nodes=6, candidates=sampled_kind)
+  sampling = sj.Sampling(temperature=1.0)
+  tree, _ = tree_lib.build_dynamic_tree(mask(logits), expand, None, spec, key=jax.random.key(2),
+                                        sampling=sampling, candidates=sampled_kind, vocab=vocab)
+  assert tree.q.shape == (b, spec.num_nodes + 1, 5) and tree.q_vocab is not None
+  toks = np.asarray(tree.tokens)[:, 1:][np.asarray(tree.valid)[:, 1:]]     # the drafts
+  assert toks.size and set(toks.tolist()) <= set(np.asarray(vocab).tolist())
+  np.testing.assert_allclose(np.asarray(tree.q[:, 0]),
+                             np.asarray(sj.sampling.probs(mask(logits), sampling)[:, vocab]),
+                             rtol=1e-6)
+  full = tree.replace(q=tree_lib.expand_q(tree.q, tree.q_vocab, V), q_vocab=None)
+  p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (b, spec.num_nodes + 1, V)), axis=-1)
+  key = jax.random.key(4)
+  got = jax.jit(functools.partial(tree_lib.verify_tree, depth=depth))(key, tree, p)
+  want = jax.jit(functools.partial(tree_lib.verify_tree, depth=depth))(key, full, p)
+  ref = tree_lib.verify_tree_reference(key, tree, p, depth)
+  for g, w, r in zip(got, want, ref):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(g), r)
+  assert 0 < np.asarray(got[2]).mean()

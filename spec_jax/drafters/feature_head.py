@@ -340,9 +340,11 @@ class FeatureHead(FrozenDrafter):
       return self.logits(params, tp, o), (o_all, k, v)
 
     candidates = "topk" if self.greedy_drafts else spec.candidates_for(ctx.greedy)
+    # An EAGLE-3 draft vocabulary: sampled trees keep q over it only (DraftTree.q_vocab).
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
         self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
-        sampling=ctx.sampling, candidates=candidates)
+        sampling=ctx.sampling, candidates=candidates,
+        vocab=getattr(self, "draft_tokens", None))
     return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training

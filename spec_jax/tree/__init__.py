@@ -122,13 +122,14 @@ time), the test oracle. They draw the same uniforms, so they return the same tok
 """
 
 from spec_jax.tree.build import (DraftTree, ExpandFn, NodeLogitsFn, ancestor_mask,
-                                 build_best_first_tree, build_dynamic_tree, trie_from_branches)
+                                 build_best_first_tree, build_dynamic_tree, expand_q,
+                                 trie_from_branches)
 from spec_jax.tree.spec import CANDIDATES, MAX_TREE_TOKENS, TreeSpec, check_tree, parse_tree_spec
 from spec_jax.tree.verify import (residual_deterministic, residual_sampled, verify_tree,
                                   verify_tree_greedy, verify_tree_logits, verify_tree_reference)
 
 __all__ = ["TreeSpec", "parse_tree_spec", "check_tree", "CANDIDATES", "MAX_TREE_TOKENS",
            "DraftTree", "ExpandFn", "NodeLogitsFn", "ancestor_mask", "build_dynamic_tree",
-           "build_best_first_tree", "trie_from_branches",
+           "build_best_first_tree", "expand_q", "trie_from_branches",
            "verify_tree", "verify_tree_logits", "verify_tree_greedy", "verify_tree_reference",
            "residual_sampled", "residual_deterministic"]

@@ -27,6 +27,10 @@ class DraftTree:
   valid: bool [B, N+1], the root and the real drafts.
   q: float32 [B, N+1, V] or None. With sampled candidates, q[b, i] is the distribution node i's
     children were drawn from; None for deterministic candidates (one-hot drafts).
+  q_vocab: int32 [V_d] or None. With a drafter that proposes only V_d tokens (an EAGLE-3 draft
+    vocabulary), q is [B, N+1, V_d] over these target ids (zero elsewhere): at a 128k
+    vocabulary and 32,000 draft tokens a 4x smaller buffer (the largest of an 8B tree round
+    beside the target's logits, docs/accelerators.md). None: q spans all V.
   distinct: (static) the children were drawn from q without replacement, in index order.
   """
   tokens: jax.Array
@@ -34,7 +38,17 @@ class DraftTree:
   depths: jax.Array
   valid: jax.Array
   q: Optional[jax.Array] = None
+  q_vocab: Optional[jax.Array] = None
   distinct: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def expand_q(q_rows, q_vocab, vocab_size: int):
+  """q rows [..., V_d] over the target ids q_vocab -> [..., V] (zero elsewhere); q_vocab None:
+  the rows as they are."""
+  if q_vocab is None:
+    return q_rows
+  full = jnp.zeros(q_rows.shape[:-1] + (vocab_size,), q_rows.dtype)
+  return full.at[..., q_vocab].set(q_rows)
 
 
 def ancestor_mask(parents, steps: int):
@@ -56,7 +70,7 @@ ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, int, Any], tuple]
 
 
 def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, key, sampling,
-                       candidates: str = "topk", rank_by_score: bool = False):
+                       candidates: str = "topk", rank_by_score: bool = False, vocab=None):
   """EAGLE-2's dynamic tree (module docstring), with top-k or sampled candidates.
 
   Args:
@@ -76,6 +90,10 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       docstring.
     rank_by_score: a test hook: rank sampled candidates by their score (EAGLE-2's rule, right
       for top-k candidates) instead of the priority; LOSSY for sampled candidates.
+    vocab: int32 [V_d] target ids, or None: the only tokens the drafter proposes (its logits
+      are -inf elsewhere, as EAGLE-3's outside its draft vocabulary). Sampled candidates are
+      then drawn from q restricted to them (renormalised: exactly the distribution drawn from)
+      and the tree keeps q over them only (DraftTree.q_vocab).
 
   Returns:
     (DraftTree with N+1 nodes (q set for sampled candidates), carry).
@@ -85,6 +103,8 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
                      f"(resolve 'auto' with TreeSpec.candidates_for; 'best_first' trees come "
                      f"from build_best_first_tree), got {candidates!r}")
   b, v = root_logits.shape
+  if vocab is not None:
+    vocab = jnp.asarray(vocab, jnp.int32)
   d_max, n = spec.depth, spec.num_nodes
   m = min(spec.top_k, v)
   sampled = candidates != "topk"
@@ -104,6 +124,9 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       valid = f_valid[:, :, None] & (lp > -jnp.inf)
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
     q = sampling_lib.probs(logits, sampling)
+    if vocab is not None:          # q over the draft vocabulary: no mass elsewhere
+      q = jnp.take(q, vocab, axis=-1)
+      q = q / jnp.sum(q, axis=-1, keepdims=True)
     logq = jnp.log(jnp.maximum(q, 0.0))
     # One key per row (fold_in(key, row)): a row's drafts do not depend on the batch.
     row_keys = jax.vmap(lambda i: jax.random.fold_in(key_d, i))(jnp.arange(b))
@@ -116,6 +139,8 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       toks = jnp.moveaxis(draws, 1, -1)
     toks = toks.astype(jnp.int32)                                        # [B, F, m]
     qc = jnp.take_along_axis(q, toks, axis=-1)
+    if vocab is not None:                              # draft ids -> target ids
+      toks = jnp.take(vocab, toks)
     remaining = jnp.maximum(1.0 - (jnp.cumsum(qc, axis=-1) - qc), 0.0)   # R_i, before draw i
     score = f_score[:, :, None] + jnp.log(qc)
     prio = jnp.minimum(f_prio[:, :, None], f_score[:, :, None] + jnp.log(remaining))
@@ -197,12 +222,12 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       valid=with_root(kept_valid, True, False),
       distinct=candidates == "distinct")
   if sampled:
-    q_all = jnp.zeros((b, n + 1, v), jnp.float32).at[:, 0].set(q_root[:, 0])
+    q_all = jnp.zeros((b, n + 1, q_root.shape[-1]), jnp.float32).at[:, 0].set(q_root[:, 0])
     for cands, q in frontier_q:
       # A frontier node that was not kept maps to -1: dropped by the scatter.
       at = jnp.take_along_axis(node_of, cands, axis=1)
       q_all = q_all.at[rows, jnp.where(at < 0, n + 1, at)].set(q, mode="drop")
-    tree = tree.replace(q=q_all)
+    tree = tree.replace(q=q_all, q_vocab=vocab)
   return tree, carry
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sampling as sampling_lib
-from spec_jax.tree.build import DraftTree
+from spec_jax.tree.build import DraftTree, expand_q
 
 
 def _normalised(x, fallback):
@@ -31,7 +31,7 @@ def residual_sampled(r, token, q_node):
 
 
 def _verify_row(key, tokens, parents, valid, p, q, *, depth: int, distinct: bool = False,
-                residual=None, accept_ratio=None):
+                residual=None, accept_ratio=None, q_vocab=None):
   """One row of `verify_tree`: a single pass over nodes 1..N in index order.
 
   Carry: cur (the node the accepted path has reached), r (the distribution the next token
@@ -39,8 +39,11 @@ def _verify_row(key, tokens, parents, valid, p, q, *, depth: int, distinct: bool
   child: q[cur], without the rejected children when they were drawn without replacement), n,
   path. Node j is a candidate iff it is a child of cur; then it is accepted with probability
   min(1, r(t)/qc(t)) (r(t) for one-hot drafts, q None), else r (and qc) become the residuals.
-  Children of an accepted node come later in the order; those of a rejected one never match."""
+  Children of an accepted node come later in the order; those of a rejected one never match.
+  q_vocab: q's rows are over these target ids (DraftTree.q_vocab); each is expanded to all V
+  when the walk reaches its node."""
   n1 = tokens.shape[0]
+  full = lambda q_row: expand_q(q_row, q_vocab, p.shape[-1])
   k_accept, k_final = jax.random.split(key)
   u = jax.random.uniform(k_accept, (n1,), jnp.float32)
   residual = residual or (residual_deterministic if q is None else residual_sampled)
@@ -60,12 +63,12 @@ def _verify_row(key, tokens, parents, valid, p, q, *, depth: int, distinct: bool
     r = jnp.where(accept, p[j], jnp.where(is_child, rejected_r, r))
     if q is not None:
       rejected_q = _normalised(qc.at[tok].set(0.0), qc) if distinct else qc
-      qc = jnp.where(accept, q[j], jnp.where(is_child, rejected_q, qc))
+      qc = jnp.where(accept, full(q[j]), jnp.where(is_child, rejected_q, qc))
     at = jnp.minimum(n, depth - 1)
     path = path.at[at].set(jnp.where(accept, j, path[at]))
     return jnp.where(accept, j, cur), r, qc, n + accept.astype(jnp.int32), path
 
-  qc0 = jnp.zeros((), jnp.float32) if q is None else q[0]
+  qc0 = jnp.zeros((), jnp.float32) if q is None else full(q[0])
   init = (jnp.int32(0), p[0], qc0, jnp.int32(0), jnp.full((depth,), -1, jnp.int32))
   cur, r, _, n, path = jax.lax.fori_loop(1, n1, body, init)
   final = sampling_lib.sample(k_final, r)
@@ -102,7 +105,8 @@ def verify_tree(key, tree: DraftTree, target_probs, depth: int, *, residual=None
   p = target_probs.astype(jnp.float32)
   fn = lambda k_, t, par, val, pp, qq: _verify_row(k_, t, par, val, pp, qq, depth=depth,
                                                     distinct=tree.distinct, residual=residual,
-                                                    accept_ratio=accept_ratio)
+                                                    accept_ratio=accept_ratio,
+                                                    q_vocab=tree.q_vocab)
   if tree.q is None:
     path, n, final = jax.vmap(lambda k_, t, par, val, pp: fn(k_, t, par, val, pp, None))(
         keys, tree.tokens, tree.parents, tree.valid, p)
@@ -138,7 +142,8 @@ def verify_tree_logits(key, tree: DraftTree, target_logits, sampling, depth: int
     key_, tokens, parents, valid, logits, q_row, setting = xs
     p = sampling_lib.probs(logits[None], jax.tree.map(lambda x: x[None], setting))[0]
     return _verify_row(key_, tokens, parents, valid, p, q_row, depth=depth,
-                       distinct=tree.distinct, residual=residual, accept_ratio=accept_ratio)
+                       distinct=tree.distinct, residual=residual, accept_ratio=accept_ratio,
+                       q_vocab=tree.q_vocab)
 
   path, n, final = jax.lax.map(one_row, (keys, tree.tokens, tree.parents, tree.valid,
                                          target_logits, q, rows))
@@ -179,7 +184,8 @@ def verify_tree_reference(key, tree: DraftTree, target_probs, depth: int):
   parents = np.asarray(tree.parents)
   valid = np.asarray(tree.valid)
   p = jnp.asarray(target_probs, jnp.float32)
-  q = None if tree.q is None else jnp.asarray(tree.q, jnp.float32)
+  q = None if tree.q is None else expand_q(jnp.asarray(tree.q, jnp.float32), tree.q_vocab,
+                                           p.shape[-1])
   b, n1 = tokens.shape
   emitted = np.full((b, depth + 1), -1, np.int32)
   paths = np.full((b, depth), -1, np.int32)
