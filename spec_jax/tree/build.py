@@ -125,7 +125,11 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
     q = sampling_lib.probs(logits, sampling)
     if vocab is not None:          # q over the draft vocabulary: no mass elsewhere
-      q = jnp.take(q, vocab, axis=-1)
+      # Gathered along the leading axis of [V, rows] (as EAGLE-3 scatters its logits): XLA:TPU
+      # lays a gather out with the gathered axis major, and a trailing [..., V] gather put the
+      # small leading axes minor (16x padding under a mesh: 125 MiB buffers at the CI shape).
+      lead = q.shape[:-1]
+      q = jnp.take(q.reshape(-1, v).T, vocab, axis=0).T.reshape(lead + (vocab.shape[0],))
       q = q / jnp.sum(q, axis=-1, keepdims=True)
     logq = jnp.log(jnp.maximum(q, 0.0))
     # One key per row (fold_in(key, row)): a row's drafts do not depend on the batch.
