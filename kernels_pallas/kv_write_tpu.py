@@ -47,21 +47,25 @@ def window_slots(num_new: int) -> int:
   return -(-(num_new + ALIGN - 1) // ALIGN) * ALIGN
 
 
-def unsupported_reason(cache_shape, new_shape, dtype) -> str | None:
-  """None when the kernel handles a stacked head-major cache [L, B, Hkv, S, D] written with
-  new [B, T, Hkv, D], else why not (write_rows then scatters)."""
+def _cache_reason(cache_shape, dtype, window: int, vmem_slots: int) -> str | None:
+  """Why a kernel cannot take a stacked head-major cache with this window (None: it can)."""
   if len(cache_shape) != 5:
     return f"cache of rank {len(cache_shape)}, not a stacked [L, B, Hkv, S, D] buffer"
   _, _, hkv, s, d = cache_shape
-  t = new_shape[1]
-  w = window_slots(t)
   if jnp.dtype(dtype).name not in SUPPORTED_DTYPES:
     return f"dtype {jnp.dtype(dtype).name} not in {SUPPORTED_DTYPES}"
-  if s % ALIGN or s < w:
-    return f"{s} slots: need a multiple of {ALIGN} and at least the window of {w}"
-  if hkv * w * d * jnp.dtype(dtype).itemsize > MAX_WINDOW_BYTES:
-    return f"a window of {hkv} x {w} x {d} exceeds {MAX_WINDOW_BYTES} bytes of VMEM"
+  if s % ALIGN or s < window:
+    return f"{s} slots: need a multiple of {ALIGN} and at least the window of {window}"
+  if hkv * vmem_slots * d * jnp.dtype(dtype).itemsize > MAX_WINDOW_BYTES:
+    return f"{hkv} kv heads x {vmem_slots} slots x {d} exceed {MAX_WINDOW_BYTES} bytes of VMEM"
   return None
+
+
+def unsupported_reason(cache_shape, new_shape, dtype) -> str | None:
+  """None when the kernel handles a stacked head-major cache [L, B, Hkv, S, D] written with
+  new [B, T, Hkv, D], else why not (write_rows then scatters)."""
+  w = window_slots(new_shape[1])
+  return _cache_reason(cache_shape, dtype, w, w)
 
 
 def _kernel(scalars_ref, new_ref, cache_in_ref, cache_ref, window_ref, sem, *, num_new: int,
@@ -216,15 +220,5 @@ def move_slots_pallas_tpu(cache, lengths, src, n_accepted, *, interpret=False):
 
 def move_unsupported_reason(cache_shape, dtype, depth: int) -> str | None:
   """None when move_slots_pallas_tpu takes this cache and path depth, else why not."""
-  if len(cache_shape) != 5:
-    return f"cache of rank {len(cache_shape)}, not a stacked [L, B, Hkv, S, D] buffer"
-  _, _, hkv, s, d = cache_shape
   w = window_slots(depth)
-  itemsize = jnp.dtype(dtype).itemsize
-  if jnp.dtype(dtype).name not in SUPPORTED_DTYPES:
-    return f"dtype {jnp.dtype(dtype).name} not in {SUPPORTED_DTYPES}"
-  if s % ALIGN or s < w:
-    return f"{s} slots: need a multiple of {ALIGN} and at least the window of {w}"
-  if hkv * (w + depth * ALIGN) * d * itemsize > MAX_WINDOW_BYTES:
-    return f"{hkv} kv heads x {w + depth * ALIGN} slots x {d} exceed {MAX_WINDOW_BYTES} bytes"
-  return None
+  return _cache_reason(cache_shape, dtype, w, w + depth * ALIGN)
