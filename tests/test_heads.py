@@ -121,6 +121,41 @@ def test_feature_head_state_matches_a_fresh_unroll(kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3-reduced", "eagle3_fused", "mtp"])
+def test_heads_draft_in_the_cpu_execution_layout(kind):
+  """FeatureHead.prepare stores the head's layer as the target's CPU layout does (q|k|v and
+  gate|up fused, every projection [out, in]) and its fc / fuse / lm_head [out, in]: the same
+  outputs to float32 rounding, idempotent, and what generate() decodes with (made once per
+  drafter outside the jit: decoding.compiled.execution_drafter_params)."""
+  from spec_jax.decoding.compiled import execution_drafter_params
+  target = greedy_target()
+  head = make_head(kind, target, scale=0.3)
+  prepared = jax.jit(head.prepare)(head.params)
+  assert {"wqkv_t", "w_gu_t", "wo_t", "w_down_t"} <= set(prepared["layer"])
+  assert not {"wq", "wk", "wv", "w_gate", "w_up", "w_down", "wo"} & set(prepared["layer"])
+  dense = [n for n in ("fc", "fuse", "lm_head") if n in head.params]
+  assert dense and all(n + "_t" in prepared and n not in prepared for n in dense)
+  again = head.prepare(prepared)
+  assert jax.tree.structure(again) == jax.tree.structure(prepared)
+  assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(prepared)))
+
+  toks = jnp.asarray([PROMPTS[2][:12]], jnp.int32)
+  out = sj.forward(target.params, CFG, toks, sj.KVCache.zeros(CFG, 1, 32),
+                   jnp.zeros(1, jnp.int32), return_layers=head.target_layers)
+  outputs = []
+  for params in (head.params, prepared):
+    feats = head.target_feature(params, out.hidden, out.layer_hidden)
+    k, v = head._empty_cache(1, 32)
+    o, k, v = head._step(params, target.params, toks[:, 1:], feats[:, :-1], k, v,
+                         jnp.zeros(1, jnp.int32))
+    outputs.append((o, k, head.logits(params, target.params, o)))
+  for a, b in zip(*outputs):
+    assert_f32_close(a, b, MODEL_ULPS)
+
+  first = execution_drafter_params(head)
+  assert "wqkv_t" in first["layer"] and execution_drafter_params(head) is first
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3-reduced", "eagle3_fused", "mtp"])
 def test_init_state_in_chunks_equals_one_forward(kind, monkeypatch):
   """init_state over the prompt in chunks of C positions (the memory bound of an 8B head's
   prefill) gives the state of one forward over it: the cache at every prompt slot and the

@@ -18,6 +18,7 @@ from spec_jax.decoding.loop import decode
 from spec_jax.decoding.state import DecodeResult
 from spec_jax.decoding.strategies import Strategy
 from spec_jax.decoding.target import as_target, model_config
+from spec_jax.drafters.base import Drafter
 from spec_jax.models.layout import prepare_params
 from spec_jax.sampling import Sampling
 
@@ -166,6 +167,35 @@ def _signed_execution_params(target, mesh=None) -> tuple:
   return prepared, _EXECUTION_PARAMS[key][2]
 
 
+# id(drafter params) -> (weakrefs to every leaf, prepared params)
+_DRAFTER_PARAMS: dict = {}
+
+
+def execution_drafter_params(drafter, mesh=None):
+  """drafter.params after drafter.prepare (its execution layout: unstacked, and on CPU the
+  projections stored [out, in] like the target's), made once per drafter outside the jit and
+  cached while its weights live, as execution_params does for the target; decode's in-jit
+  prepare then finds them prepared (every prepare is idempotent). Elsewhere (accelerators,
+  meshes), and for drafters without a prepare of their own, drafter.params as they are."""
+  if drafter is None:
+    return None
+  params = drafter.params
+  leaves = jax.tree.leaves(params)
+  if (mesh is not None or not platform.is_cpu() or not leaves
+      or type(drafter).prepare is Drafter.prepare
+      or not all(isinstance(x, jax.Array) for x in leaves)):
+    return params
+  key = id(params)
+  hit = _DRAFTER_PARAMS.get(key)
+  if hit is not None and len(hit[0]) == len(leaves) and all(
+      r() is x for r, x in zip(hit[0], leaves)):
+    return hit[1]
+  prepared = jax.block_until_ready(jax.jit(drafter.prepare)(params))
+  _DRAFTER_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared)
+  weakref.finalize(leaves[0], _DRAFTER_PARAMS.pop, key, None)
+  return prepared
+
+
 def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, max_new_tokens,
                          sampling: Sampling, stop, capacity: int, greedy: bool, mesh=None,
                          strategy: Strategy, round_costs=None, acceptance_prior=None,
@@ -182,7 +212,7 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   prior; generate passes -1s for none, so both share one executable); history: (static) carry the penalties' token history
   (Sampling.needs_history of the host settings); processors: (static) LogitsProcessors, their
   params passed as arguments (one executable per processors' shapes)."""
-  drafter_params = None if drafter is None else drafter.params
+  drafter_params = execution_drafter_params(drafter, mesh)
   # Host arrays stay numpy: the compiled call transfers them itself (an eager jnp op per input
   # would cost a dispatch each; generate()'s overhead over a bare decode is measured).
   params, params_signature = _signed_execution_params(target, mesh)

@@ -129,7 +129,7 @@ class EAGLE3Fused(FeatureHead):
 
   def target_feature(self, params, hidden, layer_hidden):
     cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-    return matmul.dense(cat, params["fuse"])
+    return matmul.dense_named(cat, params, "fuse")
 
   @classmethod
   def init(cls, target, key=None, target_layers: Optional[Sequence[int]] = None,
@@ -282,7 +282,7 @@ class EAGLE3(FeatureHead):
 
   def target_feature(self, params, hidden, layer_hidden):
     cat = jnp.concatenate([h.astype(jnp.float32) for h in layer_hidden], axis=-1)
-    return matmul.dense(cat, params["fc"])
+    return matmul.dense_named(cat, params, "fc")
 
   def _embed(self, params, target_params, tokens):
     table = params if "embed" in params else target_params
@@ -297,8 +297,9 @@ class EAGLE3(FeatureHead):
     # q/k/v then leave the dots in that dtype, as the target's do. (With float32 outputs
     # XLA:TPU fused RoPE's head-major relayout into the dot and kept a transposed copy of
     # wq|wk|wv, 96 MiB at 8B, live through the whole decode: docs/accelerators.md.)
+    wo = params["layer"].get("wo", params["layer"].get("wo_t"))     # either layout (prepare)
     act = jnp.result_type(matmul.activation_dtype(self.target_config),
-                          params["layer"]["wq"].dtype)
+                          (wo[0] if isinstance(wo, (tuple, list)) else wo).dtype)
     h = jnp.concatenate([e, rms_norm(f, params["hidden_norm"], eps)], axis=-1)
     return f, h.astype(act)
 
@@ -313,7 +314,7 @@ class EAGLE3(FeatureHead):
   def draft_logits(self, params, out):
     """Head output o [..., D] -> float32 logits [..., V_draft] over the draft vocabulary."""
     o = rms_norm(out.astype(jnp.float32), params["norm"], self.layer_config.rms_norm_eps)
-    return matmul.dense(o, params["lm_head"], out_dtype=jnp.float32)
+    return matmul.dense_named(o, params, "lm_head", out_dtype=jnp.float32)
 
   def logits(self, params, target_params, out):
     """Logits over the target's full vocabulary [..., V]: the draft logits at their target ids,

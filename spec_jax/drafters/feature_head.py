@@ -68,6 +68,7 @@ from spec_jax.models.config import ModelConfig
 from spec_jax.models.blocks import (ForwardOutput, apply_rope, embed, lm_head, rms_norm,
                                     rope_inv_freq)
 from spec_jax.models.cache import default_head_major
+from spec_jax.models.llama import layout
 from spec_jax.models.llama.forward import decoder_layer
 from spec_jax.models.prefill import PREFILL_CHUNK, chunked_prefill
 
@@ -164,8 +165,8 @@ class FeatureHead(FrozenDrafter):
     if self.kind == "mtp":
       cat = jnp.concatenate([rms_norm(e, params["enorm"], eps),
                              rms_norm(feature, params["hnorm"], eps)], axis=-1)
-      return matmul.dense(cat, params["fc"])
-    return matmul.dense(jnp.concatenate([e, feature], axis=-1), params["fc"]) + params["fc_b"]
+      return matmul.dense_named(cat, params, "fc")
+    return matmul.dense_named(jnp.concatenate([e, feature], axis=-1), params, "fc") + params["fc_b"]
 
   def logits(self, params, target_params, out):
     """Head output o [..., D] -> float32 logits [..., V] through the target's LM head."""
@@ -222,6 +223,21 @@ class FeatureHead(FrozenDrafter):
     return self._draw(self.logits(params, target_params, feature), key, sampling, greedy)
 
   # ----------------------------------------------------------------------- drafter interface
+
+  # The head's weights in the target's CPU execution layout (what a draft step reads).
+  DENSE_WEIGHTS = ("fc", "fuse", "lm_head")
+
+  def prepare(self, params):
+    """Once per generate() call, before the loop (and once per model outside the jit by
+    decoding.compiled): the head's layer and its 2-D projections in the target's CPU execution
+    layout (models.llama.layout.head_layer_layout / dense_layout: fused, stored [out, in]);
+    the same math. On accelerators the params as they are. Idempotent."""
+    if not isinstance(params, dict):
+      return params
+    out = dict(params)
+    if "layer" in out:
+      out["layer"] = layout.head_layer_layout(out["layer"])
+    return layout.dense_layout(out, self.DENSE_WEIGHTS)
 
   def init_state(self, params, prefill: PrefillInfo):
     """The prompt's pairs (f_j, token j+1), j < P, through the head's layer at slots 0..P-1,

@@ -77,6 +77,11 @@ class HybridMTP(FeatureHead):
   def target_feature(self, params, hidden, layer_hidden):
     return hidden.astype(jnp.float32)                     # after the target's final norm
 
+  def prepare(self, params):
+    """As they are: the layer is the Qwen3-Next kind (gated attention), which reads its own
+    layout, not the llama execution layout FeatureHead.prepare builds."""
+    return params
+
   def combine(self, params, target_params, tokens, feature):
     eps = self.target_config.rms_norm_eps
     e = embed(target_params, tokens).astype(jnp.float32)

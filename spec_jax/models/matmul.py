@@ -16,6 +16,7 @@ f32 (a full copy of every weight, per call).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional, Sequence, Union
 
@@ -109,6 +110,16 @@ def pick_weight(lp, name: str, rows: int):
   if plain is not None:
     return plain, False
   return None
+
+
+def dense_named(x, params, name: str, out_dtype=None):
+  """x times the 2-D weight `name` of params, stored [in, out] as `name` or [out, in] as
+  `name_t` (the CPU execution layout: models.llama.layout.dense_layout); pick_weight's rule
+  when both are there."""
+  picked = pick_weight(params, name, math.prod(x.shape[:-1]))
+  if picked is None:
+    raise KeyError(f"no weight {name!r} or {name + '_t'!r} in these params")
+  return dense(x, *picked, out_dtype=out_dtype)
 
 
 def activation_dtype(config) -> str:

@@ -116,6 +116,42 @@ def cpu_orientation(config) -> str:
   return "out_in"
 
 
+def head_layer_layout(lp):
+  """One drafter layer's params (an unstacked llama-style layer: wq, wk, wv, wo, w_gate,
+  w_up, w_down [in, out]) in the target's CPU execution layout: fused q|k|v and gate|up,
+  stored as cpu_orientation says. The same math; blocks.qkv_projections, swiglu_mlp and
+  out_projection read either layout. On accelerators, and for a layer already prepared (or
+  not of this form), lp as it is: a fused copy built inside the decode jit would sit beside
+  the originals in HBM (prepare_params' docstring).
+
+  Measured on this CPU (docs/speed.md, "What a round costs beyond its forwards"): the 78M
+  widened target's EAGLE-3 head drafted with its [2, 768] x [768, 2048] dots at half the
+  bytes per second of the target's [out, in] ones."""
+  if not platform.is_cpu() or not isinstance(lp, dict) or not all(
+      k in lp for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")):
+    return lp
+  transpose = {"out_in": True, "in_out": False, "both": "both"}[cpu_orientation(None)]
+  return fuse_layers(lp, transpose=transpose, chunks=cpu_weight_chunks())
+
+
+def dense_layout(params, names):
+  """params with each 2-D weight in `names` ([in, out], read through blocks.project) stored as
+  cpu_orientation says on CPU (`name_t` [out, in]); as they are elsewhere or when a name is
+  absent or already prepared."""
+  if not platform.is_cpu():
+    return params
+  orientation = cpu_orientation(None)
+  out = dict(params)
+  for name in names:
+    w = out.get(name)
+    if w is None or getattr(w, "ndim", 0) != 2 or orientation == "in_out":
+      continue
+    out[name + "_t"] = jnp.swapaxes(w, 0, 1)
+    if orientation == "out_in":
+      del out[name]
+  return out
+
+
 def is_prepared(params) -> bool:
   """Whether params are already in an execution layout (unstacked or fused)."""
   layers = params["layers"] if isinstance(params, dict) else None
