@@ -124,9 +124,9 @@ def head_layer_layout(lp):
   not of this form), lp as it is: a fused copy built inside the decode jit would sit beside
   the originals in HBM (prepare_params' docstring).
 
-  Measured on this CPU (docs/speed.md, "What a round costs beyond its forwards"): the 78M
-  widened target's EAGLE-3 head drafted with its [2, 768] x [768, 2048] dots at half the
-  bytes per second of the target's [out, in] ones."""
+  Measured on this CPU (docs/speed.md, "The heads' weights in the target's CPU layout"): the
+  78M widened target's EAGLE-3 head read its [768, 2048] bf16 weights at half the bytes per
+  second of the target's [out, in] ones in the same decode."""
   if not platform.is_cpu() or not isinstance(lp, dict) or not all(
       k in lp for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")):
     return lp
