@@ -58,7 +58,8 @@ def main(argv=None):
       seconds[n].append(sum(call(d, i).stats.seconds for i in range(4)))
   s = {n: np.asarray(v) for n, v in seconds.items()}
   for n, v in s.items():
-    print(f"{n:17s} median {np.median(v) * 1e3:7.0f} ms  spread {(v.max() - v.min()) / np.median(v) * 100:4.0f} %"
+    spread = (v.max() - v.min()) / np.median(v) * 100
+    print(f"{n:17s} median {np.median(v) * 1e3:7.0f} ms  spread {spread:4.0f} %"
           + ("" if n == "plain" else f"  speedup {np.median(s['plain'] / v):.3f} (paired median)"))
   print(f"execution layout / as stored, paired median time ratio: "
         f"{np.median(s['execution layout'] / s['as stored']):.3f}")

@@ -228,7 +228,7 @@ class FeatureHead(FrozenDrafter):
   DENSE_WEIGHTS = ("fc", "fuse", "lm_head")
 
   def prepare(self, params):
-    """Once per generate() call, before the loop (and once per model outside the jit by
+    """Once per generate() call, before the loop (and once per drafter outside the jit by
     decoding.compiled): the head's layer and its 2-D projections in the target's CPU execution
     layout (models.llama.layout.head_layer_layout / dense_layout: fused, stored [out, in]);
     the same math. On accelerators the params as they are. Idempotent."""

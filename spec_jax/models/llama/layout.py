@@ -135,7 +135,7 @@ def head_layer_layout(lp):
 
 
 def dense_layout(params, names):
-  """params with each 2-D weight in `names` ([in, out], read through blocks.project) stored as
+  """params with each 2-D weight in `names` ([in, out], read through matmul.dense_named) stored as
   cpu_orientation says on CPU (`name_t` [out, in]); as they are elsewhere or when a name is
   absent or already prepared."""
   if not platform.is_cpu():
