@@ -61,7 +61,8 @@ def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOC
   if s < 16:
     return f"cache length {s} < 16 (Triton dot tiles need 16 keys)"
   if t > layout.MAX_NEW_TOKENS:
-    return f"T={t} new tokens > {layout.MAX_NEW_TOKENS} (one 32-bit mask per query row)"
+    return (f"T={t} new tokens > {layout.MAX_NEW_TOKENS} ({layout.MAX_WORDS} 32-bit mask words "
+            f"per query row)")
   for name, dt in (("q", q_dtype), ("k/v cache", kv_dtype)):
     if jnp.dtype(dt).name not in SUPPORTED_DTYPES:
       return f"{name} dtype {jnp.dtype(dt).name} not in {SUPPORTED_DTYPES}"
@@ -70,15 +71,17 @@ def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOC
   return None
 
 
-def _kernel(len_ref, q_ref, bits_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k: int,
-            blocks_per_split: int, seq_len: int, num_new: int, sm_scale: float, compute_dtype,
-            precision):
-  # len_ref: [] int32; q_ref: [rows, D]; bits_ref: [rows]; k_ref, v_ref: [S, D] (one KV head).
-  # o_ref: [rows, D] f32; m_ref, l_ref: [rows] f32 (this split's partials).
+def _kernel(len_ref, q_ref, *refs, block_k: int, blocks_per_split: int, seq_len: int,
+            num_new: int, sm_scale: float, compute_dtype, precision):
+  # refs: num_words(T) bits refs, k_ref, v_ref, o_ref, m_ref, l_ref.
+  # len_ref: [] int32; q_ref: [rows, D]; each bits ref: [rows] (one mask word);
+  # k_ref, v_ref: [S, D] (one KV head); o_ref: [rows, D] f32; m_ref, l_ref: [rows] f32 (this
+  # split's partials).
+  bits_refs, (k_ref, v_ref, o_ref, m_ref, l_ref) = refs[:-5], refs[-5:]
   split = pl.program_id(3)
   length = len_ref[()]
   q = q_ref[...].astype(compute_dtype)
-  bits = bits_ref[...][:, None]
+  bits = [r[...][:, None] for r in bits_refs]
   rows, head_dim = q.shape
   num_blocks = layout.cdiv(seq_len, block_k)
   lo = split * blocks_per_split
@@ -194,7 +197,7 @@ def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       in_specs=[
           pl.BlockSpec((None,), lambda bi, h, r, p: (bi,)),
           pl.BlockSpec((None, None, row_tile, d), lambda bi, h, r, p: (bi, h, r, 0)),
-          pl.BlockSpec((None, row_tile), lambda bi, h, r, p: (bi, r)),
+          *[pl.BlockSpec((None, row_tile), lambda bi, h, r, p: (bi, r))] * len(bits),
           kv_spec,
           kv_spec,
       ],
@@ -211,6 +214,6 @@ def verify_attention_pallas_gpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="verify_attention_gpu",
-  )(lengths, q_rows, bits, k_cache, v_cache)
+  )(lengths, q_rows, *bits, k_cache, v_cache)
   out = combine_splits(o, m, l)
   return layout.unfold_output(out, t, hq).astype(q.dtype)

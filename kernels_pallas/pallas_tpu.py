@@ -53,7 +53,8 @@ def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOC
     return (f"head_dim {d} with {hkv} kv heads: need head_dim % {LANES} == 0, or "
             f"{LANES} % head_dim == 0 with kv heads a multiple of {LANES} // head_dim")
   if t > layout.MAX_NEW_TOKENS:
-    return f"T={t} new tokens > {layout.MAX_NEW_TOKENS} (one 32-bit mask per query row)"
+    return (f"T={t} new tokens > {layout.MAX_NEW_TOKENS} ({layout.MAX_WORDS} 32-bit mask words "
+            f"per query row)")
   rows = layout.round_up(t * (hq // hkv), ROW_ALIGN)
   if rows > MAX_ROWS:
     return f"T * (Hq // Hkv) = {t * (hq // hkv)} query rows per kv head > {MAX_ROWS}"
@@ -65,12 +66,13 @@ def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOC
   return None
 
 
-def _kernel(len_ref, q_ref, bits_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *,
-            block_k: int, num_blocks: int, num_new: int, head_dim: int, sm_scale: float,
-            compute_dtype, precision):
-  # len_ref: SMEM int32[B]; q_ref: [hpb, rows, D]; bits_ref: [rows, 1];
+def _kernel(len_ref, q_ref, *refs, block_k: int, num_blocks: int, num_new: int,
+            head_dim: int, sm_scale: float, compute_dtype, precision):
+  # refs: num_words(T) bits refs, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr.
+  # len_ref: SMEM int32[B]; q_ref: [hpb, rows, D]; each bits ref: [rows, 1] (one mask word);
   # k_ref, v_ref: [block_k, hpb * D]; o_ref: [hpb, rows, D];
   # m_scr, l_scr: [hpb, rows, LANES] f32 (lane-replicated); acc_scr: [hpb, rows, D] f32.
+  bits_refs, (k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr) = refs[:-6], refs[-6:]
   b, i = pl.program_id(0), pl.program_id(2)
   length = len_ref[b]
   hpb = q_ref.shape[0]
@@ -84,7 +86,8 @@ def _kernel(len_ref, q_ref, bits_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr
   @pl.when(i * block_k < length)
   def _step():
     key_pos = i * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-    vis = layout.visible(key_pos, length, num_new, bits_ref[...])          # [rows, block_k]
+    vis = layout.visible(key_pos, length, num_new,
+                         [r[...] for r in bits_refs])                      # [rows, block_k]
     # Rows of a partial last block (S % block_k) or past the length may hold anything.
     v_ok = (i * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)) < length
     for j in range(hpb):
@@ -148,7 +151,7 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
 
   compute_dtype = jnp.promote_types(q.dtype, k_cache.dtype)
   q_rows = layout.fold_queries(q, hkv, rows)                      # [B, Hkv, rows, D]
-  bits = layout.row_bits(tree_mask, b, t, group, rows)[..., None]  # [B, rows, 1]
+  bits = [w[..., None] for w in layout.row_bits(tree_mask, b, t, group, rows)]  # [B, rows, 1]
   lengths = kv_lengths.astype(jnp.int32)
   if head_major:
     k_flat, v_flat = k_cache, v_cache                             # [., Hkv, S, D]
@@ -172,7 +175,7 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       grid=(b, hkv // hpb, num_blocks),
       in_specs=[
           pl.BlockSpec((None, hpb, rows, d), lambda bi, h, i, lens: (bi, h, 0, 0)),
-          pl.BlockSpec((None, rows, 1), lambda bi, h, i, lens: (bi, 0, 0)),
+          *[pl.BlockSpec((None, rows, 1), lambda bi, h, i, lens: (bi, 0, 0))] * len(bits),
           pl.BlockSpec(kv_block, kv_index),
           pl.BlockSpec(kv_block, kv_index),
       ],
@@ -191,5 +194,5 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="verify_attention_tpu",
-  )(lengths, q_rows, bits, k_flat, v_flat)
+  )(lengths, q_rows, *bits, k_flat, v_flat)
   return layout.unfold_output(o, t, hq)

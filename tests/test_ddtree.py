@@ -151,10 +151,11 @@ def test_greedy_best_first_equals_plain_greedy(target):
   dflash = DFlash.init(target, key=jax.random.key(2), block_size=5, num_layers=1,
                        target_layers=(1, 3), init_std=0.3)
   dspark = test_dspark.small(target, "vanilla")
-  for drafter in (dflash, dspark):
+  # 63 nodes: the largest tree, its root and nodes past the first 32 verified in one pass.
+  for drafter, nodes in ((dflash, 10), (dspark, 10), (dflash, 63)):
     spec = sj.generate(target, prompts, drafter=drafter, max_new_tokens=14, sampling=GREEDY,
-                       stop_tokens=[], tree=sj.TreeSpec(4, 10, 10, "best_first"))
-    assert spec.tokens == plain.tokens, type(drafter).__name__
+                       stop_tokens=[], tree=sj.TreeSpec(4, nodes, nodes, "best_first"))
+    assert spec.tokens == plain.tokens, (type(drafter).__name__, nodes)
     assert spec.stats.drafted > 0 and spec.stats.tree[3] == "best_first"
 
 

@@ -100,6 +100,10 @@ CASES = [
     (1, 9, 8, 8, 64, 200, 64, "float32", True, {"num_splits": 3}),
     (3, 9, 8, 1, 64, 160, 32, "bfloat16", False, {"block_rows": 16, "num_splits": 2}),
     (2, 5, 8, 2, 512, 80, 32, "bfloat16", True, {}),        # Gemma 4 global layers' head_dim
+    # Two mask words per row (T > 32: a DDTree of up to 63 nodes and its root).
+    (2, 40, 4, 4, 64, 96, 32, "float32", True, {}),
+    (1, 64, 8, 4, 64, 80, 32, "bfloat16", True, {"num_splits": 2}),
+    (2, 33, 8, 8, 64, 72, 64, "float32", False, {}),
 ]
 CASE_IDS = [f"B{c[0]}-T{c[1]}-{c[2]}/{c[3]}-D{c[4]}-S{c[5]}-bk{c[6]}-{c[7]}"
             f"-{'tree' if c[8] else 'causal'}" for c in CASES]

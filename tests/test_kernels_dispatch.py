@@ -142,7 +142,7 @@ def test_pallas_under_jit_with_traced_lengths_and_mask():
 @pytest.mark.parametrize("kernel,shape,why", [
     ("gpu", dict(d=48), "head_dim 48 is not a power of 2"),
     ("tpu", dict(d=48), "head_dim 48 with 2 kv heads"),
-    ("gpu", dict(t=33, s=40), "T=33 new tokens"),
+    ("gpu", dict(t=65, s=72), "T=65 new tokens"),
     ("tpu", dict(t=30, hq=40, hkv=2, d=128, s=40), "query rows per kv head"),
     ("gpu", dict(s=8, t=2), "cache length 8 < 16"),
 ])

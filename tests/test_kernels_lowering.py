@@ -18,6 +18,7 @@ SHAPES = [
     (1, 5, 32, 8, 128, 16384, jnp.bfloat16, jnp.bfloat16, False),   # batch 1, long cache
     (3, 2, 8, 4, 64, 100, jnp.float32, jnp.float32, True),          # D=64, ragged S
     (2, 9, 8, 1, 128, 1000, jnp.float32, jnp.bfloat16, False),       # MQA, mixed dtypes
+    (2, 64, 8, 8, 128, 2048, jnp.bfloat16, jnp.bfloat16, True),     # a 63-node tree: 2 mask words
 ]
 
 

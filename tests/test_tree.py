@@ -41,7 +41,7 @@ GREEDY = sj.Sampling(temperature=0.0)
     (dict(depth=4, top_k=2, num_nodes=3), "num_nodes .3. must be >= depth .4."),
     (dict(depth=2, top_k=0, num_nodes=4), "top_k must be >= 1"),
     (dict(depth=0, top_k=2, num_nodes=4), "depth must be >= 1"),
-    (dict(depth=2, top_k=2, num_nodes=32), "num_nodes <= 31"),
+    (dict(depth=2, top_k=2, num_nodes=64), "num_nodes <= 63"),
     (dict(depth=2, top_k=2, num_nodes=4, candidates="beam"), "candidates must be one of"),
     (dict(depth=2.5, top_k=2, num_nodes=4), "depth must be an integer"),
     (dict(depth=True, top_k=2, num_nodes=4), "depth must be an integer"),

@@ -48,6 +48,9 @@ DEFAULTS = {
         "prompt_tokens": 8,    # prompt length (tokens of the paragraph, BOS included)
         "gen_tokens": 160,     # new tokens generated per prompt
         "temperatures": [1.0],  # sampling temperatures, cycled over the prompts
+        "gen_temperatures": None,  # the generated source's own (None: temperatures); with
+                                   # regenerate, [1.0, 0.0] against [0.0, 1.0] gives every
+                                   # paragraph its other temperature: new rows, not repeats
         "gen_batch": 64,       # rows per sj.generate call
         "text_paragraphs": 0,  # dev.txt paragraphs for the text source (0: all)
         "window": 64,          # training window T

@@ -151,6 +151,8 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
     gen_cfg = {k: data_cfg[k] for k in ("dev_path", "num_prompts", "prompt_tokens", "gen_tokens",
                                         "temperatures", "gen_batch")}
     gen_cfg["seed"] = seed
+    if data_cfg.get("gen_temperatures") is not None:
+      gen_cfg["temperatures"] = list(data_cfg["gen_temperatures"])
     key = data_key(fingerprint_sha, gen_cfg)
     path = pathlib.Path(data_cfg["cache_dir"]) / f"generated_{key}.npz"
 
@@ -158,7 +160,7 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
       prompts = [target.encode(p)[:data_cfg["prompt_tokens"]]
                  for p in paragraphs[:data_cfg["num_prompts"]]]
       return generate_sequences(target, prompts, data_cfg["gen_tokens"],
-                                list(data_cfg["temperatures"]), data_cfg["gen_batch"], seed, log)
+                                gen_cfg["temperatures"], data_cfg["gen_batch"], seed, log)
 
     gen = _cached(path, make, log, "continuations")
     seqs += gen

@@ -116,7 +116,7 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   needs_window = window is not None and window < s
   if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
-    # trees: up to its 32 new tokens) with a square tree mask.
+    # trees: up to its 64 new tokens) with a square tree mask.
     if layer is not None and q.shape[-1] % 128 == 0:
       # Key blocks sliced straight out of the stacked cache. (With a head_dim below the 128
       # lanes XLA:TPU lays whatever the loop's dots read out transposed: handed the stack it

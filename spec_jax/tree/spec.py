@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-MAX_TREE_TOKENS = 32       # root + nodes per verify: the kernels' one 32-bit mask per query row
+MAX_TREE_TOKENS = 64       # root + nodes per verify: the kernels' two 32-bit mask words per row
 CANDIDATES = ("auto", "topk", "sampled", "distinct", "best_first")
 # What "auto" draws at T > 0 (greedy rows always take the top-k): samples without replacement
 # accepted more than top-k children at T = 1 in scripts/tree_tau.py (docs/trees.md).
@@ -22,7 +22,7 @@ class TreeSpec:
   depth: D, the most drafts accepted per round (the deepest node), >= 1.
   top_k: k, children per expanded node (EAGLE-2: also the frontier width; n-gram: branches).
   num_nodes: N, draft nodes verified per round (the root, the last committed token, is extra):
-    depth <= N and N + 1 <= 32.
+    depth <= N and N + 1 <= 64.
   candidates: "auto" (the default: top-k when greedy, SAMPLED_DEFAULT at T > 0), "topk"
     (deterministic top-k children; verified by recursive rejection with one-hot drafts),
     "sampled" (children drawn i.i.d. from the drafter's q; SpecInfer's multi-step speculative
@@ -53,7 +53,7 @@ class TreeSpec:
                        "a tree of depth D needs at least D nodes")
     if self.num_nodes + 1 > MAX_TREE_TOKENS:
       raise ValueError(f"TreeSpec.num_nodes ({self.num_nodes}) + 1 (the root) must be <= "
-                       f"{MAX_TREE_TOKENS} (one 32-bit mask per verify row): num_nodes <= "
+                       f"{MAX_TREE_TOKENS} (two 32-bit mask words per verify row): num_nodes <= "
                        f"{MAX_TREE_TOKENS - 1}")
     if self.candidates not in CANDIDATES:
       raise ValueError(f"TreeSpec.candidates must be one of {CANDIDATES}, got "
