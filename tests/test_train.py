@@ -160,3 +160,26 @@ def test_config_errors(tmp_path):
   with pytest.raises(SystemExit):
     distill_heads.main([])                     # argparse: --config is required
   assert parse_set("eval.temperatures=[0, 1]") == (["eval", "temperatures"], [0, 1])
+
+
+def test_the_generated_source_takes_its_own_temperatures(tmp_path, monkeypatch):
+  """data.gen_temperatures: the generated source's temperatures (None: data.temperatures), in
+  its cache key; with regenerate at [0, 1] and generated at [1, 0], each paragraph gets the
+  temperature it did not get in the other source (rows that add data, not repeats)."""
+  from train import data as data_lib
+  calls = []
+
+  def fake_generate(target, prompts, gen_tokens, temperatures, batch, seed, log):
+    calls.append(list(temperatures))
+    return [list(p) + [7] * gen_tokens for p in prompts]
+
+  monkeypatch.setattr(data_lib, "generate_sequences", fake_generate)
+  target = sj.load(need_shared("models", "stories260K"))
+  base = {"sources": ["generated"], "num_prompts": 4, "gen_tokens": 8,
+          "temperatures": [0.0, 1.0]}
+  for gen_temps, want in ((None, [0.0, 1.0]), ([1.0, 0.0], [1.0, 0.0])):
+    cfg = load_config(write_config(tmp_path, data=dict(base, gen_temperatures=gen_temps)))
+    data_lib.build_windows(target, cfg["data"], "sha", 0, lambda m: None)
+    assert calls[-1] == want
+  assert len(calls) == 2                          # the second did not read the first's cache
+  assert len(list((tmp_path / "cache").glob("generated_*.npz"))) == 2
