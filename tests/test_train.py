@@ -183,3 +183,24 @@ def test_the_generated_source_takes_its_own_temperatures(tmp_path, monkeypatch):
     assert calls[-1] == want
   assert len(calls) == 2                          # the second did not read the first's cache
   assert len(list((tmp_path / "cache").glob("generated_*.npz"))) == 2
+
+
+def test_a_config_states_only_what_it_changes_over_its_base(tmp_path):
+  """`base:` merges a config under another (mappings key by key, lists replaced); the shipped
+  long-budget configs equal the shipped ones with their overrides set."""
+  root = pathlib.Path(__file__).resolve().parents[1] / "configs"
+  for kind in ("dflash", "dspark"):
+    sets = [f"out_dir=runs/{kind}12k", "data.sources=[text, generated]", "data.num_prompts=3441",
+            "data.gen_tokens=96", "data.gen_temperatures=[1.0, 0.0]", "train.steps=12000"]
+    assert load_config(root / f"distill_{kind}_long.yaml") == load_config(
+        root / f"distill_{kind}.yaml", sets)
+  (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+  (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+  with pytest.raises(ValueError, match="cycle of configs"):
+    load_config(tmp_path / "a.yaml")
+  (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+  with pytest.raises(ValueError, match="cannot read config"):
+    load_config(tmp_path / "c.yaml")
+  (tmp_path / "d.yaml").write_text("base: 3\n")
+  with pytest.raises(ValueError, match="base must be a config's path"):
+    load_config(tmp_path / "d.yaml")

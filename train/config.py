@@ -298,9 +298,8 @@ def _check_mesh(cfg: dict) -> None:
                      f"the batch a multiple of {mesh['data']}")
 
 
-def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:
-  """Reads a YAML config, applies --set overrides, fills defaults and validates."""
-  path = pathlib.Path(path)
+def _read(path: pathlib.Path, chain: tuple = ()) -> dict:
+  """One YAML config as written, with its `base:` config (a path relative to it) merged under it."""
   try:
     raw = yaml.safe_load(path.read_text()) or {}
   except OSError as e:
@@ -309,6 +308,22 @@ def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:
     raise ValueError(f"{path}: not valid YAML: {e}") from e
   if not isinstance(raw, dict):
     raise ValueError(f"{path}: a config is a mapping of keys, got {type(raw).__name__}")
+  base = raw.pop("base", None)
+  if base is None:
+    return raw
+  if not isinstance(base, str):
+    raise ValueError(f"{path}: base must be a config's path (relative to {path.name}), got {base!r}")
+  chain = chain + (path.resolve(),)
+  base_path = (path.parent / base).resolve()
+  if base_path in chain:
+    raise ValueError(f"{path}: base {base!r} makes a cycle of configs")
+  return _merge(_read(base_path, chain), raw)
+
+
+def load_config(path, sets: Optional[Sequence[str]] = None) -> dict:
+  """Reads a YAML config (over its `base:` config, if it names one: mappings merge key by key,
+  anything else replaces), applies --set overrides, fills defaults and validates."""
+  raw = _read(pathlib.Path(path))
   _check(raw, DEFAULTS)
   cfg = _merge(DEFAULTS, raw)
   cfg = apply_sets(cfg, sets)
