@@ -13,6 +13,7 @@ The full compiles through XLA:TPU (libtpu) run in CI's AOT step: python -m spec_
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -82,6 +83,22 @@ def test_tpu_decode_has_no_program_sized_temporaries():
   assert "tensor<2x32x384xf32>" not in text              # no [B, P, V] prefill logits
   assert "x32x640xf32>" not in text                      # no f32 [.., P, S] prefill scores
   assert "tensor<2x384xf32>" in text                     # the last position's logits
+
+
+def test_tpu_sampled_verify_filters_vocabulary_rows_in_two_dims():
+  """The top-k / top-p / min-p filter of a sampled verify ([B, K+1, V] logits) runs on rows
+  flattened to [N, V] and reverses nothing along V: under `model=4` XLA:TPU laid the 3-D
+  nucleus suffix sums out with the K+1 axis minor (18x padding, 250 MiB per chip for an 8B
+  EAGLE-3 round) and turned each reverse into a collective permute (docs/accelerators.md)."""
+  model = shapes.abstract_model(TINY)
+  head = shapes.drafter_from_spec("eagle3", model)
+  text = _lowered(model, head, num_draft=3)
+  vocab = TINY.vocab_size
+  assert "stablehlo.reverse" not in text
+  sort_dims = re.findall(r'"stablehlo.sort"\(%\w+\) <\{dimension = (\d+)', text)
+  assert sort_dims and set(sort_dims) == {"1"}, sort_dims          # [N, V] rows, V last
+  sums = re.findall(rf"window_dimensions = array<i64: ([\d, ]*){vocab}>", text)
+  assert sums and all(s.count(",") == 1 for s in sums), sums        # the suffix sums: [N, V]
 
 
 def test_tpu_decode_lowers_under_a_mesh_at_every_call_site():
