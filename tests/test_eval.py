@@ -279,3 +279,44 @@ def test_bf16_greedy_check_accepts_only_near_ties(monkeypatch):
   with pytest.raises(LossyOutputError, match="must reproduce plain decoding exactly"):
     greedy.check_greedy(unit, configs, tie, reference=None)        # float32: no tolerance
   assert greedy.check_greedy(unit, configs, {"none": [[4, 5]], "ngram": [[4, 5]]}) == []
+
+
+def test_eval_trees_run_beside_the_chains(tmp_path, prompt_file, monkeypatch):
+  """--tree D,k,N adds a tree configuration after the chain of every drafter that builds trees:
+  measured on the same prompts, held to the greedy check (a tree that changed a token would
+  raise), with its own rows in every table and its shape in the report."""
+  import importlib
+  import spec_jax as sj
+  evaluate_module = importlib.import_module("spec_jax.eval.evaluate")
+  model = need_shared("models", TINY)
+  out = tmp_path / "trees"
+  calls = []
+  real = runner.generate_call
+
+  def spy(target, prompts, config, *args):
+    calls.append((config.key, config.tree))
+    return real(target, prompts, config, *args)
+  monkeypatch.setattr(runner, "generate_call", spy)
+  assert cli.main(_argv(model, prompt_file, out, "--tree", "3,2,6", "--tree", "2, 2, 3")) == 0
+  assert ("ngram@tree:3,2,6", sj.TreeSpec(3, 2, 6)) in calls
+  assert ("ngram@tree:2,2,3", sj.TreeSpec(2, 2, 3)) in calls
+  assert ("ngram", None) in calls
+  res = json.loads((out / "results.json").read_text())
+  assert res["options"]["trees"] == ["3,2,6", "2,2,3"]
+  assert [d["label"] for d in res["drafters"]] == ["ngram", "ngram tree 3,2,6",
+                                                    "ngram tree 2,2,3"]
+  assert res["greedy_check"]["checked"] and not res["greedy_check"]["near_tie_divergences"]
+  rows = {r["drafter"]: r for r in res["summary"] if r["category"] == "all"}
+  assert rows["ngram tree 3,2,6"]["num_draft"] == "tree 3,2,6"
+  assert rows["ngram tree 3,2,6"]["tau"] >= 1.0 and rows["ngram tree 3,2,6"]["new_tokens"] > 0
+  assert "trees D,k,N 3,2,6, 2,2,3 beside them" in (out / "report.md").read_text()
+  base = dict(target=str(model), drafters=("ngram",), out=str(tmp_path / "o"),
+              prompts=str(prompt_file))
+  with pytest.raises(ValueError, match="a tree is written D,k,N"):
+    EvalOptions(**dict(base, trees=("3,2",))).validate()
+  with pytest.raises(ValueError, match=r"num_nodes \(2\) must be >= depth \(3\)"):
+    EvalOptions(**dict(base, trees=("3,2,2",))).validate()
+  monkeypatch.setattr(sj.drafters.NGram, "supports_tree", False)
+  with pytest.raises(ValueError, match="--tree needs a drafter that builds trees"):
+    evaluate_module.make_configs(sj.load(model),
+                                 EvalOptions(**dict(base, trees=("3,2,6",))).validate())

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes (default 1)")
   p.add_argument("--num-draft", default="4", metavar="K|auto",
                  help="draft tokens per round, or auto (the governor; default 4)")
+  p.add_argument("--tree", action="append", default=None, metavar="D,k,N[,CANDIDATES]",
+                 help="also decode with this draft tree (sj.TreeSpec(depth=D, top_k=k, "
+                 "num_nodes=N[, candidates])) beside the chain of every drafter that builds "
+                 "trees; repeatable")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   for name, opt in OPTIONS.items():     # the other sampling options, one per Sampling field
     if name != "temperature":
@@ -64,7 +68,7 @@ def options_from(args) -> EvalOptions:
                      repeats=args.repeats, seed=args.seed,
                      progress=not args.no_progress, mesh=args.mesh, dtype=args.dtype,
                      plain_dtypes=tuple(args.plain_dtypes), sampling=sampling_from(args),
-                     categories=tuple(args.category or ()))
+                     categories=tuple(args.category or ()), trees=tuple(args.tree or ()))
 
 
 def sampling_from(args) -> tuple:

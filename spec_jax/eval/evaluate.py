@@ -26,11 +26,13 @@ from spec_jax.eval.report import render_markdown, write_plots
 from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
 from spec_jax.eval.store import RunDir, prompt_hash
 from spec_jax.files import atomic_write_json, atomic_write_text
+from spec_jax.tree import parse_tree_spec
 
 
 def make_configs(target, opts: EvalOptions) -> list:
   """Plain decoding first (then plain decoding in each of opts.plain_dtypes), then every
-  drafter (ValueError: K above a drafter's max_draft)."""
+  drafter, each followed by its trees (opts.trees, for the drafters that build trees).
+  ValueError: K above a drafter's max_draft, or trees and no drafter that builds them."""
   dtype = target.config.dtype
   configs = [Config(key=PLAIN, label="plain", drafter=None, num_draft=0, dtype=dtype)]
   for other in opts.plain_dtypes:
@@ -45,7 +47,22 @@ def make_configs(target, opts: EvalOptions) -> list:
                        f"--num-draft {cap} or less (got {opts.num_draft})")
     configs.append(Config(key=spec, label=drafter_label(spec), drafter=dr,
                           num_draft=opts.num_draft, dtype=dtype))
+    if getattr(dr, "supports_tree", False):
+      for text in opts.trees:
+        configs.append(tree_config(spec, dr, text, dtype))
+  if opts.trees and not any(c.tree is not None for c in configs):
+    raise ValueError(f"--tree needs a drafter that builds trees (n-gram, draft models, heads, "
+                     f"DFlash / DSpark); none of {list(opts.drafters)} does")
   return configs
+
+
+def tree_config(spec: str, drafter, text: str, dtype) -> Config:
+  """The tree configuration of a drafter spec and a tree 'D,k,N[,CANDIDATES]'."""
+  tree = parse_tree_spec(text)
+  shape = f"{tree.depth},{tree.top_k},{tree.num_nodes}" + (
+      "" if tree.candidates == "auto" else f",{tree.candidates}")
+  return Config(key=f"{spec}@tree:{shape}", label=f"{drafter_label(spec)} tree {shape}",
+                drafter=drafter, num_draft=f"tree {shape}", dtype=dtype, tree=tree)
 
 
 def fingerprint(opts: EvalOptions, fmt: str) -> dict:
@@ -179,7 +196,7 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
                  "params": target.config.num_params, "prompt_format": fmt,
                  "context": target.config.max_position_embeddings},
       "drafters": [{"spec": c.key, "label": c.label, "num_draft": c.num_draft}
-                   for c in configs if c.key != PLAIN],
+                   for c in configs if not c.is_plain],
       "prompts": {"source": opts.prompts, "selected": len(records), "categories": categories,
                   "requests": len({(r["id"], r["turn"]) for r in rows})},
       "skipped": skipped,

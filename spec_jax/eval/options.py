@@ -9,6 +9,7 @@ from typing import Optional, Union
 from spec_jax.bench.prompts import PROMPT_SETS, source_path
 from spec_jax.bench.specs import check_drafter_spec
 from spec_jax.sharding import parse_mesh_spec
+from spec_jax.tree import parse_tree_spec
 import spec_jax as sj
 
 
@@ -47,7 +48,9 @@ class EvalOptions:
   every batch size must divide over N; sampling: the other sj.Sampling options as (name,
   value) pairs (min_p, penalties, logit_bias as (id, bias) pairs; `sampling_of`) and the
   grammar constraint as ("constraint", ("regex" | "json_schema", source)); categories: run only
-  these prompt categories (() = all), e.g. one category under a JSON schema."""
+  these prompt categories (() = all), e.g. one category under a JSON schema; trees: tree
+  shapes 'D,k,N[,CANDIDATES]' (sj.TreeSpec(depth, top_k, num_nodes[, candidates])), each run
+  beside the chain of every drafter that builds trees."""
   target: str
   drafters: tuple
   out: str
@@ -66,6 +69,7 @@ class EvalOptions:
   plain_dtypes: tuple = ()
   sampling: tuple = ()
   categories: tuple = ()
+  trees: tuple = ()
 
   def sampling_of(self):
     """The sj.Sampling of every generate() call (ValueError naming a bad option)."""
@@ -114,6 +118,9 @@ class EvalOptions:
         raise ValueError(f"--batch {' '.join(map(str, bad))} does not divide over --mesh "
                          f"{self.mesh}'s data axis of {data}: give batch sizes that are "
                          f"multiples of {data}")
+    trees = tuple(dict.fromkeys(str(t).replace(" ", "") for t in self.trees or ()))
+    for t in trees:
+      parse_tree_spec(t)                  # ValueError: how a tree is written
     source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
     if self.dtype not in DTYPES:
       raise ValueError(f"--dtype must be one of float32, bfloat16 (or omitted: as stored), got "
@@ -126,7 +133,7 @@ class EvalOptions:
       raise ValueError(f"--plain-dtypes {self.dtype} is the target's own dtype (--dtype): its "
                        f"plain decoding always runs")
     return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft,
-                               plain_dtypes=plain_dtypes)
+                               plain_dtypes=plain_dtypes, trees=trees)
 
 
 PROMPT_CHOICES = " | ".join(PROMPT_SETS)

@@ -89,7 +89,10 @@ def _header(res) -> list:
            f"- prompts: `{o['prompts']}`, {limit}: {p['selected']} questions, "
            f"{p['requests']} requests (turns) asked, {len(res['skipped'])} skipped; "
            f"{_FORMATS[res['target']['prompt_format']]}",
-           f"- K = {o['num_draft']}, temperature {o['temperature']:g}, max {o['max_new_tokens']} "
+           f"- K = {o['num_draft']}" + (
+               f" (chains); trees D,k,N {', '.join(o['trees'])} beside them"
+               if o.get("trees") else "") +
+           f", temperature {o['temperature']:g}, max {o['max_new_tokens']} "
            f"new tokens (stop at end-of-text), batch sizes {o['batch']}, {o['repeats']} timed "
            f"round(s) per batch, interleaved",
            f"- machine: {m.get('backend')} backend, {len(m.get('devices', []))} device(s) "

@@ -23,15 +23,24 @@ from spec_jax.decoding.strategies import strategy_for
 @dataclasses.dataclass(frozen=True)
 class Config:
   """One way to decode: key (the drafter spec, 'none' for plain decoding, 'none@DTYPE' for
-  plain decoding in another dtype), label (for tables), drafter (None for plain), num_draft (K,
-  'auto', or 0 for plain); target: the model it decodes with (None: the runner's target; plain
-  decoding in another dtype has its own cast) and its dtype name."""
+  plain decoding in another dtype, 'SPEC@tree:D,k,N' for a tree), label (for tables), drafter
+  (None for plain), num_draft (K, 'auto', or 0 for plain; a tree's 'tree D,k,N' for tables);
+  target: the model it decodes with (None: the runner's target; plain decoding in another
+  dtype has its own cast) and its dtype name; tree: a TreeSpec (tree drafting) or None."""
   key: str
   label: str
   drafter: Any
   num_draft: Any
   target: Any = None
   dtype: Optional[str] = None
+  tree: Any = None
+
+  @property
+  def strategy_args(self) -> dict:
+    """generate()'s num_draft= / tree= for this configuration."""
+    if self.tree is not None:
+      return {"tree": self.tree}
+    return {"num_draft": self.num_draft if self.drafter is not None else 1}
 
   @property
   def is_plain(self) -> bool:
@@ -85,8 +94,7 @@ def generate_call(target, prompts, config: Config, max_new_tokens: int, temperat
     prompts = distributed.share(prompts)
   options = dict(sampling)
   constraint = sj.constraints.from_pair(options.pop("constraint", None))
-  return sj.generate(target, prompts, drafter=config.drafter,
-                     num_draft=config.num_draft if config.drafter is not None else 1,
+  return sj.generate(target, prompts, drafter=config.drafter, **config.strategy_args,
                      max_new_tokens=max_new_tokens,
                      sampling=sj.Sampling(temperature=temperature, **options),
                      key=key, stop_tokens=None, capacity=capacity, mesh=mesh,
@@ -132,8 +140,8 @@ class UnitRunner:
     drafter read equally long caches) and for the timed and the 1-token TTFT call: the
     power-of-two bucket of the longest prompt + max_new_tokens + the widest round of any
     configuration (one compiled decode per bucket and configuration)."""
-    extent = max([0] + [strategy_for(None, c.drafter, c.num_draft).extent for c in self.configs
-                        if c.drafter is not None])
+    extent = max([0] + [strategy_for(None, c.drafter, **c.strategy_args).extent
+                        for c in self.configs if c.drafter is not None])
     return capacity_bucket(max(len(p) for p in prompts) + self.max_new + extent + 1,
                            self.target.config.max_position_embeddings)
 
