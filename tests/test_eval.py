@@ -297,7 +297,8 @@ def test_eval_trees_run_beside_the_chains(tmp_path, prompt_file, monkeypatch):
     calls.append((config.key, config.tree))
     return real(target, prompts, config, *args)
   monkeypatch.setattr(runner, "generate_call", spy)
-  assert cli.main(_argv(model, prompt_file, out, "--tree", "3,2,6", "--tree", "2, 2, 3")) == 0
+  assert cli.main(_argv(model, prompt_file, out, "--tree", "3,2,6", "--tree", "2, 2, 3",
+                        "--tree", "3,2,6,auto")) == 0      # the same tree as the first
   assert ("ngram@tree:3,2,6", sj.TreeSpec(3, 2, 6)) in calls
   assert ("ngram@tree:2,2,3", sj.TreeSpec(2, 2, 3)) in calls
   assert ("ngram", None) in calls

@@ -57,12 +57,10 @@ def make_configs(target, opts: EvalOptions) -> list:
 
 
 def tree_config(spec: str, drafter, text: str, dtype) -> Config:
-  """The tree configuration of a drafter spec and a tree 'D,k,N[,CANDIDATES]'."""
-  tree = parse_tree_spec(text)
-  shape = f"{tree.depth},{tree.top_k},{tree.num_nodes}" + (
-      "" if tree.candidates == "auto" else f",{tree.candidates}")
-  return Config(key=f"{spec}@tree:{shape}", label=f"{drafter_label(spec)} tree {shape}",
-                drafter=drafter, num_draft=f"tree {shape}", dtype=dtype, tree=tree)
+  """The tree configuration of a drafter spec and a validated tree text (options.tree_text)."""
+  return Config(key=f"{spec}@tree:{text}", label=f"{drafter_label(spec)} tree {text}",
+                drafter=drafter, num_draft=f"tree {text}", dtype=dtype,
+                tree=parse_tree_spec(text))
 
 
 def fingerprint(opts: EvalOptions, fmt: str) -> dict:

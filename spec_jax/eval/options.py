@@ -118,9 +118,8 @@ class EvalOptions:
         raise ValueError(f"--batch {' '.join(map(str, bad))} does not divide over --mesh "
                          f"{self.mesh}'s data axis of {data}: give batch sizes that are "
                          f"multiples of {data}")
-    trees = tuple(dict.fromkeys(str(t).replace(" ", "") for t in self.trees or ()))
-    for t in trees:
-      parse_tree_spec(t)                  # ValueError: how a tree is written
+    # ValueError: how a tree is written; equal trees written differently count once.
+    trees = tuple(dict.fromkeys(tree_text(parse_tree_spec(t)) for t in self.trees or ()))
     source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
     if self.dtype not in DTYPES:
       raise ValueError(f"--dtype must be one of float32, bfloat16 (or omitted: as stored), got "
@@ -134,6 +133,12 @@ class EvalOptions:
                        f"plain decoding always runs")
     return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft,
                                plain_dtypes=plain_dtypes, trees=trees)
+
+
+def tree_text(tree) -> str:
+  """A TreeSpec as the eval writes it: 'D,k,N', plus ',CANDIDATES' unless 'auto'."""
+  return f"{tree.depth},{tree.top_k},{tree.num_nodes}" + (
+      "" if tree.candidates == "auto" else f",{tree.candidates}")
 
 
 PROMPT_CHOICES = " | ".join(PROMPT_SETS)
