@@ -12,6 +12,10 @@ For each V_d (the V_d most frequent tokens of the training data, train.data.freq
   tau        the trained head (--heads, trained at some V_d) evaluated with its vocabulary cut
              to each smaller V_d (its most frequent tokens, LM-head columns kept): a lower bound
              for a head trained at that size. Sizes above the trained one need their own run.
+  speedup    with --speed-prompts N: that cut head's greedy wall time against plain greedy on
+             the first N prompts one at a time (B = 1), each prompt's plain and speculative
+             calls side by side, every size in the same interleaved rounds; the median over
+             --repeats rounds after a warm-up round, and the plain rounds' spread as the noise.
 
     python scripts/draft_vocab_sweep.py --heads runs/smollm2_eagle3 \\
         --data runs/cache/selfgen_<key> --json docs/measurements/draft_vocab_sweep.json
@@ -40,8 +44,10 @@ from train.self_generate import load_conversations  # noqa: E402
 
 
 def cut_vocabulary(head, keep_ids):
-  """The head with its draft vocabulary cut to keep_ids (a subset of head.draft_tokens)."""
-  ids = np.asarray(head.draft_tokens)
+  """The head with its draft vocabulary cut to keep_ids (a subset of head.draft_tokens; all
+  target ids when the head drafts over the whole vocabulary)."""
+  ids = (np.arange(head.target_config.vocab_size) if head.draft_tokens is None
+         else np.asarray(head.draft_tokens))
   cols = np.searchsorted(ids, np.sort(keep_ids))
   assert np.array_equal(ids[cols], np.sort(keep_ids))
   params = dict(head.params, lm_head=np.asarray(head.params["lm_head"], np.float32)[:, cols])
@@ -57,6 +63,36 @@ def timed(fn, repeats):
   return times
 
 
+def measure_speed(target, prompts, heads: dict, args) -> dict:
+  """B = 1 greedy: every prompt's plain call, then each head's call on it, round after round;
+  {speedup_greedy_b1: {V_d: median of per-round plain seconds / head seconds}, noise: the plain
+  rounds' (max - min) / median, rounds}. Seconds are the engine's own (GenerationStats.seconds:
+  prefill + decode loop + the copy of the result), the same measure for both."""
+  greedy = sj.Sampling(temperature=0.0)
+
+  def one_round():
+    plain, spec = 0.0, {n: 0.0 for n in heads}
+    for p in prompts:
+      plain += sj.generate(target, [p], max_new_tokens=args.tokens,
+                           sampling=greedy).stats.seconds
+      for n, head in heads.items():
+        spec[n] += sj.generate(target, [p], drafter=head, num_draft=args.num_draft,
+                               max_new_tokens=args.tokens, sampling=greedy).stats.seconds
+    return plain, spec
+
+  one_round()                                         # compiles every shape
+  rounds = [one_round() for _ in range(args.repeats)]
+  plains = [r[0] for r in rounds]
+  for i, (pt, st) in enumerate(rounds):
+    print(f"speed round {i}: plain {pt:.2f} s, " +
+          ", ".join(f"V_d {n}: {s:.2f} s" for n, s in st.items()), file=sys.stderr, flush=True)
+  return {"speedup_greedy_b1": {n: statistics.median(pt / st[n] for pt, st in rounds)
+                                for n in heads},
+          "plain_seconds": plains,
+          "noise": (max(plains) - min(plains)) / statistics.median(plains),
+          "prompts": len(prompts), "rounds": len(rounds)}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,6 +104,8 @@ def main(argv=None) -> int:
   p.add_argument("--tokens", type=int, default=96)
   p.add_argument("--num-draft", type=int, default=4)
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--speed-prompts", type=int, default=0,
+                 help="measure each cut head's B = 1 greedy speedup on this many prompts")
   p.add_argument("--json")
   args = p.parse_args(argv)
   enable_compile_cache()
@@ -83,6 +121,9 @@ def main(argv=None) -> int:
                       sampling=sj.Sampling(temperature=t), key=jax.random.key(0))
     answers[t] = np.concatenate([np.asarray(x) for x in out.tokens])
   report = {"trained_vocab": trained.draft_vocab_size, "sizes": {}}
+  trained_ids = (np.arange(vocab) if trained.draft_tokens is None
+                 else np.asarray(trained.draft_tokens))
+  cut_heads = {}
   one = prompts[:1]
   greedy = sj.Sampling(temperature=0.0)
   plain = lambda: sj.generate(target, one, max_new_tokens=args.tokens, sampling=greedy)  # noqa
@@ -107,8 +148,8 @@ def main(argv=None) -> int:
         (statistics.median(tp) / args.tokens)
     if n <= trained.draft_vocab_size:
       cut = trained if n == trained.draft_vocab_size else cut_vocabulary(
-          trained, np.asarray(trained.draft_tokens)[
-              np.argsort(-counts_of[np.asarray(trained.draft_tokens)], kind="stable")[:n]])
+          trained, trained_ids[np.argsort(-counts_of[trained_ids], kind="stable")[:n]])
+      cut_heads[n] = cut
       for t in (0.0, 1.0):
         out = sj.generate(target, prompts, drafter=cut, num_draft=args.num_draft,
                           max_new_tokens=args.tokens, sampling=sj.Sampling(temperature=t),
@@ -116,6 +157,10 @@ def main(argv=None) -> int:
         row[f"tau_{'greedy' if t == 0 else 't1'}"] = out.stats.mean_accepted_length
     report["sizes"][n] = row
     print(n, json.dumps(row), file=sys.stderr, flush=True)
+  if args.speed_prompts and cut_heads:
+    report["speed"] = measure_speed(target, prompts[:args.speed_prompts], cut_heads, args)
+    for n, ratio in report["speed"]["speedup_greedy_b1"].items():
+      report["sizes"][n]["speedup_greedy_b1"] = ratio
   print(json.dumps(report, indent=1))
   if args.json:
     atomic_write_json(args.json, report)

@@ -87,6 +87,11 @@ class Sampling:
       help="OpenAI's: subtract this times a token's count in the output so far (0 = off)")
   logit_bias: Any = bias_option(
       help="ID:BIAS,ID:BIAS added to those tokens' logits before everything else")
+  draft_temperature_scale: jax.Array | float = option(
+      np.float32, 1.0, off=1.0, valid=lambda s: (s >= 0) & (s < math.inf),
+      rule="finite and >= 0 (1 = off)",
+      help="drafters sample at this multiple of the row's temperature (1 = the same; below 1 "
+      "sharper drafts, 0 greedy ones); the output keeps the target's distribution either way")
 
   def __post_init__(self):
     if all(opt.is_concrete(getattr(self, name)) for name, opt in OPTIONS.items()):
@@ -126,6 +131,21 @@ class Sampling:
     # Host values stay numpy (no eager device op per field); jax arrays and tracers stay jax.
     leaves = jax.tree.leaves([getattr(self, name) for name in OPTIONS])
     return self.rows(batch_size, jnp if any(isinstance(x, jax.Array) for x in leaves) else np)
+
+  def for_drafts(self) -> "Sampling":
+    """The settings drafters draw under: temperature * draft_temperature_scale, the rest as is.
+
+    Speculative sampling is exact for any draft distribution q, provided q is the one each
+    draft was drawn from (Leviathan et al. 2023, Theorem 1: accept with min(1, p/q), resample
+    from norm(max(p - q, 0))); every drafter reports the q of its own draw, so a drafter may
+    sample at another temperature than the target without changing the output. What changes
+    is the acceptance, sum_x min(p(x), q(x)) per position: a draft broader than the target (a
+    small draft model at T = 1) accepts more when sharpened (scale < 1). Greedy rows stay
+    greedy (0 * scale); scale 0 makes a sampled row's drafts greedy (q one-hot)."""
+    scale = self.draft_temperature_scale
+    if not OPTIONS["draft_temperature_scale"].maybe_on(scale):
+      return self
+    return self.replace(temperature=self.temperature * scale)
 
   @property
   def is_greedy(self) -> bool:

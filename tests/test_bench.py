@@ -431,3 +431,24 @@ def test_dtype_rows_and_the_fastest_plain_of_any_dtype(tmp_path, capsys):
     assert math.isclose(r["speedup"], r["tokens_per_s"]["median"] / plains["bfloat16"],
                         rel_tol=1e-9)
   assert "vs best" in capsys.readouterr().out
+
+
+def test_draft_temperature_scale_reaches_the_sampled_cells(tmp_path, monkeypatch):
+  """--draft-temperature-scale: every timed generate() of a sampled cell carries it in its
+  Sampling, and the rows record it."""
+  from spec_jax.bench.suites import targets
+  seen = []
+  real = targets.sj.generate
+
+  def spy(*args, **kw):
+    seen.append(float(kw["sampling"].draft_temperature_scale))
+    return real(*args, **kw)
+  monkeypatch.setattr(targets.sj, "generate", spy)
+  out = tmp_path / "spec.json"
+  assert cli.main(["--pairs", "random:tiny@draft:random:tiny-draft", "-K", "2", "-B", "1",
+                   "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
+                   "--temperatures", "1", "--draft-temperature-scale", "0.5",
+                   "--out", str(out)]) == 0
+  assert seen and set(seen) == {0.5}
+  rows = json.loads(out.read_text())["rows"]
+  assert rows and all(r["draft_temperature_scale"] == 0.5 for r in rows)

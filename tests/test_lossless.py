@@ -150,6 +150,63 @@ def test_the_check_catches_a_lossy_sampler(monkeypatch):
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 
 
+# ---------------------------------------------------------------- drafts at another temperature
+
+SHARP = 0.5
+
+
+@functools.lru_cache(None)
+def _shaped_models():
+  """The tiny pair with their logits scaled 10x (final norm): first-token distributions of
+  shape (target ~[.21 .21 .17 .02 .17 .09 .06 .07], acceptance 0.73 at T = 1; 0.66 with the
+  draft at T = 0.5), so that a draft's temperature changes what it proposes."""
+  def shaped(cfg, seed):
+    model = sj.init_model(cfg, jax.random.key(seed))
+    model.params["final_norm"] = model.params["final_norm"] * 10.0
+    return model
+  return shaped(TARGET_CFG, 11), shaped(DRAFT_CFG, 12)
+
+
+@pytest.mark.parametrize("scale", [SHARP, 0.0])
+def test_drafts_at_another_temperature_keep_the_target_joint(scale):
+  """Sampling.draft_temperature_scale: the draft model draws at scale x the row's temperature
+  (0: greedy drafts) and reports the q it drew from, so the joint stays the target's; the
+  acceptance must move against scale 1 (the same key), or the knob never reached the drafter."""
+  target, draft = _shaped_models()
+  base = SETTINGS["T1"]
+  sampling = base.replace(draft_temperature_scale=scale)
+  toks, stats = sample_joint(target, sj.drafters.DraftModel(draft), sampling, 2)
+  _, same = sample_joint(target, sj.drafters.DraftModel(draft), base, 2)
+  assert abs(stats.acceptance_rate - same.acceptance_rate) > 0.02, (stats.summary(),
+                                                                     same.summary())
+  assert stats.accepted > 5000 and stats.acceptance_rate < 0.98, stats.summary()  # both paths
+  assert_same_distribution(joint_counts(toks), exact_joint(target, PROMPT, sampling), alpha=1e-3)
+
+
+class _QAtTargetTemperature(sj.drafters.DraftModel):
+  """Lossy on purpose: draws its draft at the draft temperature but reports the q of the
+  target's temperature (one draft: q at position 0 depends on the context alone)."""
+
+  def propose(self, params, state, ctx):
+    drafts, _, new_state = super().propose(params, state, ctx)
+    target_t = ctx.replace(sampling=ctx.sampling.replace(
+        temperature=ctx.sampling.temperature / SHARP))
+    _, q, _ = super().propose(params, state, target_t)
+    return drafts, q, new_state
+
+
+def test_the_check_catches_a_draft_q_from_another_temperature():
+  target, draft = _shaped_models()
+  sampling = SETTINGS["T1"].replace(draft_temperature_scale=SHARP)
+  clear_compiled()                    # compiled programs are keyed by the drafter's fields
+  try:
+    toks, _ = sample_joint(target, _QAtTargetTemperature(draft), sampling, 1)
+  finally:
+    clear_compiled()
+  stat, dof = chi_square(joint_counts(toks), exact_joint(target, PROMPT, sampling))
+  assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
+
+
 # ----------------------------------------------------------------------------- longer, ragged
 
 NEW6 = 6

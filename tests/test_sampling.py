@@ -122,7 +122,7 @@ def test_every_option_is_declared_once_and_drives_checks_rows_and_the_cli(capsys
   logits = jax.random.normal(jax.random.key(3), (2, 19)) * 3
   off = sj.Sampling(**{name: opt.off for name, opt in options.items()})
   np.testing.assert_allclose(sj.sampling.probs(logits, off), jax.nn.softmax(logits), atol=1e-6)
-  assert sj.Sampling(0.5, 3, 0.9).scalars() == (0.5, 3, 0.9, 0.0, 1.0, 0.0, 0.0, ())
+  assert sj.Sampling(0.5, 3, 0.9).scalars() == (0.5, 3, 0.9, 0.0, 1.0, 0.0, 0.0, (), 1.0)
   assert sj.Sampling(np.ones(2), 3, 0.9).scalars() is None
   from spec_jax.__main__ import main
   with pytest.raises(SystemExit):

@@ -353,13 +353,14 @@ def test_command_lines_take_every_control(capsys):
   args = cli.build_parser().parse_args(
       ["--target", "t", "--drafter", "ngram", "--out", "o", "--min-p", "0.1",
        "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty",
-       "0.25", "--logit-bias", "5:2,7:-1.5"])
+       "0.25", "--logit-bias", "5:2,7:-1.5", "--draft-temperature-scale", "0.8"])
   opts = cli.options_from(args)
   assert dict(opts.sampling) == {"min_p": 0.1, "repetition_penalty": 1.2,
                                  "presence_penalty": 0.5, "frequency_penalty": 0.25,
-                                 "logit_bias": ((5, 2.0), (7, -1.5))}
+                                 "logit_bias": ((5, 2.0), (7, -1.5)),
+                                 "draft_temperature_scale": np.float32(0.8)}
   s = opts.sampling_of()
-  assert s.needs_history and s.scalars()[-1] == ((5, 2.0), (7, -1.5))
+  assert s.needs_history and s.scalars()[-2:] == (((5, 2.0), (7, -1.5)), np.float32(0.8))
   import dataclasses
   with pytest.raises(ValueError, match="min_p"):
     dataclasses.replace(opts, sampling=(("min_p", 2.0),)).sampling_of()

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "prompt, and at temperature 1 one sampled story moves it a lot")
   p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                  default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
+  p.add_argument("--draft-temperature-scale", type=float, default=1.0, metavar="S",
+                 help="sampled cells: drafters draw at S x the temperature (sj.Sampling's "
+                 "draft_temperature_scale; 1 = the same, 0 = greedy drafts; lossless either way)")
   p.add_argument("--max-new-tokens", type=int, default=128,
                  help="new tokens per row (capped by the context of target and draft model)")
   p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")

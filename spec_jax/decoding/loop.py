@@ -237,8 +237,8 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
                 round_costs=round_costs, acceptance_prior=acceptance_prior)
   init_drafter = lambda: drafter.init_state(drafter_params, PrefillInfo(
       tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
-      layer_hidden=pre.layer_hidden, target_params=target_params, sampling=sampling,
-      lazy=strategy.lazy_drafter))
+      layer_hidden=pre.layer_hidden, target_params=target_params,
+      sampling=sampling.for_drafts(), lazy=strategy.lazy_drafter))
   return env, state.replace(drafter_state=strategy.init_drafter(env, state, init_drafter))
 
 

@@ -185,8 +185,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None,
     draft_lengths, dstate = jnp.zeros((b,), jnp.int32), st.drafter_state
   else:
     ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
-                       sampling=env.sampling, target_params=env.target_params, num_draft=k,
-                       greedy=env.greedy, rolled=env.rolled, target_cache=st.cache,
+                       sampling=env.sampling.for_drafts(), target_params=env.target_params,
+                       num_draft=k, greedy=env.greedy, rolled=env.rolled, target_cache=st.cache,
                        history=env.history_of(st))
     draft_tokens, draft_probs, draft_lengths, dstate = draft_step(
         env.drafter, env.drafter_params, st.drafter_state, ctx)

@@ -59,7 +59,8 @@ class PrefillInfo:
     drafters whose `reads_prompt_hidden` is False.
   layer_hidden: tuple of [B, P, D], the layers the drafter asked for (`target_layers`).
   target_params: the target model's params (heads reuse its embedding and LM head).
-  sampling: per-row Sampling arrays [B].
+  sampling: per-row Sampling arrays [B], the settings drafts are drawn under
+    (Sampling.for_drafts: the row's temperature times its draft_temperature_scale).
   lazy: (static) the engine calls `catch_up` before the first propose (the governor does): a
     drafter may leave work to it that drafting would need (DraftModel: the prompt's prefill,
     wasted when the governor never drafts).
@@ -82,7 +83,8 @@ class DraftContext:
   tokens: int32 [B, S] committed tokens; row b is valid in [0, lengths[b]).
   lengths: int32 [B] committed tokens per row. tokens[b, lengths[b]-1] is the last committed
     token; the target's KV cache holds entries for positions < lengths[b]-1.
-  sampling: per-row Sampling arrays [B].
+  sampling: per-row Sampling arrays [B], the settings drafts are drawn under
+    (Sampling.for_drafts: the row's temperature times its draft_temperature_scale).
   target_params: the target's params.
   num_draft: K (static).
   greedy: every row is greedy (static): propose argmax drafts deterministically (draft_probs

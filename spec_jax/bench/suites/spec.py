@@ -20,8 +20,8 @@ from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_capacity
 from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
-from spec_jax.bench.suites.targets import (DTYPE_TAGS, grid_of, prepare_target, release_compiled,
-                                           run_batches)
+from spec_jax.bench.suites.targets import (DTYPE_TAGS, cell_sampling, grid_of, prepare_target,
+                                           release_compiled, run_batches)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
@@ -102,6 +102,7 @@ def governor_row(meta: dict, dspec: str, stats: list, tokens_per_s: list, base: 
       "target_params": meta["target_params"],
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": "auto",
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
+      "draft_temperature_scale": meta.get("draft_temperature_scale", 1.0),
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
       "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
       "capacity": engine_capacity(lb, max_new, kmax),
@@ -163,6 +164,7 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
       "tree": None if tree is None else _tree_text(tree, (stats[-1].tree or (None,) * 4)[3]),
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
+      "draft_temperature_scale": meta.get("draft_temperature_scale", 1.0),
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
       "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
       "capacity": engine_capacity(lb, max_new, k if tree is None else tree.cache_extent),
@@ -207,6 +209,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   prompts = batches[0]
   cell = f"{setup.label} B={batch} T={temp:g}" + (f" ({n} batches per measurement)" if n > 1
                                                    else "")
+  sampling = cell_sampling(temp, opts)
   log(f"[bench] {cell}: warm-up (compiles {len(configs)} configurations)")
   runs, tables = {}, {}
   for dspec, k in configs:
@@ -220,11 +223,12 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
             f"{table.measure_seconds:.1f} s): t(K)/t(0) = {{{rel}}}")
     t0 = time.perf_counter()
     model = model_of(setup, dspec)
-    run_batches(model, batches, setup.drafters.get(dspec), k, setup.max_new, temp, opts.seed)
+    run_batches(model, batches, setup.drafters.get(dspec), k, setup.max_new, sampling,
+                opts.seed)
     log(f"[bench]   warm {drafter_label(dspec)} {config_label(k)}: "
         f"{time.perf_counter() - t0:.1f} s")
     runs[(dspec, k)] = (lambda d=dspec, k=k, m=model: run_batches(
-        m, batches, setup.drafters.get(d), k, setup.max_new, temp, opts.seed))
+        m, batches, setup.drafters.get(d), k, setup.max_new, sampling, opts.seed))
 
   def on_round(rep, res):
     plain = [s.tokens_per_second for s in res[configs[0]]]
@@ -240,6 +244,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   meta = {"target": setup.label, "target_spec": setup.spec,
           "target_params": setup.model.config.num_params, "batch": batch, "temperature": temp,
           "max_new_tokens": setup.max_new, "batches_per_cell": n,
+          "draft_temperature_scale": float(sampling.draft_temperature_scale),
           "prompt_tokens_longest": max(len(r) for b in batches for r in b),
           "cost_fill": setup.fill, "cost_capacity": cost_capacity}
   plains = {setup.model.config.dtype: base}

@@ -109,22 +109,30 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int, dt
                      plain_models=plain_models)
 
 
-def run_batches(target, batches, drafter, k, max_new: int, temperature: float, seed: int):
+def run_batches(target, batches, drafter, k, max_new: int, temperature, seed: int):
   """run_generate over consecutive batches of prompts -> one merged SpecStats (their rows side
-  by side; tokens/s over all of them)."""
+  by side; tokens/s over all of them). temperature: a float or an sj.Sampling."""
   return SpecStats.merge([run_generate(target, prompts, drafter, k, max_new, temperature,
                                        seed).stats for prompts in batches])
 
 
-def run_generate(target, prompts, drafter, k, max_new: int, temperature: float, seed: int):
+def cell_sampling(temperature: float, opts) -> "sj.Sampling":
+  """A cell's sampling settings: its temperature and --draft-temperature-scale."""
+  return sj.Sampling(temperature=temperature,
+                     draft_temperature_scale=getattr(opts, "draft_temperature_scale", 1.0))
+
+
+def run_generate(target, prompts, drafter, k, max_new: int, temperature, seed: int):
   """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
   an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
-  sj.TreeSpec (tree drafting)."""
+  sj.TreeSpec (tree drafting); temperature: a float or an sj.Sampling (cell_sampling)."""
   import jax
   tree = k if isinstance(k, sj.TreeSpec) else None
+  sampling = (temperature if isinstance(temperature, sj.Sampling)
+              else sj.Sampling(temperature=temperature))
   out = sj.generate(target, prompts, drafter=drafter,
                     num_draft=k if drafter is not None and tree is None else 4, tree=tree,
-                    max_new_tokens=max_new, sampling=sj.Sampling(temperature=temperature),
+                    max_new_tokens=max_new, sampling=sampling,
                     key=jax.random.key(seed), stop_tokens=[])
   counts = {len(t) for t in out.tokens}
   if counts != {max_new}:

@@ -24,7 +24,8 @@ def tree_round(env, st, *, spec: TreeSpec):
   move, drafter.commit_tree) -> statistics. env: decoding.state.LoopEnv; st: its DecodeState
   (accepted_at [B, D])."""
   key, draft_key, accept_key = jax.random.split(st.key, 3)
-  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths, sampling=env.sampling,
+  ctx = DraftContext(key=draft_key, tokens=st.tokens, lengths=st.lengths,
+                     sampling=env.sampling.for_drafts(),
                      target_params=env.target_params, num_draft=spec.depth, greedy=env.greedy,
                      target_cache=st.cache, history=env.history_of(st))
   tree, dstate = env.drafter.propose_tree(env.drafter_params, st.drafter_state, ctx, spec)
