@@ -18,7 +18,8 @@ For each V_d (the V_d most frequent tokens of the training data, train.data.freq
              --repeats rounds after a warm-up round, and the plain rounds' spread as the noise.
 
     python scripts/draft_vocab_sweep.py --heads runs/smollm2_eagle3 \\
-        --data runs/cache/selfgen_<key> --json docs/measurements/draft_vocab_sweep.json
+        --data runs/cache/selfgen_<key> [--speed-prompts 6 --compare-heads RUN ...] \\
+        --json docs/measurements/draft_vocab_sweep.json
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--speed-prompts", type=int, default=0,
                  help="measure each cut head's B = 1 greedy speedup on this many prompts")
+  p.add_argument("--compare-heads", nargs="*", default=[], metavar="DIR",
+                 help="other trained EAGLE-3 runs (another V_d, the same recipe): their tau, "
+                 "and their speed in the same interleaved rounds, under 'trained_<V_d>'")
   p.add_argument("--json")
   args = p.parse_args(argv)
   enable_compile_cache()
@@ -157,6 +161,18 @@ def main(argv=None) -> int:
         row[f"tau_{'greedy' if t == 0 else 't1'}"] = out.stats.mean_accepted_length
     report["sizes"][n] = row
     print(n, json.dumps(row), file=sys.stderr, flush=True)
+  for folder in args.compare_heads:
+    other = sj.drafters.load(folder, target)
+    name = f"trained_{other.draft_vocab_size}"
+    row = {"heads": folder}
+    for t in (0.0, 1.0):
+      out = sj.generate(target, prompts, drafter=other, num_draft=args.num_draft,
+                        max_new_tokens=args.tokens, sampling=sj.Sampling(temperature=t),
+                        key=jax.random.key(1))
+      row[f"tau_{'greedy' if t == 0 else 't1'}"] = out.stats.mean_accepted_length
+    report["sizes"][name] = row
+    cut_heads[name] = other
+    print(name, json.dumps(row), file=sys.stderr, flush=True)
   if args.speed_prompts and cut_heads:
     report["speed"] = measure_speed(target, prompts[:args.speed_prompts], cut_heads, args)
     for n, ratio in report["speed"]["speedup_greedy_b1"].items():
