@@ -38,6 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import spec_jax as sj  # noqa: E402
 from spec_jax.compile_cache import enable as enable_compile_cache  # noqa: E402
+from spec_jax.drafters.formats import heads_folder  # noqa: E402
 from spec_jax.files import atomic_write_json  # noqa: E402
 from train.data import frequent_tokens  # noqa: E402
 from train.evaluate import heldout_prompts  # noqa: E402
@@ -110,8 +111,14 @@ def main(argv=None) -> int:
   p.add_argument("--compare-heads", nargs="*", default=[], metavar="DIR",
                  help="other trained EAGLE-3 runs (another V_d, the same recipe): their tau, "
                  "and their speed in the same interleaved rounds, under 'trained_<V_d>'")
+  p.add_argument("--save-cut", nargs=2, action="append", default=[], metavar=("V_D", "DIR"),
+                 help="also save the head cut to V_D tokens as a heads folder (for "
+                 "`heads:DIR` in spec_jax.eval); repeatable")
   p.add_argument("--json")
   args = p.parse_args(argv)
+  save_cut = {int(n): d for n, d in args.save_cut}
+  if bad := sorted(set(save_cut) - set(args.sizes)):
+    p.error(f"--save-cut sizes {bad} are not among --sizes {args.sizes}")
   enable_compile_cache()
   target = sj.load(args.target, dtype="bfloat16")
   vocab = target.config.vocab_size
@@ -154,6 +161,9 @@ def main(argv=None) -> int:
       cut = trained if n == trained.draft_vocab_size else cut_vocabulary(
           trained, trained_ids[np.argsort(-counts_of[trained_ids], kind="stable")[:n]])
       cut_heads[n] = cut
+      if n in save_cut:
+        heads_folder.save(save_cut[n], cut, target, num_draft=args.num_draft,
+                          extra={"cut_from": str(args.heads), "draft_vocab_size": n})
       for t in (0.0, 1.0):
         out = sj.generate(target, prompts, drafter=cut, num_draft=args.num_draft,
                           max_new_tokens=args.tokens, sampling=sj.Sampling(temperature=t),
