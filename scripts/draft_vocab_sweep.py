@@ -116,13 +116,16 @@ def main(argv=None) -> int:
                  "`heads:DIR` in spec_jax.eval); repeatable")
   p.add_argument("--json")
   args = p.parse_args(argv)
-  save_cut = {int(n): d for n, d in args.save_cut}
-  if bad := sorted(set(save_cut) - set(args.sizes)):
+  if bad := [n for n, _ in args.save_cut if not n.isdigit() or int(n) not in args.sizes]:
     p.error(f"--save-cut sizes {bad} are not among --sizes {args.sizes}")
+  save_cut = {int(n): d for n, d in args.save_cut}
   enable_compile_cache()
   target = sj.load(args.target, dtype="bfloat16")
   vocab = target.config.vocab_size
   trained = sj.drafters.load(args.heads, target)
+  if bad := sorted(n for n in save_cut if n > trained.draft_vocab_size):
+    p.error(f"--save-cut sizes {bad} exceed the trained head's {trained.draft_vocab_size} tokens: "
+            "a head cannot be cut to more tokens than it drafts")
   seqs, _ = load_conversations(args.data)
   counts_of = np.bincount(np.concatenate(seqs), minlength=vocab)
   prompts = heldout_prompts(target, "spec_bench", args.prompts, 0)
