@@ -8,8 +8,9 @@
 Everything is computed from shapes (jax.eval_shape): the weights as given (per device under
 their mesh partition, spec_jax.sharding), and the decode state that `init_loop` builds (the
 target's KV cache, the drafter's caches, the token buffer) with the cache's partition. The
-compiler's own figure (`compiled.memory_analysis()`: arguments, temporaries) is added by
-`from_compiled` when an executable exists. Per-chip memory: the device's own `memory_stats()`
+compiler's own figure (`compiled.memory_analysis()`: arguments, temporaries; split into HBM
+and on-chip scratch by the buffer assignment when the compile dumped one) is added by
+`compiled_figures` when an executable exists. Per-chip memory: the device's own `memory_stats()`
 where a runtime reports it, else the table below (compile-only TPU topologies report none).
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
+import re
 from typing import Optional
 
 import jax
@@ -25,6 +28,7 @@ import numpy as np
 from spec_jax.decoding.loop import init_loop
 from spec_jax.decoding.rounds import NoDrafter
 from spec_jax.decoding.strategies import Chain, Strategy
+from spec_jax.drafters.feature_head import FeatureHeadState
 from spec_jax.models.cache import KVCache
 from spec_jax.sharding import DATA, MODEL, param_shardings
 
@@ -123,15 +127,29 @@ def rows_bytes(tree, batch: int, mesh=None) -> int:
   return total
 
 
-def state_bytes(tree, batch: int, mesh=None) -> int:
-  """Bytes per device of decode state: the KVCaches in it (a draft model's, a head's) split
-  like the target's (cache_bytes: the compiler shards them by kv heads on "model" too, e.g. a
-  draft model's cache [L, B, Hkv / 4, S, Dh] per device under model=4 in XLA:TPU's program),
-  the other arrays by rows (rows_bytes)."""
-  is_cache = lambda x: isinstance(x, KVCache)
+def state_bytes(tree, batch: int, mesh=None, capacity: Optional[int] = None) -> int:
+  """Bytes per device of decode state: the KVCaches in it (a draft model's) split like the
+  target's (cache_bytes: the compiler shards them by kv heads on "model" too, e.g. a draft
+  model's cache [L, B, Hkv / 4, S, Dh] per device under model=4 in XLA:TPU's program), a
+  feature head's one-layer cache (FeatureHeadState k, v: [B, S, Hkv, Dh] or head-major
+  [B, Hkv, S, Dh], S = capacity) likewise (XLA:TPU's 8B EAGLE-3 program under model=4 holds
+  it as [8, 2, 4096, 128] per device), the other arrays by rows (rows_bytes)."""
+  is_cache = lambda x: isinstance(x, (KVCache, FeatureHeadState))
   leaves = jax.tree.leaves(tree, is_leaf=is_cache)
-  return (sum(cache_bytes(c, mesh) for c in leaves if is_cache(c)) +
-          rows_bytes([x for x in leaves if not is_cache(x)], batch, mesh))
+  total = rows_bytes([x for x in leaves if not is_cache(x)], batch, mesh)
+  data, model = _axis_sizes(mesh)
+  for c in leaves:
+    if isinstance(c, KVCache):
+      total += cache_bytes(c, mesh)
+    elif isinstance(c, FeatureHeadState):
+      total += rows_bytes(c.next_feature, batch, mesh)
+      for x in (c.k, c.v):
+        n = leaf_bytes(x)
+        n //= data if x.shape[0] % data == 0 else 1
+        heads = x.shape[1] if capacity is not None and x.shape[2] == capacity else x.shape[2]
+        n //= model if heads % model == 0 else 1
+        total += n
+  return total
 
 
 @dataclasses.dataclass
@@ -152,12 +170,13 @@ class Estimate:
 
   @property
   def peak(self) -> int:
-    """The compiler's live bytes (arguments + temporaries + outputs - aliased) when known,
-    else the resident estimate."""
+    """The compiler's live bytes in device memory (arguments + temporaries + outputs -
+    aliased; the HBM temporaries when the buffer assignment is known) when compiled, else the
+    resident estimate."""
     if not self.compiled:
       return self.resident
     c = self.compiled
-    return c["arguments"] + c["temporaries"] + c["outputs"] - c.get("aliased", 0)
+    return c["arguments"] + device_temporaries(c) + c["outputs"] - c.get("aliased", 0)
 
   @property
   def overhead(self) -> Optional[int]:
@@ -172,8 +191,11 @@ class Estimate:
     text = "memory per device: " + ", ".join(parts) + f" = {g(self.resident)}"
     if self.compiled:
       c = self.compiled
-      text += (f"; compiled: arguments {g(c['arguments'])}, temporaries "
-                     f"{g(c['temporaries'])}, peak {g(self.peak)}")
+      temps = f"temporaries {g(c['temporaries'])}"
+      if "device_temporaries" in c:
+        temps = (f"temporaries {g(c['device_temporaries'])} in device memory (+ "
+                 f"{g(c['on_chip_temporaries'])} on-chip scratch)")
+      text += f"; compiled: arguments {g(c['arguments'])}, {temps}, peak {g(self.peak)}"
     if device_bytes:
       verdict = "fits" if fits(self, device_bytes) else "DOES NOT FIT"
       text += f"; device {g(device_bytes)}: {verdict}"
@@ -204,17 +226,54 @@ def check_fits(est: Estimate, device_bytes: Optional[int], what: str = "this dec
     f"weights")
 
 
-def compiled_figures(compiled) -> Optional[dict]:
-  """The compiler's memory figures of an executable per device, or None when unavailable."""
+def compiled_figures(compiled, dump_dir: Optional[str] = None) -> Optional[dict]:
+  """The compiler's memory figures of an executable per device, or None when unavailable.
+
+  temporaries: memory_analysis()'s temp size, which on TPU sums every memory space: HBM and
+  the core's on-chip scratch (VMEM, SMEM), where XLA:TPU stages weights and activations.
+  dump_dir: the folder the compile dumped into (compiler option xla_dump_to); its buffer
+  assignment then splits that figure: device_temporaries (HBM, memory space 0: what competes
+  with weights and KV cache for the chip's memory) and on_chip_temporaries (the rest)."""
   try:
     m = compiled.memory_analysis()
   except Exception:
     return None
   if m is None:
     return None
-  return {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
-      "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
-      "code": int(m.generated_code_size_in_bytes)}
+  figures = {"arguments": int(m.argument_size_in_bytes),
+             "outputs": int(m.output_size_in_bytes),
+             "temporaries": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
+             "code": int(m.generated_code_size_in_bytes)}
+  spaces = buffer_report_temporaries(dump_dir) if dump_dir else None
+  if spaces:
+    figures["device_temporaries"] = spaces.get(0, 0)
+    figures["on_chip_temporaries"] = sum(n for color, n in spaces.items() if color != 0)
+  return figures
+
+
+_TEMP_ALLOCATION = re.compile(r"^allocation \d+: size (\d+)(?:, color (\d+))?, preallocated-temp:",
+                              re.M)
+
+
+def buffer_report_temporaries(dump_dir: str) -> Optional[dict]:
+  """{memory space (XLA colour): bytes} of the preallocated temporaries in the buffer
+  assignment XLA dumped for the optimised program in dump_dir (the largest such report when
+  several modules were dumped), or None when there is none. Colour 0 is the device's main
+  memory (HBM); XLA:TPU's other colours are on-chip (1 VMEM, 2 SMEM, ...)."""
+  best = None
+  for path in pathlib.Path(dump_dir).glob("*after_optimizations-buffer-assignment.txt"):
+    spaces = {}
+    for size, color in _TEMP_ALLOCATION.findall(path.read_text()):
+      spaces[int(color or 0)] = spaces.get(int(color or 0), 0) + int(size)
+    if spaces and (best is None or sum(spaces.values()) > sum(best.values())):
+      best = spaces
+  return best
+
+
+def device_temporaries(compiled: dict) -> int:
+  """The compiler's temporaries in the device's main memory: the buffer assignment's HBM
+  figure when known, else memory_analysis()'s (every memory space: an upper bound)."""
+  return compiled.get("device_temporaries", compiled["temporaries"])
 
 
 def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_lens, capacity,
@@ -238,7 +297,8 @@ def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_l
   st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
   batch = prompt_tokens.shape[0]
   kv = cache_bytes(st.cache, mesh)
-  rest = state_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh)
+  rest = state_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh,
+                     capacity=capacity)
   return Estimate(weights=params_bytes(params, mesh),
           drafter_weights=params_bytes(drafter_params, mesh),
           kv_cache=kv, state=rest)

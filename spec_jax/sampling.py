@@ -186,6 +186,15 @@ def _rows_like(x, nd: int):
   return x.reshape(x.shape[:1] + (1,) * (nd - x.ndim) + x.shape[1:])
 
 
+def has_logit_bias(sampling: Sampling) -> bool:
+  """Whether sampling's logit_bias may change a logit (static: a LogitBias of width M > 0, or
+  a host map with entries)."""
+  bias = sampling.logit_bias
+  if isinstance(bias, LogitBias):
+    return bias.ids.shape[-1] > 0
+  return bool(bias)
+
+
 def process_logits(logits, sampling: Sampling, history: Optional[History] = None):
   """The logits processors before temperature (transformers' order): + logit_bias ->
   repetition penalty -> frequency and presence penalties -> the history's LogitsProcessors
@@ -292,34 +301,79 @@ def _min_p(masked, min_p):
   return jnp.where(p < min_p * top, -jnp.inf, masked)
 
 
+def _order_keys(x):
+  """int32 keys [..., V] of float32 x whose integer order is x's value order (-inf lowest; -0.0
+  is taken as +0.0): the bit pattern, with the magnitude bits flipped for negative numbers."""
+  x = x.astype(jnp.float32)
+  i = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.int32)
+  return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _smallest_key_where(pred, lo, hi):
+  """The smallest int32 key in (lo, hi] where pred (monotone: False ... False True ... True
+  along the keys) holds, per row; lo, hi int32 [N, 1] with pred(lo) False and pred(hi) True.
+  Bisection: 32 halvings close any int32 interval (hi - lo < 2^32), and the midpoint is
+  computed without overflow."""
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)            # floor((lo + hi) / 2)
+    ok = pred(mid)
+    return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _top_k_top_p(scaled, top_k, top_p):
-  """Masks (to -inf) the logits outside each row's top-k, then outside its top-p nucleus."""
+  """Masks (to -inf) the logits outside each row's top-k, then outside its top-p nucleus.
+
+  scaled float32 [N, V]; top_k int32 [N, 1] (0: off), top_p float32 [N, 1] (1: off). Both
+  cut-offs are thresholds found by bisection over the logits' order keys, each step a
+  comparison and a sum over V, never a sort: with the vocabulary split on a `model` mesh
+  axis a sort needs the whole vocabulary of a row on one device (XLA:TPU all-to-alls the rows
+  and kept ~60 MiB of sort buffers per chip for an 8B EAGLE-3 round, docs/accelerators.md),
+  while a sum over V is a local partial sum and an all-reduce of N numbers.
+  """
+  masked = _skip_unless(jnp.any(top_k > 0), _top_k, scaled, top_k)
+  return _skip_unless(jnp.any(top_p < 1.0), _top_p, masked, top_p)
+
+
+def _skip_unless(flag, filter_rows, x, setting):
+  """filter_rows(x, setting) when flag (some row asks for the filter), else x, at run time:
+  each filter's search is 32 passes over [N, V]; a row whose setting is off is left exactly
+  as it is either way."""
+  return jax.lax.cond(flag, filter_rows, lambda x, _: x, x, setting)
+
+
+def _top_k(scaled, top_k):
+  """The k-th largest logit c_k of each row, every token >= c_k kept (ties at c_k all kept,
+  as transformers' TopKLogitsWarper); top_k 0 keeps the row. The smallest key with fewer than
+  k tokens at or above it is c_k's key + 1."""
   vocab = scaled.shape[-1]
-  # One descending sort serves both filters; ties at a threshold are all kept. Sorting the
-  # negation (exact) instead of reversing an ascending sort: a reverse along a vocabulary
-  # sharded on `model` is a collective permute plus a relayout on TPU (docs/accelerators.md).
-  sorted_logits = -jnp.sort(-scaled, axis=-1)
+  keys = _order_keys(scaled)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-  kth = jnp.take_along_axis(sorted_logits, jnp.broadcast_to(k - 1, scaled.shape[:-1] + (1,)),
-                            axis=-1)
-  masked = jnp.where(scaled < kth, -jnp.inf, scaled)
+  above_k = _smallest_key_where(
+      lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) < k,
+      jnp.min(keys, axis=-1, keepdims=True), jnp.max(keys, axis=-1, keepdims=True) + 1)
+  return jnp.where(keys < above_k - 1, -jnp.inf, scaled)
 
-  # top-p: keep the smallest prefix of the sorted (top-k filtered) distribution whose mass
-  # reaches top_p, i.e. token i is kept when the mass strictly before it is < top_p, or
-  # equivalently when the mass from it onwards (its suffix) is > 1 - top_p. The suffix is
-  # summed from the smallest probability up, so the tail keeps its precision: a float32
-  # running sum from the top reaches 1.0 early and would cut tokens whose exact mass-before is
-  # still below top_p. top_p >= 1 keeps every token of the row exactly (the filter is off).
-  sorted_masked = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)
-  sorted_probs = jax.nn.softmax(sorted_masked, axis=-1)
-  mass_from = jax.lax.cumsum(sorted_probs, axis=sorted_probs.ndim - 1, reverse=True)
-  keep_sorted = (mass_from > 1.0 - top_p) | (top_p >= 1.0)
-  # The smallest kept logit is the cut-off (keep_sorted is a prefix of the sorted order).
-  n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1, keepdims=True), 1)
-  cutoff = jnp.take_along_axis(sorted_masked, n_keep - 1, axis=-1)
-  masked = jnp.where(masked < cutoff, -jnp.inf, masked)
 
-  return masked
+def _top_p(masked, top_p):
+  """Keeps the smallest set of the likeliest tokens whose mass reaches top_p: token i is kept
+  when the mass of the tokens at or below its logit exceeds 1 - top_p (its mass-before, in
+  descending order, is < top_p), i.e. every token at or above the cut-off c = the smallest
+  logit v with mass(x <= v) > 1 - top_p (ties at c all kept). mass(x <= v) sums the tail
+  only, so it keeps the tail's precision where a float32 running sum from the top reaches 1.0
+  early. top_p >= 1 keeps every token of the row exactly (the filter is off); when rounding
+  leaves even the whole row's mass <= 1 - top_p (top_p ~ 1e-7) the search ends at the
+  largest logit: the likeliest token(s) kept."""
+  keys = _order_keys(masked)
+  lowest = jnp.min(keys, axis=-1, keepdims=True)
+  p = jax.nn.softmax(masked, axis=-1)
+  tail = 1.0 - top_p
+  cut = _smallest_key_where(
+      lambda t: jnp.sum(jnp.where(keys <= t, p, 0.0), axis=-1, keepdims=True) > tail,
+      lowest - 1, jnp.max(keys, axis=-1, keepdims=True))
+  cut = jnp.where(top_p >= 1.0, lowest, cut)
+  return jnp.where(keys < cut, -jnp.inf, masked)
 
 
 SAMPLE_BLOCK = 256     # tokens per block of the two-level draw in `sample` (~sqrt(V) for 64k)

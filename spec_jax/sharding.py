@@ -171,3 +171,17 @@ def replicate(mesh: Optional[Mesh], tree):
     return tree
   sharding = NamedSharding(mesh, P())
   return jax.tree.map(lambda x: _put(x, sharding), tree)
+
+
+def constrain_features(mesh: Optional[Mesh], x):
+  """Sharding annotation of a prompt-feature buffer [B, P, D] (the prefill's hidden states kept
+  for a drafter): rows on "data", D on "model" where they divide. Under tensor parallelism the
+  residual stream is whole on every device, so without it each [B, P, D] buffer that outlives
+  the prefill (EAGLE-3 keeps three) is whole on every device too (8B, B = 8, P = 512: 32 MiB
+  each); split on D, a chunk's write is each device's own slice (no communication)."""
+  if mesh is None:
+    return x
+  rows = DATA if x.shape[0] % mesh.shape[DATA] == 0 else None
+  feats = MODEL if x.shape[-1] % mesh.shape[MODEL] == 0 else None
+  spec = P(rows, *([None] * (x.ndim - 2)), feats)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

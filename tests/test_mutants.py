@@ -68,12 +68,13 @@ MUTANTS = {
         "  p_final = jnp.take_along_axis(p, jnp.minimum(n_accepted, max(num_draft - 1, 0))"
         "[:, None, None], axis=1)[:, 0]",
         ["tests/test_rejection.py::test_lossless_against_known_p_q[1]"]),
-    # sampling: top-p from a float32 running sum (top_p = 1 cuts the tail)
+    # sampling: top-p's mass from the top in float32 (it reaches 1.0 before the tail)
     "sampling-top-p-running-sum": (
         "spec_jax/sampling.py",
-        "  keep_sorted = (mass_from > 1.0 - top_p) | (top_p >= 1.0)\n",
-        "  keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p\n",
-        ["tests/test_sampling.py::test_top_p_one_keeps_every_token_whatever_the_neighbours"]),
+        "      lambda t: jnp.sum(jnp.where(keys <= t, p, 0.0), axis=-1, keepdims=True) > tail,\n",
+        "      lambda t: 1.0 - jnp.sum(jnp.where(keys > t, p, 0.0), axis=-1, keepdims=True) > tail,"
+        "\n",
+        ["tests/test_sampling.py::test_top_p_below_one_is_exact_in_a_long_float32_tail"]),
     # feature heads: commit keeps the feature of slot 0, not n_accepted
     "feature-head-stale-commit": (
         "spec_jax/drafters/feature_head.py",

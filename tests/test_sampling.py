@@ -179,6 +179,51 @@ def test_top_p_below_one_is_exact_in_a_long_float32_tail():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
+def _sorted_top_k_top_p(scaled, top_k, top_p):
+  """The filter by a descending sort (main's before the bisection), as the reference: the
+  k-th largest logit and the nucleus' smallest kept logit read off the sorted row, every
+  token at or above them kept; top-p's mass summed from the smallest probability up."""
+  vocab = scaled.shape[-1]
+  sorted_logits = -jnp.sort(-scaled, axis=-1)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+  kth = jnp.take_along_axis(sorted_logits, k - 1, axis=-1)
+  masked = jnp.where(scaled < kth, -jnp.inf, scaled)
+  sorted_masked = jnp.where(sorted_logits < kth, -jnp.inf, sorted_logits)
+  mass_from = jax.lax.cumsum(jax.nn.softmax(sorted_masked, axis=-1), axis=1, reverse=True)
+  keep = (mass_from > 1.0 - top_p) | (top_p >= 1.0)
+  n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
+  cutoff = jnp.take_along_axis(sorted_masked, n_keep - 1, axis=-1)
+  return jnp.where(masked < cutoff, -jnp.inf, masked)
+
+
+@pytest.mark.parametrize("vocab", [5, 37, 700])
+def test_bisected_top_k_top_p_keeps_what_a_sort_keeps(vocab):
+  """The filter's cut-offs, found by bisection over the logits' order keys, keep exactly the
+  tokens a sort-based filter keeps, row by row (96 rows per vocabulary, per-row settings):
+  many ties (rounded logits, ties at the cut-offs all kept), -inf entries, -0.0 beside +0.0,
+  top_k 0 (off), within and beyond the vocabulary, top_p from 1e-7 to 1 (off), scales from
+  flat to peaked rows."""
+  rng = np.random.default_rng(vocab)
+  rows = 96
+  scale = rng.choice([0.5, 3.0, 20.0], size=(rows, 1))
+  x = rng.normal(size=(rows, vocab)) * scale
+  x[::3] = np.round(x[::3])                                  # ties (and -0.0 from rounding)
+  x[1::5, ::7] = -np.inf
+  x[2::7, ::3] = -0.0
+  x = x.astype(np.float32)
+  top_k = rng.integers(0, vocab + 3, size=(rows, 1)).astype(np.int32)
+  top_k[::3] = 0
+  top_p = rng.uniform(1e-7, 1.0, size=(rows, 1)).astype(np.float32)
+  top_p[::4] = 1.0
+  top_p[5::11] = 1e-7
+  got = np.asarray(jax.jit(sj.sampling._top_k_top_p)(x, top_k, top_p))
+  want = np.asarray(jax.jit(_sorted_top_k_top_p)(x, top_k, top_p))
+  np.testing.assert_array_equal(got == -np.inf, want == -np.inf)
+  np.testing.assert_array_equal(got, want)
+  filtered = np.sum(want == -np.inf, axis=-1) > np.sum(x == -np.inf, axis=-1)
+  assert filtered.sum() > rows // 3                          # the filters did cut
+
+
 def _weights_with_zeros_and_a_tail(vocab: int, seed: int) -> np.ndarray:
   """Unnormalised weights over `vocab` tokens: a few heavy ones, a long light tail, zeros (whole
   blocks of them and scattered ones), so both levels of `sample` are exercised."""

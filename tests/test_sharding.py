@@ -49,6 +49,31 @@ SCRIPT = textwrap.dedent("""
       many = sj.generate(target, prompts, mesh=mesh, **kw)
       assert many.tokens == plain.tokens, (type(head).__name__, many.tokens, plain.tokens)
       assert many.stats.drafted > 0
+    # The prompt features a drafter keeps ([B, P, D] buffers of a chunked prefill) are split
+    # on D over "model" (sharding.constrain_features), with the values of the unsplit run.
+    import functools
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+    from spec_jax import sharding as sharding_lib
+    from spec_jax.decoding.target import as_target
+    from spec_jax.models.prefill import chunked_prefill
+    model_target = as_target(cfg)
+    def prefill(params, tokens, lens, mesh):
+      params = model_target.prepare(params, mesh)
+      forward = lambda x, cache, offsets, last, layers: model_target.forward_last(
+          params, x, cache, offsets, last, return_layers=layers)
+      return chunked_prefill(forward, tokens, lens, model_target.init_cache(8, 16), chunk=4,
+                             return_layers=(0, 1), constrain_features=functools.partial(
+                                 sharding_lib.constrain_features, mesh))
+    tokens = jax.random.randint(jax.random.key(5), (8, 12), 1, 64)
+    lens = jnp.arange(5, 13)
+    whole = jax.jit(lambda p, x, n: prefill(p, x, n, None))(target.params, tokens, lens)
+    auto = sharding_lib.as_auto(mesh)                # as decode hands it to init_loop
+    split = jax.jit(lambda p, x, n: prefill(p, x, n, auto))(target.params, tokens, lens)
+    for buf in (split.hidden,) + split.layer_hidden:
+      assert buf.sharding.spec == PartitionSpec("data", None, "model"), buf.sharding
+    for a, b in zip((split.hidden,) + split.layer_hidden, (whole.hidden,) + whole.layer_hidden):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     try:
       sj.generate(target, prompts[:3], mesh=mesh)
     except ValueError as e:

@@ -763,12 +763,15 @@ def test_the_gpu_kernel_verifies_a_32_node_tree():
   assert_f32_close(out, verify_attention_reference(q, k, v, lengths, mask))
 
 
-@pytest.mark.parametrize("sampled_kind", ["sampled", "distinct"])
-def test_a_tree_over_a_draft_vocabulary_keeps_q_over_it(sampled_kind):
-  """A drafter that proposes only V_d tokens (EAGLE-3's draft vocabulary) keeps the tree's q
-  over them (DraftTree.q_vocab): the tokens are target ids inside the vocabulary, q is the
-  drafter's distribution there (renormalised: what the draws came from), and verification
-  returns exactly what it returns with q expanded over all V."""
+@pytest.mark.parametrize("sampled_kind,bias", [("sampled", False), ("distinct", False),
+                                                ("sampled", True), ("topk", False)])
+def test_a_tree_over_a_draft_vocabulary_keeps_q_over_it(sampled_kind, bias):
+  """A drafter that proposes only V_d tokens (EAGLE-3's draft vocabulary) builds its tree from
+  logits over them and keeps the tree's q over them (DraftTree.q_vocab): the tokens are target
+  ids inside the vocabulary, q is the drafter's distribution there (what the draws came from:
+  sampling.probs of the logits with -inf outside the vocabulary, a logit bias on target ids
+  included), and verification returns exactly what it returns with q expanded over all V.
+  Top-k candidates are the top-k target ids."""
   b, depth = 16, 3
   vocab = jnp.asarray([1, 3, 4, 6, 7], jnp.int32)
   logits = 2.0 * jax.random.normal(jax.random.key(0), (b, V))
@@ -777,18 +780,32 @@ def test_a_tree_over_a_draft_vocabulary_keeps_q_over_it(sampled_kind):
 
   def expand(tokens, parents, depths, start, carry):
     new = tokens[:, start:]
-    return mask(2.0 * jax.random.normal(jax.random.key(1), new.shape + (V,))), carry
+    assert set(np.asarray(new).ravel().tolist()) <= set(np.asarray(vocab).tolist()) | {0}
+    return 2.0 * jax.random.normal(jax.random.key(1), new.shape + (5,)), carry
 
   spec = sj.TreeSpec(depth=depth, top_k=2, num_nodes=6, candidates=sampled_kind)
-  sampling = sj.Sampling(temperature=1.0)
-  tree, _ = tree_lib.build_dynamic_tree(mask(logits), expand, None, spec, key=jax.random.key(2),
-                                        sampling=sampling, candidates=sampled_kind, vocab=vocab)
-  assert tree.q.shape == (b, spec.num_nodes + 1, 5) and tree.q_vocab is not None
+  # The bias names target ids: +3 on id 3 (in the vocabulary), +50 on id 0 (outside: no mass).
+  sampling = sj.Sampling(temperature=1.0, logit_bias={3: 3.0, 0: 50.0} if bias else None)
+  with pytest.raises(ValueError, match="vocab_size"):
+    tree_lib.build_dynamic_tree(logits[:, vocab], expand, None, spec, key=jax.random.key(2),
+                                sampling=sampling, candidates=sampled_kind, vocab=vocab)
+  tree, _ = tree_lib.build_dynamic_tree(logits[:, vocab], expand, None, spec,
+                                        key=jax.random.key(2), sampling=sampling,
+                                        candidates=sampled_kind, vocab=vocab, vocab_size=V)
   toks = np.asarray(tree.tokens)[:, 1:][np.asarray(tree.valid)[:, 1:]]     # the drafts
   assert toks.size and set(toks.tolist()) <= set(np.asarray(vocab).tolist())
+  if sampled_kind == "topk":
+    assert tree.q is None
+    best = np.asarray(vocab)[np.argsort(-np.asarray(logits)[:, vocab], axis=1)[:, :2]]
+    at_depth1 = (np.asarray(tree.depths) == 1) & np.asarray(tree.valid)
+    for row in range(b):
+      depth1 = set(np.asarray(tree.tokens)[row][at_depth1[row]].tolist())
+      assert best[row, 0] in depth1 and depth1 <= set(best[row].tolist()), (row, depth1)
+    return
+  assert tree.q.shape == (b, spec.num_nodes + 1, 5) and tree.q_vocab is not None
   np.testing.assert_allclose(np.asarray(tree.q[:, 0]),
                              np.asarray(sj.sampling.probs(mask(logits), sampling)[:, vocab]),
-                             rtol=1e-6)
+                             rtol=2e-6)
   full = tree.replace(q=tree_lib.expand_q(tree.q, tree.q_vocab, V), q_vocab=None)
   p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (b, spec.num_nodes + 1, V)), axis=-1)
   key = jax.random.key(4)

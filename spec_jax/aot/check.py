@@ -103,6 +103,9 @@ def failures(label: str, report, one_chip: bool) -> list:
   if not report.fits:
     bad.append("does not fit a v5e chip")
   if one_chip and est.compiled:
+    # memory_analysis()'s figure (HBM and on-chip scratch together), as TEMP_LIMIT was set on
+    # it: at this 4-layer shape the 112 MiB of VMEM scratch is ~10 % of W + KV, so the HBM
+    # figure alone would let the "scores" defect (48 %) pass under 45 %.
     ratio = est.compiled["temporaries"] / (est.weights + est.kv_cache)
     if ratio > TEMP_LIMIT:
       bad.append(f"temporaries {ratio:.0%} of weights + KV > {TEMP_LIMIT:.0%} (defect 2)")

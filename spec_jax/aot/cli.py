@@ -95,6 +95,7 @@ def pathlib_stem(path: str) -> str:
 
 
 def describe(report) -> str:
+  from spec_jax import memory
   e = report.estimate
   kernels = "Triton" if report.platform == "cuda" else "Mosaic"
   lines = [f"{report.label} on {report.platform}"
@@ -104,9 +105,15 @@ def describe(report) -> str:
            f"  KV cache {report.cache_dtype}; {report.kernel_calls} {kernels} kernel call(s)"]
   if e.compiled:
     base = e.weights + e.kv_cache
-    lines.append(f"  compiler temporaries {e.compiled['temporaries'] / 2**30:.2f} GiB = "
-                 f"{100 * e.compiled['temporaries'] / base:.1f}% of weights + KV; beyond "
+    temps = memory.device_temporaries(e.compiled)
+    where = "in device memory" if "device_temporaries" in e.compiled else "(all memory spaces)"
+    lines.append(f"  compiler temporaries {where} {temps / 2**30:.2f} GiB = "
+                 f"{100 * temps / base:.1f}% of weights + KV; beyond "
                  f"weights, caches and state: {e.overhead / 2**30:.2f} GiB")
+    if "device_temporaries" in e.compiled:
+      total = e.compiled["temporaries"]
+      lines.append(f"  memory_analysis() temporaries, HBM and on-chip scratch together: "
+                   f"{total / 2**30:.2f} GiB = {100 * total / base:.1f}% of weights + KV")
   return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
 import time
 from typing import Optional
 
@@ -199,8 +200,11 @@ def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: 
       calls = text.count(TRITON_MARKER)
     else:
       lowered = jax.jit(program).trace(*args).lower(lowering_platforms=("tpu",))
-      compiled = lowered.compile()
-      est.compiled = memory.compiled_figures(compiled)
+      # The buffer assignment XLA dumps splits the temporaries into HBM and on-chip scratch
+      # (memory_analysis() sums them: memory.compiled_figures).
+      with tempfile.TemporaryDirectory(prefix="spec_jax_aot_") as dump:
+        compiled = lowered.compile({"xla_dump_to": dump})
+        est.compiled = memory.compiled_figures(compiled, dump_dir=dump)
       text = lowered.as_text()
       calls = text.count(TPU_MARKER)
       device_bytes = memory.device_memory(devices[0])

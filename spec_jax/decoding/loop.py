@@ -6,6 +6,7 @@ host wrapper."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import jax
@@ -14,6 +15,7 @@ import numpy as np
 
 from kernels_pallas import platform as kernel_platform
 from spec_jax import processors as processors_lib, sampling as sampling_lib
+from spec_jax import sharding as sharding_lib
 from spec_jax.decoding.checks import check_capacity, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
 from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv, RowCounts
@@ -204,7 +206,8 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
       lambda tok, cache, offsets, last, layers: target.forward_last(
           target_params, tok, cache, offsets, last, return_layers=layers),
       prompt_tokens, prompt_lens, cache, chunk=prefill_chunk,
-      keep_hidden=drafter.reads_prompt_hidden, return_layers=layers)
+      keep_hidden=drafter.reads_prompt_hidden, return_layers=layers,
+      constrain_features=functools.partial(sharding_lib.constrain_features, mesh))
   last_logits = pre.last_logits
   key, first_key = jax.random.split(key)
   # The penalties' and processors' history: the prompt, then every committed output token (the

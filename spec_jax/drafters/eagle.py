@@ -331,6 +331,14 @@ class EAGLE3(FeatureHead):
     full = full.at[jnp.asarray(self.draft_tokens)].set(rows)
     return full.T.reshape(lead + (self.target_config.vocab_size,))
 
+  def proposal_logits(self, params, target_params, out):
+    """The draft logits [..., V_d] as they are (a tree never builds the V-wide ones)."""
+    return self.draft_logits(params, out)
+
+  @property
+  def proposal_vocab(self):
+    return None if self.draft_tokens is None else np.asarray(self.draft_tokens, np.int32)
+
   def _propose_token(self, params, target_params, feature, key, sampling, greedy):
     if (self.greedy_drafts or greedy) and self.draft_tokens is not None:
       best = jnp.argmax(self.draft_logits(params, feature), -1)

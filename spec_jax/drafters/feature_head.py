@@ -175,6 +175,17 @@ class FeatureHead(FrozenDrafter):
     w_dtype = target_params["embed"].dtype
     return lm_head(target_params, self.target_config, out.astype(w_dtype))
 
+  def proposal_logits(self, params, target_params, out):
+    """Head output o [..., D] -> float32 logits over the tokens the head can propose: the
+    target's whole vocabulary [..., V] here; EAGLE-3 with a draft vocabulary: [..., V_d]
+    over proposal_vocab's ids."""
+    return self.logits(params, target_params, out)
+
+  @property
+  def proposal_vocab(self):
+    """int32 [V_d] target ids of proposal_logits' columns, or None (the whole vocabulary)."""
+    return None
+
   def _layer(self, params, x, k, v, offsets, positions=None, tree_mask=None):
     """Cached decoder layer over T new pairs at per-row offsets -> (o, k, v). positions
     default to the slots (offsets + t); trees pass their own with an ancestor tree_mask."""
@@ -353,14 +364,14 @@ class FeatureHead(FrozenDrafter):
       o, k, v = self._step(params, tp, tokens[:, start:], parent_feat, k, v, lengths - 1 + start,
                            positions=lengths[:, None] - 2 + depths[:, start:], tree_mask=mask)
       o_all = o if o_prev is None else jnp.concatenate([o_prev, o], axis=1)
-      return self.logits(params, tp, o), (o_all, k, v)
+      return self.proposal_logits(params, tp, o), (o_all, k, v)
 
     candidates = "topk" if self.greedy_drafts else spec.candidates_for(ctx.greedy)
-    # An EAGLE-3 draft vocabulary: sampled trees keep q over it only (DraftTree.q_vocab).
+    # An EAGLE-3 draft vocabulary: the tree is built over it (logits and q of V_d tokens).
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
-        self.logits(params, tp, nf), expand, (None, state.k, state.v), spec, key=ctx.key,
-        sampling=ctx.sampling, candidates=candidates,
-        vocab=getattr(self, "draft_tokens", None))
+        self.proposal_logits(params, tp, nf), expand, (None, state.k, state.v), spec,
+        key=ctx.key, sampling=ctx.sampling, candidates=candidates, vocab=self.proposal_vocab,
+        vocab_size=self.target_config.vocab_size)
     return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training

@@ -35,7 +35,8 @@ class Prefill(NamedTuple):
 
 
 def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int = PREFILL_CHUNK,
-                    keep_hidden: bool = True, return_layers: Sequence[int] = ()) -> Prefill:
+                    keep_hidden: bool = True, return_layers: Sequence[int] = (),
+                    constrain_features: Callable = lambda x: x) -> Prefill:
   """Runs `forward` over tokens int32 [B, P] (row b's prompt in [0, prompt_lens[b])) in chunks.
 
   forward(tokens [B, C], cache, offsets [B], logits_index [B], return_layers) must return a
@@ -46,6 +47,9 @@ def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int
   chunk: C (static); P is padded up to a multiple of C (when P <= C: one forward, no loop).
   keep_hidden: gather hidden / layer_hidden into [B, P, D] buffers (drafters that read the
   prompt's features); False returns hidden None and no layer_hidden.
+  constrain_features: applied to each [B, P, D] buffer (a sharding annotation under a mesh:
+  spec_jax.sharding.constrain_features splits D on "model", so the buffers that outlive the
+  prefill are not whole on every device; each chunk's write stays local).
   """
   b, p = tokens.shape
   tokens = tokens.astype(jnp.int32)
@@ -70,7 +74,7 @@ def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int
 
   shapes = jax.eval_shape(lambda cache: run(jnp.int32(0), cache), cache)
   v = shapes.logits.shape[-1]
-  buffers = lambda x: jnp.zeros((b, padded) + x.shape[2:], x.dtype)
+  buffers = lambda x: constrain_features(jnp.zeros((b, padded) + x.shape[2:], x.dtype))
   init = (cache, jnp.zeros((b, v), jnp.float32),
           buffers(shapes.hidden) if keep_hidden else None,
           tuple(buffers(h) for h in shapes.layer_hidden))
@@ -82,12 +86,11 @@ def chunked_prefill(forward: Callable, tokens, prompt_lens, cache, *, chunk: int
     ends_here = (prompt_lens - 1 >= start) & (prompt_lens - 1 < start + c)
     last_logits = jnp.where(ends_here[:, None], out.logits[:, 0].astype(jnp.float32),
                             last_logits)
+    write = lambda buf, h: constrain_features(jax.lax.dynamic_update_slice_in_dim(
+        buf, h.astype(buf.dtype), start, axis=1))
     if keep_hidden:
-      hidden = jax.lax.dynamic_update_slice_in_dim(hidden, out.hidden.astype(hidden.dtype),
-                                                   start, axis=1)
-    layer_hidden = tuple(jax.lax.dynamic_update_slice_in_dim(buf, h.astype(buf.dtype), start,
-                                                             axis=1)
-                         for buf, h in zip(layer_hidden, out.layer_hidden))
+      hidden = write(hidden, out.hidden)
+    layer_hidden = tuple(write(buf, h) for buf, h in zip(layer_hidden, out.layer_hidden))
     return out.cache, last_logits, hidden, layer_hidden
 
   cache, last_logits, hidden, layer_hidden = jax.lax.fori_loop(0, n_chunks, body, init)

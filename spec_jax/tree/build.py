@@ -70,11 +70,13 @@ ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, int, Any], tuple]
 
 
 def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, key, sampling,
-                       candidates: str = "topk", rank_by_score: bool = False, vocab=None):
+                       candidates: str = "topk", rank_by_score: bool = False, vocab=None,
+                       vocab_size: Optional[int] = None):
   """EAGLE-2's dynamic tree (module docstring), with top-k or sampled candidates.
 
   Args:
-    root_logits: float [B, V], the drafter's logits for the token after the last committed one.
+    root_logits: float [B, V], the drafter's logits for the token after the last committed one
+      (with vocab: [B, V_d], over vocab's ids).
     expand: the drafter's batched forward over the newest frontier,
       expand(tokens int32 [B, T], parents int32 [B, T] (index in the same list, -1 = the root),
       depths int32 [B, T] (1-based), start, carry) -> (logits [B, T-start, V] for the token
@@ -90,10 +92,14 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       docstring.
     rank_by_score: a test hook: rank sampled candidates by their score (EAGLE-2's rule, right
       for top-k candidates) instead of the priority; LOSSY for sampled candidates.
-    vocab: int32 [V_d] target ids, or None: the only tokens the drafter proposes (its logits
-      are -inf elsewhere, as EAGLE-3's outside its draft vocabulary). Sampled candidates are
-      then drawn from q restricted to them (renormalised: exactly the distribution drawn from)
-      and the tree keeps q over them only (DraftTree.q_vocab).
+    vocab: int32 [V_d] target ids, or None: the only tokens the drafter proposes (an EAGLE-3
+      draft vocabulary); root_logits and expand's logits are then over these ids only (the
+      logit -inf everywhere else, implied), candidates are drawn among them and mapped to
+      target ids, and a sampled tree keeps q over them only (DraftTree.q_vocab). Nothing
+      V-wide is built (at 128k tokens and a 32,000-token draft vocabulary, the full-vocabulary
+      logits and q of a frontier were the largest buffers of an 8B tree round on TPU,
+      docs/accelerators.md) unless sampling carries a logit bias (it names target ids).
+    vocab_size: the target's vocabulary size V (needed with vocab).
 
   Returns:
     (DraftTree with N+1 nodes (q set for sampled candidates), carry).
@@ -105,11 +111,30 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
   b, v = root_logits.shape
   if vocab is not None:
     vocab = jnp.asarray(vocab, jnp.int32)
+    if v != vocab.shape[0] or vocab_size is None:
+      raise ValueError(f"build_dynamic_tree with a draft vocabulary of {vocab.shape[0]} ids "
+                       f"takes logits over those ids and the target's vocab_size, got logits "
+                       f"over {v} tokens and vocab_size={vocab_size}")
   d_max, n = spec.depth, spec.num_nodes
   m = min(spec.top_k, v)
   sampled = candidates != "topk"
   keys = jax.random.split(key, d_max)
   rows = jnp.arange(b)[:, None]
+
+  def draft_probs(logits):
+    """q [B, F, V or V_d] = sampling.probs of the logits, over vocab's ids when given."""
+    if vocab is None or not sampling_lib.has_logit_bias(sampling):
+      return sampling_lib.probs(logits, sampling)
+    # A logit bias names target ids: q over the whole vocabulary (the logit -inf outside the
+    # draft vocabulary), then kept over the draft vocabulary, where all its mass is, and
+    # renormalised (exactly the distribution drawn from). Scattered and gathered along the
+    # leading axis of [V, rows]: XLA:TPU lays a scatter / gather out with that axis major.
+    lead, v_d = logits.shape[:-1], vocab.shape[0]
+    rows = logits.reshape(-1, v_d).astype(jnp.float32).T
+    full = jnp.full((vocab_size, rows.shape[1]), -jnp.inf, jnp.float32).at[vocab].set(rows)
+    q = sampling_lib.probs(full.T.reshape(lead + (vocab_size,)), sampling)
+    q = jnp.take(q.reshape(-1, vocab_size).T, vocab, axis=0).T.reshape(lead + (v_d,))
+    return q / jnp.sum(q, axis=-1, keepdims=True)
 
   def children(logits, key_d, f_score, f_prio, f_valid):
     """Children of F frontier nodes: tokens [B, F*m], score, prio, valid, and q [B, F, V]."""
@@ -118,19 +143,13 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
     if not sampled:
       logp = jnp.minimum(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), 0.0)
       lp, toks = jax.lax.top_k(logp, m)
+      if vocab is not None:                            # draft ids -> target ids
+        toks = jnp.take(vocab, toks)
       score = f_score[:, :, None] + lp
-      # A token the drafter gives probability 0 (outside an EAGLE-3 draft vocabulary, when k
-      # exceeds it) is no candidate.
+      # A token the drafter gives probability 0 is no candidate.
       valid = f_valid[:, :, None] & (lp > -jnp.inf)
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
-    q = sampling_lib.probs(logits, sampling)
-    if vocab is not None:          # q over the draft vocabulary: no mass elsewhere
-      # Gathered along the leading axis of [V, rows] (as EAGLE-3 scatters its logits): XLA:TPU
-      # lays a gather out with the gathered axis major, and a trailing [..., V] gather put the
-      # small leading axes minor (16x padding under a mesh: 125 MiB buffers at the CI shape).
-      lead = q.shape[:-1]
-      q = jnp.take(q.reshape(-1, v).T, vocab, axis=0).T.reshape(lead + (vocab.shape[0],))
-      q = q / jnp.sum(q, axis=-1, keepdims=True)
+    q = draft_probs(logits)
     logq = jnp.log(jnp.maximum(q, 0.0))
     # One key per row (fold_in(key, row)): a row's drafts do not depend on the batch.
     row_keys = jax.vmap(lambda i: jax.random.fold_in(key_d, i))(jnp.arange(b))
