@@ -186,19 +186,16 @@ def _rows_like(x, nd: int):
   return x.reshape(x.shape[:1] + (1,) * (nd - x.ndim) + x.shape[1:])
 
 
-def has_logit_bias(sampling: Sampling) -> bool:
-  """Whether sampling's logit_bias may change a logit (static: a LogitBias of width M > 0, or
-  a host map with entries)."""
-  bias = sampling.logit_bias
-  if isinstance(bias, LogitBias):
-    return bias.ids.shape[-1] > 0
-  return bool(bias)
-
-
-def process_logits(logits, sampling: Sampling, history: Optional[History] = None):
+def process_logits(logits, sampling: Sampling, history: Optional[History] = None,
+                   columns=None):
   """The logits processors before temperature (transformers' order): + logit_bias ->
   repetition penalty -> frequency and presence penalties -> the history's LogitsProcessors
   (spec_jax.processors; grammar constraints) in order. float32 [..., V] -> [..., V].
+
+  columns: int32 [V_c], the target ids of the logits' last axis when the logits cover only
+  those tokens (an EAGLE-3 draft vocabulary; every other token's logit is -inf, so leaving
+  it out changes no probability): the bias and the penalties are read at those ids. None:
+  the logits cover the whole vocabulary. Processors need the whole vocabulary.
 
   history: the rows' History, counts [B, V] or [..., V] like the logits (prompt [B, V]), the
   processors' states likewise; None skips the penalties and processors (no history: what a
@@ -214,15 +211,19 @@ def process_logits(logits, sampling: Sampling, history: Optional[History] = None
   if isinstance(bias, LogitBias) and bias.ids.shape[-1] > 0:
     ids, vals = jnp.asarray(bias.ids, jnp.int32), jnp.asarray(bias.values, jnp.float32)
     vocab = x.shape[-1]
-    if ids.ndim == 1:
+    if columns is not None:        # each column's bias: the entries naming its target id
+      hits = ids[..., :, None] == jnp.asarray(columns, jnp.int32)           # [(B,) M, V_c]
+      dense = jnp.sum(jnp.where(hits, vals[..., :, None], 0.0), axis=-2)
+    elif ids.ndim == 1:
       dense = jnp.zeros((vocab,), jnp.float32).at[ids].add(vals, mode="drop")
     else:
       rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
       dense = jnp.zeros((ids.shape[0], vocab), jnp.float32).at[rows, ids].add(vals, mode="drop")
     x = x + _rows_like(dense, nd)
+  at_columns = lambda a: a if columns is None else jnp.take(a, jnp.asarray(columns), axis=-1)
   if history is not None and history.counts is not None:
-    counts = _rows_like(history.counts, nd)
-    seen = _rows_like(history.prompt, nd) | (counts > 0)
+    counts = _rows_like(at_columns(history.counts), nd)
+    seen = _rows_like(at_columns(history.prompt), nd) | (counts > 0)
     r = _per_row(sampling.repetition_penalty, nd).astype(jnp.float32)
     # CTRL / transformers' RepetitionPenaltyLogitsProcessor: seen tokens' logits are divided
     # by r when positive, multiplied by r otherwise.
@@ -232,6 +233,9 @@ def process_logits(logits, sampling: Sampling, history: Optional[History] = None
     pres = _per_row(sampling.presence_penalty, nd).astype(jnp.float32)
     x = x - freq * counts.astype(jnp.float32) - pres * (counts > 0).astype(jnp.float32)
   if history is not None and history.processors:
+    if columns is not None:
+      raise ValueError("logits processors (grammars) need logits over the whole vocabulary, "
+                       "not a subset of columns")
     x = processors_lib.apply(history.processors, history.params, x, history.states,
                              history.lead)
   return x
@@ -243,7 +247,7 @@ def greedy_tokens(logits, sampling: Sampling, history: Optional[History] = None)
   return jnp.argmax(process_logits(logits, sampling, history), axis=-1).astype(jnp.int32)
 
 
-def probs(logits, sampling: Sampling, history: Optional[History] = None):
+def probs(logits, sampling: Sampling, history: Optional[History] = None, columns=None):
   """logit_bias -> repetition penalty -> frequency / presence penalties -> / T -> top-k ->
   top-p -> min-p -> softmax (the module docstring's order, transformers').
 
@@ -253,12 +257,14 @@ def probs(logits, sampling: Sampling, history: Optional[History] = None):
     sampling: Sampling.
     history: History for the penalties (counts [B, V] or shaped like logits' leading dims);
       None applies no penalty (a draw without history, still exactly what it says).
+    columns: int32 [V_c] or None: the logits cover only these target ids (process_logits);
+      the probabilities are then those of the whole row, which is -inf elsewhere, at them.
 
   Returns:
-    float32 probabilities [..., V]; rows with temperature 0 are one-hot at the argmax of the
-    processed logits (first index on ties).
+    float32 probabilities [..., V] (or [..., V_c]); rows with temperature 0 are one-hot at the
+    argmax of the processed logits (first index on ties, in the columns' order).
   """
-  processed = process_logits(logits, sampling, history)
+  processed = process_logits(logits, sampling, history, columns)
   nd = processed.ndim
   temperature = _per_row(sampling.temperature, nd).astype(jnp.float32)
   top_k = _per_row(sampling.top_k, nd).astype(jnp.int32)

@@ -224,6 +224,31 @@ def test_bisected_top_k_top_p_keeps_what_a_sort_keeps(vocab):
   assert filtered.sum() > rows // 3                          # the filters did cut
 
 
+def test_probs_over_a_subset_of_columns_are_the_whole_rows_there():
+  """probs(logits over V_c target ids, columns=ids) equals probs of the whole row (-inf at
+  every other id) read at those ids: a logit bias naming ids inside and outside the columns
+  (repeated ids add up), repetition / frequency / presence penalties from a history, greedy
+  and sampled rows with top-k / top-p / min-p. Processors need the whole row (ValueError)."""
+  from spec_jax.sampling import History
+  vocab, b = 40, 3
+  cols = jnp.asarray([2, 5, 6, 11, 17, 23, 31, 39], jnp.int32)
+  logits = 2.0 * jax.random.normal(jax.random.key(7), (b, vocab))
+  whole = jnp.full((b, vocab), -jnp.inf).at[:, cols].set(logits[:, cols])
+  sampling = sj.Sampling(temperature=np.float32([0.0, 1.0, 0.8]), top_k=np.int32([0, 5, 0]),
+                         top_p=np.float32([1.0, 0.9, 0.95]), min_p=np.float32([0.0, 0.0, 0.05]),
+                         repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1,
+                         logit_bias={5: 2.0, 11: -1.0, 3: 50.0})
+  rows = sampling.as_arrays(b)
+  prompt = jnp.asarray([[5, 6, 0], [17, 17, 2], [1, 39, 39]], jnp.int32)
+  hist = History.of_prompt(prompt, jnp.asarray([3, 3, 3]), vocab, penalties=True)
+  hist = hist.add(jnp.asarray([[11], [5], [31]], jnp.int32), jnp.ones((b,), jnp.int32))
+  want = np.asarray(sj.sampling.probs(whole, rows, hist))[:, np.asarray(cols)]
+  got = np.asarray(sj.sampling.probs(logits[:, cols], rows, hist, columns=cols))
+  assert np.count_nonzero(want[1]) < len(cols)                # the filters cut something
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+  np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-6)
+
+
 def _weights_with_zeros_and_a_tail(vocab: int, seed: int) -> np.ndarray:
   """Unnormalised weights over `vocab` tokens: a few heavy ones, a long light tail, zeros (whole
   blocks of them and scattered ones), so both levels of `sample` are exercised."""

@@ -786,12 +786,12 @@ def test_a_tree_over_a_draft_vocabulary_keeps_q_over_it(sampled_kind, bias):
   spec = sj.TreeSpec(depth=depth, top_k=2, num_nodes=6, candidates=sampled_kind)
   # The bias names target ids: +3 on id 3 (in the vocabulary), +50 on id 0 (outside: no mass).
   sampling = sj.Sampling(temperature=1.0, logit_bias={3: 3.0, 0: 50.0} if bias else None)
-  with pytest.raises(ValueError, match="vocab_size"):
-    tree_lib.build_dynamic_tree(logits[:, vocab], expand, None, spec, key=jax.random.key(2),
+  with pytest.raises(ValueError, match="logits over those ids"):
+    tree_lib.build_dynamic_tree(mask(logits), expand, None, spec, key=jax.random.key(2),
                                 sampling=sampling, candidates=sampled_kind, vocab=vocab)
   tree, _ = tree_lib.build_dynamic_tree(logits[:, vocab], expand, None, spec,
                                         key=jax.random.key(2), sampling=sampling,
-                                        candidates=sampled_kind, vocab=vocab, vocab_size=V)
+                                        candidates=sampled_kind, vocab=vocab)
   toks = np.asarray(tree.tokens)[:, 1:][np.asarray(tree.valid)[:, 1:]]     # the drafts
   assert toks.size and set(toks.tolist()) <= set(np.asarray(vocab).tolist())
   if sampled_kind == "topk":

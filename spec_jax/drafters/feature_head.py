@@ -176,7 +176,7 @@ class FeatureHead(FrozenDrafter):
     return lm_head(target_params, self.target_config, out.astype(w_dtype))
 
   def proposal_logits(self, params, target_params, out):
-    """Head output o [..., D] -> float32 logits over the tokens the head can propose: the
+    """Head output o [..., D] -> logits over the tokens the head can propose: the
     target's whole vocabulary [..., V] here; EAGLE-3 with a draft vocabulary: [..., V_d]
     over proposal_vocab's ids."""
     return self.logits(params, target_params, out)
@@ -370,8 +370,7 @@ class FeatureHead(FrozenDrafter):
     # An EAGLE-3 draft vocabulary: the tree is built over it (logits and q of V_d tokens).
     tree, (_, k, v) = tree_lib.build_dynamic_tree(
         self.proposal_logits(params, tp, nf), expand, (None, state.k, state.v), spec,
-        key=ctx.key, sampling=ctx.sampling, candidates=candidates, vocab=self.proposal_vocab,
-        vocab_size=self.target_config.vocab_size)
+        key=ctx.key, sampling=ctx.sampling, candidates=candidates, vocab=self.proposal_vocab)
     return tree, state.replace(k=k, v=v)
 
   # ----------------------------------------------------------------------- training

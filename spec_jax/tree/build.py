@@ -70,8 +70,7 @@ ExpandFn = Callable[[jax.Array, jax.Array, jax.Array, int, Any], tuple]
 
 
 def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, key, sampling,
-                       candidates: str = "topk", rank_by_score: bool = False, vocab=None,
-                       vocab_size: Optional[int] = None):
+                       candidates: str = "topk", rank_by_score: bool = False, vocab=None):
   """EAGLE-2's dynamic tree (module docstring), with top-k or sampled candidates.
 
   Args:
@@ -95,11 +94,10 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
     vocab: int32 [V_d] target ids, or None: the only tokens the drafter proposes (an EAGLE-3
       draft vocabulary); root_logits and expand's logits are then over these ids only (the
       logit -inf everywhere else, implied), candidates are drawn among them and mapped to
-      target ids, and a sampled tree keeps q over them only (DraftTree.q_vocab). Nothing
-      V-wide is built (at 128k tokens and a 32,000-token draft vocabulary, the full-vocabulary
-      logits and q of a frontier were the largest buffers of an 8B tree round on TPU,
-      docs/accelerators.md) unless sampling carries a logit bias (it names target ids).
-    vocab_size: the target's vocabulary size V (needed with vocab).
+      target ids, and a sampled tree keeps q over them only (DraftTree.q_vocab), q being
+      sampling.probs(..., columns=vocab): nothing V-wide is built (at 128k tokens and a
+      32,000-token draft vocabulary, the full-vocabulary logits and q of a frontier were the
+      largest buffers of an 8B tree round on TPU, docs/accelerators.md).
 
   Returns:
     (DraftTree with N+1 nodes (q set for sampled candidates), carry).
@@ -111,30 +109,14 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
   b, v = root_logits.shape
   if vocab is not None:
     vocab = jnp.asarray(vocab, jnp.int32)
-    if v != vocab.shape[0] or vocab_size is None:
+    if v != vocab.shape[0]:
       raise ValueError(f"build_dynamic_tree with a draft vocabulary of {vocab.shape[0]} ids "
-                       f"takes logits over those ids and the target's vocab_size, got logits "
-                       f"over {v} tokens and vocab_size={vocab_size}")
+                       f"takes logits over those ids, got logits over {v} tokens")
   d_max, n = spec.depth, spec.num_nodes
   m = min(spec.top_k, v)
   sampled = candidates != "topk"
   keys = jax.random.split(key, d_max)
   rows = jnp.arange(b)[:, None]
-
-  def draft_probs(logits):
-    """q [B, F, V or V_d] = sampling.probs of the logits, over vocab's ids when given."""
-    if vocab is None or not sampling_lib.has_logit_bias(sampling):
-      return sampling_lib.probs(logits, sampling)
-    # A logit bias names target ids: q over the whole vocabulary (the logit -inf outside the
-    # draft vocabulary), then kept over the draft vocabulary, where all its mass is, and
-    # renormalised (exactly the distribution drawn from). Scattered and gathered along the
-    # leading axis of [V, rows]: XLA:TPU lays a scatter / gather out with that axis major.
-    lead, v_d = logits.shape[:-1], vocab.shape[0]
-    rows = logits.reshape(-1, v_d).astype(jnp.float32).T
-    full = jnp.full((vocab_size, rows.shape[1]), -jnp.inf, jnp.float32).at[vocab].set(rows)
-    q = sampling_lib.probs(full.T.reshape(lead + (vocab_size,)), sampling)
-    q = jnp.take(q.reshape(-1, vocab_size).T, vocab, axis=0).T.reshape(lead + (v_d,))
-    return q / jnp.sum(q, axis=-1, keepdims=True)
 
   def children(logits, key_d, f_score, f_prio, f_valid):
     """Children of F frontier nodes: tokens [B, F*m], score, prio, valid, and q [B, F, V]."""
@@ -149,7 +131,7 @@ def build_dynamic_tree(root_logits, expand: ExpandFn, carry, spec: TreeSpec, *, 
       # A token the drafter gives probability 0 is no candidate.
       valid = f_valid[:, :, None] & (lp > -jnp.inf)
       return flat(toks.astype(jnp.int32)), flat(score), flat(score), flat(valid), None
-    q = draft_probs(logits)
+    q = sampling_lib.probs(logits, sampling, columns=vocab)
     logq = jnp.log(jnp.maximum(q, 0.0))
     # One key per row (fold_in(key, row)): a row's drafts do not depend on the batch.
     row_keys = jax.vmap(lambda i: jax.random.fold_in(key_d, i))(jnp.arange(b))
