@@ -218,10 +218,26 @@ def test_bisected_top_k_top_p_keeps_what_a_sort_keeps(vocab):
   top_p[5::11] = 1e-7
   got = np.asarray(jax.jit(sj.sampling._top_k_top_p)(x, top_k, top_p))
   want = np.asarray(jax.jit(_sorted_top_k_top_p)(x, top_k, top_p))
-  np.testing.assert_array_equal(got == -np.inf, want == -np.inf)
-  np.testing.assert_array_equal(got, want)
+  # The two sum the tail in different orders (float32): a row whose 1 - top_p lies within
+  # 1e-5 of one of its exact (float64) tail masses could be cut differently on another CPU;
+  # such rows are left out (here none or a few), every other row must match exactly.
+  clear = np.ones(rows, bool)
+  for r in range(rows):
+    kept_k = np.asarray(jax.jit(_sorted_top_k_top_p)(x[r:r + 1], top_k[r:r + 1],
+                                                     np.ones((1, 1), np.float32)))[0]
+    finite = kept_k[np.isfinite(kept_k)].astype(np.float64)
+    if top_p[r, 0] < 1.0 and finite.size:
+      p = np.exp(finite - finite.max())
+      p /= p.sum()
+      values = np.unique(finite)
+      # below the largest value only: at it (whole-row mass 1 against 1 - top_p, e.g. top_p
+      # 1e-7) both ways keep the likeliest token(s), whichever way the comparison goes
+      tails = np.array([p[finite <= v].sum() for v in values[:-1]] + [np.inf])
+      clear[r] = np.min(np.abs(tails - (1.0 - np.float64(top_p[r, 0])))) > 1e-5
+  assert clear.sum() >= rows - 3, clear.sum()
+  np.testing.assert_array_equal(got[clear], want[clear])
   filtered = np.sum(want == -np.inf, axis=-1) > np.sum(x == -np.inf, axis=-1)
-  assert filtered.sum() > rows // 3                          # the filters did cut
+  assert filtered[clear].sum() > rows // 3                   # the filters did cut
 
 
 def test_probs_over_a_subset_of_columns_are_the_whole_rows_there():
@@ -244,6 +260,8 @@ def test_probs_over_a_subset_of_columns_are_the_whole_rows_there():
   hist = hist.add(jnp.asarray([[11], [5], [31]], jnp.int32), jnp.ones((b,), jnp.int32))
   want = np.asarray(sj.sampling.probs(whole, rows, hist))[:, np.asarray(cols)]
   got = np.asarray(sj.sampling.probs(logits[:, cols], rows, hist, columns=cols))
+  # (the top-p cut-offs sit >= 0.01 of mass from the nearest tail sum: no float32 reduction
+  # order on any CPU moves them)
   assert np.count_nonzero(want[1]) < len(cols)                # the filters cut something
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
   np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-6)
