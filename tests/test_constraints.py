@@ -114,6 +114,7 @@ def sample(drafter, sampling, processors, seed, prompt=PROMPT, **kw):
   target, _ = _models()
   out = sj.generate(target, [prompt] * N, drafter=drafter, max_new_tokens=3, sampling=sampling,
                     key=jax.random.key(seed), stop_tokens=[], capacity=24,
+                    prompt_bucket=len(prompt),
                     processors=processors, **kw)
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, 3)

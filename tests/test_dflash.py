@@ -456,6 +456,7 @@ def sample_joint(drafter, sampling, seed=0, **kw):
   target = tiny()[0]
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, max_new_tokens=NEW6,
                     sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=20,
+                    prompt_bucket=len(PROMPT),
                     **kw)
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, NEW6)

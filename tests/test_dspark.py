@@ -176,7 +176,7 @@ def joint_stats(drafter, setting, seed=3, **kw):
   t = tiny()[0]
   out = sj.generate(t, [PROMPT] * N, drafter=drafter, max_new_tokens=NEW6,
                     sampling=SETTINGS[setting], key=jax.random.key(seed), stop_tokens=[],
-                    capacity=20, **kw)
+                    capacity=20, prompt_bucket=len(PROMPT), **kw)
   toks = np.asarray(out.tokens)
   joint = exact_joint(setting)
   return (chi_square(counts3(toks[:, :3]), joint.sum(axis=(3, 4, 5))),

@@ -222,7 +222,7 @@ def sample_joint(target, drafter, seed, tree=None, sampling=sj.Sampling(temperat
                  rows=N):
   out = sj.generate(target, [PROMPT] * rows, drafter=drafter, num_draft=2, max_new_tokens=3,
                     sampling=sampling, key=jax.random.key(seed),
-                    stop_tokens=[], capacity=16, tree=tree)
+                    stop_tokens=[], capacity=16, prompt_bucket=len(PROMPT), tree=tree)
   toks = np.asarray(out.tokens)
   counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
   return counts, out.stats

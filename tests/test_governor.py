@@ -204,7 +204,8 @@ def test_auto_is_lossless(case):
   sampling = sj.Sampling(temperature=1.0, top_p=0.9)
   out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(
       draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov, max_new_tokens=new,
-                    sampling=sampling, key=jax.random.key(4), stop_tokens=[], capacity=16)
+                    sampling=sampling, key=jax.random.key(4), stop_tokens=[], capacity=16,
+                    prompt_bucket=len(PROMPT))
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, new)
   assert 0.05 < out.stats.acceptance_rate < 0.98, out.stats.summary()
@@ -234,7 +235,7 @@ def test_the_auto_check_catches_a_lossy_sampler(monkeypatch):
     out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(
         draft, greedy_drafts=greedy_drafts), num_draft="auto", governor=gov,
                       max_new_tokens=NEW, sampling=sampling, key=jax.random.key(4),
-                      stop_tokens=[], capacity=16)
+                      stop_tokens=[], capacity=16, prompt_bucket=len(PROMPT))
   finally:
     compiled_lib.clear_compiled()
   stat, dof = chi_square(joint_counts(np.asarray(out.tokens)),

@@ -65,7 +65,8 @@ def test_heads_are_lossless(kind, greedy_drafts):
     excluded = np.setdiff1d(np.arange(target.config.vocab_size), drafter.draft_tokens)
     assert joint[excluded].sum() > 0.1 and joint[:, :, excluded].sum() > 0.1
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=2, max_new_tokens=NEW,
-                    sampling=sampling, key=jax.random.key(7), stop_tokens=[], capacity=16)
+                    sampling=sampling, key=jax.random.key(7), stop_tokens=[], capacity=16,
+                    prompt_bucket=len(PROMPT))
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, NEW)
   assert 0.05 < out.stats.acceptance_rate < 0.98, out.stats.summary()

@@ -66,7 +66,8 @@ def exact_joint(model, prompt, sampling):
 
 def sample_joint(target, drafter, sampling, k, seed=0):
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, num_draft=k, max_new_tokens=NEW,
-                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=16)
+                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=16,
+                    prompt_bucket=len(PROMPT))
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, NEW)
   return toks, out.stats
@@ -101,7 +102,7 @@ def test_ngram_drafts_are_lossless():
   prompt_rep = [1, 4, 2, 1, 4, 2, 1, 4]   # n-gram proposals fire on this prompt
   out = sj.generate(target, [prompt_rep] * N, drafter=sj.drafters.NGram(2, 1), num_draft=2,
                     max_new_tokens=NEW, sampling=sampling, key=jax.random.key(3),
-                    stop_tokens=[], capacity=24)
+                    stop_tokens=[], capacity=24, prompt_bucket=len(prompt_rep))
   toks = np.asarray(out.tokens)
   assert out.stats.drafted > N // 2, out.stats.summary()
   assert_same_distribution(joint_counts(toks), exact_joint(target, prompt_rep, sampling))

@@ -253,7 +253,8 @@ def exact_joint_processed(model, prompt, sampling, processors=()):
 
 def _sample(target, drafter, sampling, seed, **kw):
   out = sj.generate(target, [PROMPT] * N, drafter=drafter, max_new_tokens=3, sampling=sampling,
-                    key=jax.random.key(seed), stop_tokens=[], capacity=16, **kw)
+                    key=jax.random.key(seed), stop_tokens=[], capacity=16,
+                    prompt_bucket=len(PROMPT), **kw)
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, 3)
   return toks, out.stats
@@ -292,7 +293,7 @@ def test_ngram_drafts_with_every_control_are_lossless():
   prompt = [1, 4, 2, 1, 4, 2, 1, 4]
   out = sj.generate(target, [prompt] * N, drafter=sj.drafters.NGram(2, 1), num_draft=2,
                     max_new_tokens=3, sampling=sampling, key=jax.random.key(3), stop_tokens=[],
-                    capacity=24)
+                    capacity=24, prompt_bucket=len(prompt))
   assert out.stats.drafted > N // 2, out.stats.summary()
   assert_same_distribution(joint_counts(np.asarray(out.tokens)),
                            exact_joint_processed(target, prompt, sampling))

@@ -532,7 +532,8 @@ def test_kv_move_matches_a_full_forward(head_major):
 
 def _tree_joint(drafter, sampling, spec, seed=0):
   out = sj.generate(_models()[0], [PROMPT] * N, drafter=drafter, tree=spec, max_new_tokens=NEW,
-                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=24)
+                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], capacity=24,
+                    prompt_bucket=len(PROMPT))
   toks = np.asarray(out.tokens)
   assert toks.shape == (N, NEW)
   return toks, out.stats
@@ -579,7 +580,8 @@ def test_ngram_and_head_trees_keep_the_target_joint():
   prompt_rep = [1, 4, 2, 1, 4, 3, 1, 4]       # two earlier matches of the suffix: two branches
   out = sj.generate(target, [prompt_rep] * N, drafter=sj.drafters.NGram(2, 1),
                     tree=TREES["topk"], max_new_tokens=NEW, sampling=sampling,
-                    key=jax.random.key(3), stop_tokens=[], capacity=24)
+                    key=jax.random.key(3), stop_tokens=[], capacity=24,
+                    prompt_bucket=len(prompt_rep))
   assert out.stats.drafted > 2 * N, out.stats.summary()
   assert_same_distribution(joint_counts(np.asarray(out.tokens)),
                            exact_joint(target, prompt_rep, sampling))
