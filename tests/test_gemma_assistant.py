@@ -315,7 +315,7 @@ def test_drafts_under_a_grammar_and_every_control_are_lossless():
   processors = (grammar(),)
   out = sj.generate(target, [PROMPT] * (N // 2), drafter=drafter, num_draft=2,
                     max_new_tokens=3, sampling=sampling, key=jax.random.key(3), stop_tokens=[],
-                    capacity=16, processors=processors)
+                    capacity=16, prompt_bucket=len(PROMPT), processors=processors)
   toks = np.asarray(out.tokens)
   counts = np.bincount(toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], minlength=V ** 3)
   assert 0.02 < out.stats.acceptance_rate < 0.98, out.stats.summary()
