@@ -107,9 +107,12 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       own rows' tokens and text back, and statistics over all rows (stats.processes says how
       many processes they sum over).
     prompt_bucket: None (default): prompts are padded to the whole cache capacity, so one
-      compiled decode serves every prompt length up to it (its prefill runs chunk by chunk over
-      the real tokens only: spec_jax.models.prefill); an integer m: padded to a multiple of m
-      instead (one compile per padded length; the padding is masked either way).
+      compiled decode serves every prompt length up to it (its prefill runs in chunks of
+      min(64, S) positions until the chunk holding the longest prompt's end:
+      spec_jax.models.prefill); an integer m: padded to a multiple of m instead (one compile
+      per padded length; the padding is masked either way). For a large batch of short
+      prompts m = the prompt length prefills only the real positions (a 40k-row batch of a
+      3-token prompt at S = 16 decoded 1.8x faster, the same tokens).
     governor: with num_draft="auto", a `sj.Governor` (or a dict of its options); None = the
       defaults.
     tree: sj.TreeSpec(depth=D, top_k=k, num_nodes=N) for tree drafting (spec_jax.tree: one
