@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas import kv_write_tpu, pallas_gpu, pallas_tpu, platform as platform_lib
+from kernels_pallas import kv_write_tpu, lanes, pallas_gpu, pallas_tpu, platform as platform_lib
 from kernels_pallas.reference import verify_attention_reference
 
 IMPLS = ("auto", "pallas", "reference")
@@ -120,7 +120,9 @@ def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto
   [L,B,S,Hkv,D] and layer (a static int) the slab to attend to: a kernel reads it in place
   (k_cache[layer] handed to a custom call is a copy of the layer's cache, every call).
   head_major: the caches are [B,Hkv,S,D] ([L,B,Hkv,S,D] with layer): the TPU kernel and the
-  reference read that layout in place, the GPU kernel gets a transposed copy.
+  reference read that layout in place, the GPU kernel gets a transposed copy. A head-major
+  cache whose minor dim is p x D is lane-packed, [B, Hkv/p, S, p*D] (kernels_pallas.lanes):
+  the TPU kernel reads it in place, the other paths unpack the layer's slab.
   kernel_kwargs (block_k, num_splits, ...) go to the kernel. Returns [B,T,Hq,D] in q's dtype.
   """
   if impl not in IMPLS:
@@ -129,15 +131,21 @@ def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto
                                 and 0 <= layer < k_cache.shape[0]):
     raise ValueError(f"layer must be a static int indexing a stacked [L, B, S, Hkv, D] cache, "
                      f"got layer={layer!r} for k_cache of shape {getattr(k_cache, 'shape', None)}")
+  # A head-major cache may pack p heads along its lanes, [.., Hkv / p, S, p * D] (lanes.py):
+  # the TPU kernel reads it so; every other path gets the layer's slab unpacked (a copy).
+  packed = (lanes.packing(k_cache.shape[-1], q.shape[-1])
+            if head_major and getattr(q, "ndim", 0) == 4 and hasattr(k_cache, "shape") else 1)
+
   def view(c):           # the [B, S, Hkv, D] shape of one layer, for the checks
     shape = c.shape[1:] if layer is not None else c.shape
     if head_major:
-      shape = (shape[0], shape[2], shape[1], shape[3])
+      shape = (shape[0], shape[2], shape[1] * packed, shape[3] // packed)
     return jax.ShapeDtypeStruct(shape, c.dtype)
 
   validate_inputs(q, view(k_cache), view(v_cache), kv_lengths, tree_mask)
   chosen, interpret = resolve(impl, kernel)
-  whole = (lambda c: c) if layer is None else (lambda c: c[layer])
+  whole = ((lambda c: lanes.unpack(c, packed)) if layer is None else
+           (lambda c: lanes.unpack(c[layer], packed)))
   reference = lambda: verify_attention_reference(q, whole(k_cache), whole(v_cache), kv_lengths,
                                                  tree_mask, head_major=head_major)
   if chosen is None:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas import layout
+from kernels_pallas import lanes, layout
 
 # Tuned defaults (bfloat16, D=128; see python -m kernels_pallas.bench).
 BLOCK_K = 512          # cache entries per grid step; a multiple of 8 (128 is best for lanes)
@@ -128,7 +128,9 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   v_cache are a stacked cache [L, B, ...] and the kernel reads slab `layer` in place (a slice
   k_cache[layer] handed to a custom call is a copy of that layer's cache, every call).
   head_major: the caches are [B, Hkv, S, D] ([L, B, Hkv, S, D] with layer), spec_jax's TPU
-  layout: one head's [block_k, D] window is a legal Mosaic block for any D, read in place. (The
+  layout: one head's [block_k, D] window is a legal Mosaic block for any D, read in place; or
+  lane-packed [B, Hkv / p, S, p * D] (kernels_pallas.lanes: a cache minor dim p times q's D),
+  whose [block_k, p * D] windows carry p heads, sliced out of the lanes in the kernel. (The
   [B, S, Hkv, D] layout is viewed as [B, S, Hkv * D], which on TPU is not free: the tiled
   layout of the two minor dims changes, so XLA copies the cache before every call.)
   """
@@ -136,7 +138,9 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   if layer is not None:                                   # free: merges the two major dims
     k_cache, v_cache = (c.reshape((lead,) + c.shape[2:]) for c in (k_cache, v_cache))
   b, t, hq, d = q.shape
-  s, hkv = (k_cache.shape[2], k_cache.shape[1]) if head_major else k_cache.shape[1:3]
+  # A head-major cache may pack p heads along its lanes: [., Hkv / p, S, p * D] (lanes.py).
+  packed = lanes.packing(k_cache.shape[-1], d) if head_major else 1
+  s, hkv = (k_cache.shape[2], k_cache.shape[1] * packed) if head_major else k_cache.shape[1:3]
   row0 = 0 if layer is None else layer * b                # the layer's first row of [L*B, ...]
   view = (k_cache.shape[0], s, hkv, d)
   reason = unsupported_reason(q.shape, view, q.dtype, k_cache.dtype, block_k,
@@ -144,7 +148,7 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   if reason is not None:
     raise ValueError(f"verify_attention_pallas_tpu: {reason}")
   group = hq // hkv
-  hpb = 1 if head_major else heads_per_block(hkv, d)
+  hpb = packed if head_major else heads_per_block(hkv, d)
   block_k = min(block_k, s)          # a block as long as the cache is always legal
   num_blocks = layout.cdiv(s, block_k)
   rows = layout.round_up(t * group, ROW_ALIGN)
@@ -154,8 +158,8 @@ def verify_attention_pallas_tpu(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   bits = [w[..., None] for w in layout.row_bits(tree_mask, b, t, group, rows)]  # [B, rows, 1]
   lengths = kv_lengths.astype(jnp.int32)
   if head_major:
-    k_flat, v_flat = k_cache, v_cache                             # [., Hkv, S, D]
-    kv_block = (None, None, block_k, d)
+    k_flat, v_flat = k_cache, v_cache                             # [., Hkv / p, S, p * D]
+    kv_block = (None, None, block_k, hpb * d)
   else:
     k_flat = k_cache.reshape(-1, s, hkv * d)                      # merges minor dims
     v_flat = v_cache.reshape(-1, s, hkv * d)

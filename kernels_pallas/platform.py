@@ -69,6 +69,14 @@ def mesh():
   return _MESH.get()
 
 
+def mesh_axis_size(name: str) -> int:
+  """The size of axis `name` of the kernel mesh (1 without a mesh or without that axis)."""
+  m = _MESH.get()
+  if m is None or name not in m.axis_names:
+    return 1
+  return dict(zip(m.axis_names, m.devices.shape))[name]
+
+
 @contextlib.contextmanager
 def kernel_mesh(mesh_):
   """Within the block, verify-attention kernels are shard_mapped over `mesh_` (a Mesh with

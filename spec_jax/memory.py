@@ -16,6 +16,7 @@ where a runtime reports it, else the table below (compile-only TPU topologies re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -25,6 +26,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+import kernels_pallas
 from spec_jax.decoding.loop import init_loop
 from spec_jax.decoding.rounds import NoDrafter
 from spec_jax.decoding.strategies import Chain, Strategy
@@ -294,7 +296,10 @@ def estimate(target, params, drafter, drafter_params, *, prompt_tokens, prompt_l
                       history=history)
     return st
 
-  st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
+  # Under the mesh's kernel context, as decode runs init_loop: the cache's lane packing
+  # (models.cache.default_lane_pack) depends on the "model" axis.
+  with contextlib.nullcontext() if mesh is None else kernels_pallas.platform.kernel_mesh(mesh):
+    st = jax.eval_shape(state_of, params, drafter_params, prompt_tokens, prompt_lens, sampling)
   batch = prompt_tokens.shape[0]
   kv = cache_bytes(st.cache, mesh)
   rest = state_bytes((st.tokens, st.drafter_state, st.sampling_state), batch, mesh,

@@ -85,6 +85,47 @@ def test_tpu_decode_has_no_program_sized_temporaries():
   assert "tensor<2x384xf32>" in text                     # the last position's logits
 
 
+def test_tpu_cache_packs_head_dim_64_heads_into_the_lanes():
+  """Lowered for TPU, a head_dim-64 cache is [L, B, Hkv / 2, S, 128] (kernels_pallas.lanes):
+  [S, 64] slabs would be padded to 128 lanes in HBM, twice the cache. Not under a mesh whose
+  "model" axis the packed groups would not divide."""
+  from kernels_pallas import lanes
+  cfg = TINY.replace(num_heads=4, num_kv_heads=2, head_dim=64)
+  text = _lowered(shapes.abstract_model(cfg), batch=2, prompt_len=32, capacity=640)
+  assert "tensor<2x2x1x640x128xbf16>" in text            # k, v [L, B, 1, S, 2 x 64]
+  assert "tensor<2x2x2x640x64xbf16>" not in text          # not [L, B, Hkv, S, 64]
+  assert text.count("tpu_custom_call") >= 1
+  assert [lanes.lane_pack(h, d, m) for h, d, m in
+          ((8, 64, 1), (8, 64, 4), (8, 64, 8), (2, 32, 1), (8, 128, 1), (3, 64, 1))] == \
+      [2, 2, 1, 1, 1, 1]
+
+
+def test_a_lane_packed_cache_decodes_the_same_tokens(monkeypatch):
+  """The whole engine on lane-packed caches (target and draft model, forced on this CPU: the
+  writes pack the rows, the jnp attention unpacks the slab, a tree round moves packed slots):
+  the same tokens as the head-major cache, greedy chain and sampled tree."""
+  from spec_jax.models import cache as cache_lib
+  cfg = sj.ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_layers=2,
+                       num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=256)
+  target = sj.init_model(cfg, jax.random.key(1))
+  target.params["embed"] = target.params["embed"] * 40
+  draft = sj.drafters.DraftModel(sj.init_model(cfg.replace(num_layers=1), jax.random.key(2)))
+  prompts = [[1, 5, 7, 9, 5, 7], [1, 3], [1, 2, 3, 4, 5]]
+  runs = {"chain": dict(num_draft=3, sampling=sj.Sampling(0.0)),
+          "tree": dict(tree=sj.TreeSpec(depth=3, top_k=2, num_nodes=6),
+                       sampling=sj.Sampling(1.0))}
+  kw = dict(drafter=draft, max_new_tokens=10, stop_tokens=[], key=jax.random.key(3))
+  want = {name: sj.generate(target, prompts, **run, **kw).tokens for name, run in runs.items()}
+  calls = []
+  monkeypatch.setattr(cache_lib, "default_lane_pack", lambda config: calls.append(1) or True)
+  assert KVCache.zeros(cfg, 1, 8).k.shape == (2, 1, 1, 8, 128)
+  from spec_jax.decoding.compiled import clear_compiled
+  clear_compiled()                                         # retrace with the packed caches
+  for name, run in runs.items():
+    assert sj.generate(target, prompts, **run, **kw).tokens == want[name], name
+  assert len(calls) > 1
+
+
 def test_tpu_sampled_verify_filters_the_vocabulary_without_sorting_or_reversing_it():
   """The top-k / top-p / min-p filter of a sampled verify ([B, K+1, V] logits) sorts nothing
   along V and reverses nothing (its cut-offs are bisected thresholds, sums over V): under

@@ -128,3 +128,37 @@ def test_cache_layout_follows_the_attention_impl():
   assert shape("pallas") == (2, 1, 8, 2, 16)
   if jax.default_backend() == "cpu":
     assert shape("auto") == (2, 1, 2, 8, 16)
+
+
+def test_lane_packed_head_major_cache_gives_the_same_logits_and_entries():
+  """The TPU kernel's layout for head_dim < 128 (kernels_pallas.lanes): 4 heads of 32 packed
+  into 128 lanes, [L, B, 1, S, 128]. A prefill over more than one key block (the blocked jnp
+  path) and a ragged verify step, through the jnp reference and the Pallas kernel (which get
+  the slab unpacked): the unpacked head-major cache's logits, and its entries once unpacked."""
+  import dataclasses
+  from spec_jax.models.cache import KVCache
+  config = sj.ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_layers=2,
+                          num_heads=8, num_kv_heads=4, head_dim=32, attention_impl="reference",
+                          max_position_embeddings=1024)
+  params = sj.init_model(config, jax.random.key(5)).params
+  prompt = jax.random.randint(jax.random.key(6), (2, 300), 1, 64)
+  step = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+  offsets = jnp.asarray([300, 120], jnp.int32)
+  groups = [(config.num_layers, config.num_kv_heads, config.head_dim)]
+  outs = {}
+  for impl in ("reference", "pallas"):
+    cfg = dataclasses.replace(config, attention_impl=impl)
+    for packed in (False, True):
+      cache = KVCache.of_groups(cfg, 2, 320, groups, head_major=True, stacked=True,
+                                lane_pack=packed)
+      assert cache.k.shape == ((2, 2, 1, 320, 128) if packed else (2, 2, 4, 320, 32))
+      pre = _forward(params, cfg, prompt, cache, jnp.zeros(2, jnp.int32))
+      out = _forward(params, cfg, step, pre.cache, offsets)
+      assert out.cache.k.shape == cache.k.shape
+      outs[impl, packed] = (pre.logits, out.logits, out.cache.seq_major(head_dims=32))
+  for impl in ("reference", "pallas"):
+    want, got = outs[impl, False], outs[impl, True]
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2].k, want[2].k)
+    np.testing.assert_array_equal(got[2].v, want[2].v)

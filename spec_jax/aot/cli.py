@@ -110,6 +110,11 @@ def describe(report) -> str:
     lines.append(f"  compiler temporaries {where} {temps / 2**30:.2f} GiB = "
                  f"{100 * temps / base:.1f}% of weights + KV; beyond "
                  f"weights, caches and state: {e.overhead / 2**30:.2f} GiB")
+    if e.drafter_weights + e.state > 0.01 * base:
+      # A draft model brings weights and a KV cache of its own (allocated in the program, so
+      # among the temporaries): the same figure over everything resident.
+      lines.append(f"  the same over all weights, caches and state (the drafter's too, "
+                   f"{e.resident / 2**30:.2f} GiB): {100 * temps / e.resident:.1f}%")
     if "device_temporaries" in e.compiled:
       total = e.compiled["temporaries"]
       lines.append(f"  memory_analysis() temporaries, HBM and on-chip scratch together: "

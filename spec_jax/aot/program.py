@@ -11,8 +11,10 @@ program holds (Mosaic `tpu_custom_call`s / Triton calls).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import tempfile
 import time
 from typing import Optional
@@ -202,7 +204,11 @@ def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: 
       lowered = jax.jit(program).trace(*args).lower(lowering_platforms=("tpu",))
       # The buffer assignment XLA dumps splits the temporaries into HBM and on-chip scratch
       # (memory_analysis() sums them: memory.compiled_figures).
-      with tempfile.TemporaryDirectory(prefix="spec_jax_aot_") as dump:
+      # SPEC_JAX_AOT_DUMP=DIR keeps XLA's dump (buffer reports *memory-usage-report.txt,
+      # *live-range.txt) in DIR: the compile option overrides XLA_FLAGS' --xla_dump_to.
+      keep = os.environ.get("SPEC_JAX_AOT_DUMP")
+      with (contextlib.nullcontext(keep) if keep else
+            tempfile.TemporaryDirectory(prefix="spec_jax_aot_")) as dump:
         compiled = lowered.compile({"xla_dump_to": dump})
         est.compiled = memory.compiled_figures(compiled, dump_dir=dump)
       text = lowered.as_text()

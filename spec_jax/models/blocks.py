@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas
-from kernels_pallas import platform
+from kernels_pallas import lanes, platform
 from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
 from kernels_pallas.reference import verify_attention_reference
@@ -100,7 +100,8 @@ def apply_rope(x, positions, inv_freq=None, *, tables=None):
 def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool = False,
               layer: Optional[int] = None):
   """Verify attention of q [B,T,Hq,Dh] over one layer's cache, [B,S,Hkv,Dh] or (head_major)
-  [B,Hkv,S,Dh] -> [B,T,Hq,Dh]; kv_lengths, tree_mask as kernels_pallas.verify_attention's.
+  [B,Hkv,S,Dh] (or lane-packed [B,Hkv/p,S,p*Dh], kernels_pallas.lanes) -> [B,T,Hq,Dh];
+  kv_lengths, tree_mask as kernels_pallas.verify_attention's.
   config: a ModelConfig or an AttentionSpec (attention_impl, sliding_window).
 
   layer: k_layer, v_layer are the stacked caches [L, B, ...] and `layer` (a static int) the
@@ -114,6 +115,14 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
   needs_window = window is not None and window < s
+  packed = lanes.packing(k_layer.shape[-1], q.shape[-1]) if head_major else 1
+  if packed > 1 and not (_kernel_path(config, q, s, tree_mask) and
+                         kernels_pallas.dispatch.resolve(config.attention_impl)[0] == "tpu"):
+    # A lane-packed cache (kernels_pallas.lanes) is the TPU kernel's: every other reader gets
+    # the layer's slab unpacked (on TPU a head_dim-64 slab was relaid out for the jnp path's
+    # dots anyway, below).
+    k_layer, v_layer = lanes.unpack(k_layer, packed), lanes.unpack(v_layer, packed)
+    layer = None
   if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 64 new tokens) with a square tree mask.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kernels_pallas
+from kernels_pallas import lanes
 from spec_jax.models.matmul import activation_dtype
 from spec_jax.sharding import DATA, MODEL
 
@@ -27,7 +28,11 @@ class KVCache:
 
   k, v: one stacked buffer [L, B, S, Hkv, Dh] each (the llama family), or a tuple of such
   buffers [L_g, B, S, Hkv_g, Dh_g], one per group of layers that share a KV shape (the Gemma
-  family: one per attention type). head_major: every buffer is [.., Hkv, S, Dh] instead.
+  family: one per attention type). head_major: every buffer is [.., Hkv, S, Dh] instead, or,
+  lane-packed for the TPU kernel when Dh < 128, [.., Hkv / p, S, p * Dh] with p = 128 // Dh
+  heads side by side in the lanes (kernels_pallas.lanes: the [S, 64] slab of a head_dim-64
+  cache is otherwise padded to 128 lanes in HBM, twice its size). A buffer is packed when its
+  minor dim is p times the head_dim of the rows written to it; `seq_major` unpacks.
 
   Every layer's slot s is position s of the row; which entries are valid is tracked by the
   caller (per-row lengths); entries past a row's length are stale and masked by attention.
@@ -58,14 +63,26 @@ class KVCache:
 
   @classmethod
   def of_groups(cls, config, batch: int, capacity: int, groups,
-                head_major: Optional[bool] = None, stacked: bool = False) -> "KVCache":
+                head_major: Optional[bool] = None, stacked: bool = False,
+                lane_pack: Optional[bool] = None) -> "KVCache":
     """Zero buffers for `groups`, a sequence of (num_layers, num_kv_heads, head_dim): a tuple
-    of buffers, or with stacked (one group) k and v as the one buffer itself."""
+    of buffers, or with stacked (one group) k and v as the one buffer itself. lane_pack (only
+    with head_major): pack head_dim < 128 heads into 128 lanes where they fit; None: where the
+    TPU kernel reads the cache (default_lane_pack)."""
     if head_major is None:
       head_major = default_head_major(config)
+    if lane_pack is None:
+      lane_pack = head_major and default_lane_pack(config)
     dtype = jnp.dtype(activation_dtype(config))
-    shapes = [(l, batch, h, capacity, d) if head_major else (l, batch, capacity, h, d)
-              for l, h, d in groups]
+    model = kernels_pallas.platform.mesh_axis_size(MODEL)
+
+    def shape(l, h, d):
+      if not head_major:
+        return (l, batch, capacity, h, d)
+      p = lanes.lane_pack(h, d, model) if lane_pack else 1
+      return (l, batch, h // p, capacity, p * d)
+
+    shapes = [shape(l, h, d) for l, h, d in groups]
     ks = tuple(jnp.zeros(s, dtype) for s in shapes)
     vs = tuple(jnp.zeros(s, dtype) for s in shapes)
     if stacked:
@@ -77,12 +94,18 @@ class KVCache:
     return KVCache(k=jax.tree.map(fn, self.k), v=jax.tree.map(fn, self.v),
                    head_major=self.head_major)
 
-  def seq_major(self) -> "KVCache":
-    """The same entries in the [L, B, S, Hkv, Dh] layout (a copy when head-major)."""
+  def seq_major(self, head_dims=None) -> "KVCache":
+    """The same entries in the [L, B, S, Hkv, Dh] layout (a copy when head-major). head_dims:
+    each buffer's Dh (an int for all, or a tuple for the groups), needed for a lane-packed
+    cache; None: the buffers are not packed."""
     if not self.head_major:
       return self
-    return KVCache(k=jax.tree.map(lambda b: jnp.swapaxes(b, 2, 3), self.k),
-                   v=jax.tree.map(lambda b: jnp.swapaxes(b, 2, 3), self.v), head_major=False)
+    dims = jax.tree.map(lambda b: b.shape[-1], self.k) if head_dims is None else head_dims
+    if isinstance(dims, int) and isinstance(self.k, tuple):
+      dims = tuple(dims for _ in self.k)
+    seq = lambda b, d: jnp.swapaxes(lanes.unpack(b, lanes.packing(b.shape[-1], d)), 2, 3)
+    return KVCache(k=jax.tree.map(seq, self.k, dims), v=jax.tree.map(seq, self.v, dims),
+                   head_major=False)
 
 
 def default_head_major(config) -> bool:
@@ -94,14 +117,24 @@ def default_head_major(config) -> bool:
   return kernel in (None, "tpu")
 
 
+def default_lane_pack(config) -> bool:
+  """Whether config's head-major cache packs head_dim < 128 heads into the 128 lanes
+  (kernels_pallas.lanes): where the TPU kernel reads it, on the platform being lowered for.
+  The jnp path (CPU) reads whole heads; packing there would cost an unpacking copy per call."""
+  kernel, _ = kernels_pallas.dispatch.resolve(config.attention_impl)
+  return kernel == "tpu"
+
+
 def write_rows(cache, layer: int, new, offsets, head_major: bool = False):
-  """cache [L,B,S,H,Dh] (head_major: [L,B,H,S,Dh]) <- new [B,T,H,Dh] at layer, row b, slots
-  offsets[b] .. offsets[b]+T-1.
+  """cache [L,B,S,H,Dh] (head_major: [L,B,H,S,Dh], or lane-packed [L,B,H/p,S,p*Dh]) <- new
+  [B,T,H,Dh] at layer, row b, slots offsets[b] .. offsets[b]+T-1.
 
   One scatter into the stacked buffer, which XLA performs in place (slicing a layer out, updating
   it and stacking it back would copy the whole cache every layer). In a TPU program a
   head-major cache is written by the Pallas kernel instead (whatever attention_impl says: the
   cache layout is the kernels'), so that XLA:TPU keeps it row-major."""
+  if head_major:           # a lane-packed cache takes the rows as H / p heads of p * Dh
+    new = lanes.pack_rows(new, lanes.packing(cache.shape[-1], new.shape[-1]))
   if head_major and kernels_pallas.platform.current() == "tpu":
     # The TPU kernel writes in place and keeps the cache row-major (kernels_pallas.kv_write_tpu:
     # this scatter made XLA:TPU copy every layer's cache before each attention call).
