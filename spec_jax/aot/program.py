@@ -163,11 +163,21 @@ def decode_estimate(model, drafter, args, static, mesh) -> memory.Estimate:
                          mesh=mesh, strategy=strategy, history=static.get("history", False))
 
 
-def cache_dtype(model, static) -> str:
-  """The KV cache's dtype and layout the traced program uses (defect 3's witness)."""
-  cache = jax.eval_shape(lambda: as_target(model.config).init_cache(2, 8))
+def cache_dtype(model, static, mesh=None) -> str:
+  """The KV cache's dtype and layout the traced program uses (defect 3's witness), with the
+  lane packing of a head_dim < 128 cache (kernels_pallas.lanes) when a single stacked buffer
+  shows it: e.g. "bfloat16 head-major, 2 heads per 128 lanes"."""
+  with contextlib.nullcontext() if mesh is None else platform_lib.kernel_mesh(mesh):
+    cache = jax.eval_shape(lambda: as_target(model.config).init_cache(2, 8))
   leaf = jax.tree.leaves(cache)[0]
-  return f"{leaf.dtype}{' head-major' if getattr(cache, 'head_major', False) else ''}"
+  text = f"{leaf.dtype}{' head-major' if getattr(cache, 'head_major', False) else ''}"
+  head_dim = getattr(model.config, "head_dim", None)
+  k = getattr(cache, "k", None)
+  if getattr(cache, "head_major", False) and hasattr(k, "shape") and head_dim:
+    packed = k.shape[-1] // head_dim
+    if packed > 1:
+      text += f", {packed} heads per {k.shape[-1]} lanes"
+  return text
 
 
 def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: int = 1,
@@ -193,7 +203,7 @@ def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: 
         model, drafter, batch=batch, prompt_len=prompt_len, capacity=capacity, mesh=mesh,
         device=devices[0], num_draft=num_draft, tree=tree, greedy=greedy)
     est = decode_estimate(model, drafter, args, static, mesh)
-    kv_dtype = cache_dtype(model, static)
+    kv_dtype = cache_dtype(model, static, mesh)
     if platform == "cuda":
       triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
       exported = jax.export.export(jax.jit(program), platforms=["cuda"],
