@@ -152,6 +152,9 @@ class ModelTarget(Target):
     shapes = lambda c: [tuple(x.shape) for x in jax.tree.leaves((c.k, c.v))]
     if jax.tree.structure(cache) != jax.tree.structure(want) or shapes(cache) != shapes(want):
       layout = "[L, B, Hkv, S, Dh]" if cache.head_major else "[L, B, S, Hkv, Dh]"
+      if cache.head_major:
+        layout += (" (lane-packed [L, B, Hkv/p, S, p*Dh] where the TPU kernel reads it: made "
+                   "under the same platform and mesh as the decode)")
       raise ValueError(f"cache must be {layout} buffers {shapes(want)} (sj.KVCache.zeros(config, "
                        f"B, capacity)), got {shapes(cache)}")
 
