@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import lanes
 from kernels_pallas.layout import NEG_INF, cdiv
 from kernels_pallas.reference import visibility
 
@@ -27,7 +28,8 @@ def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
                              block: int = BLOCK, layer=None):
   """verify_attention_reference's contract (see it for the arguments) in key blocks.
 
-  q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (head_major: [B, Hkv, S, D]); kv_lengths
+  q [B, T, Hq, D]; k_cache, v_cache [B, S, Hkv, D] (head_major: [B, Hkv, S, D], or lane-packed
+  [B, Hkv/p, S, p*D], kernels_pallas.lanes: each block unpacked as it is read); kv_lengths
   int32 [B]; tree_mask bool [B, T, W] or None; sliding_window int or None; block: cache slots
   per step (capped at S). layer: k_cache and v_cache are stacked [L, ...] caches and this
   (static) slab is attended to: each step slices its key block straight out of the stack (a
@@ -38,8 +40,11 @@ def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   stack = (k_cache, v_cache)
   if layer is not None:
     k_cache, v_cache = k_cache[layer], v_cache[layer]    # for the shapes only
+  # A lane-packed head-major cache [B, Hkv/p, S, p*D] (kernels_pallas.lanes): each key block
+  # is unpacked as it is read, never the whole slab.
+  packed = lanes.packing(k_cache.shape[-1], d) if head_major else 1
   if head_major:
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    hkv, s = k_cache.shape[1] * packed, k_cache.shape[2]
   else:
     s, hkv = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
@@ -76,6 +81,8 @@ def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
       keys, vals = (jax.lax.dynamic_slice(c, at, size)[0].astype(dtype) for c in stack)
     if not head_major:                                 # one block [B,blk,Hkv,D] -> [B,Hkv,blk,D]
       keys, vals = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(vals, 1, 2)
+    elif packed > 1:                                   # [B,Hkv/p,blk,p*D] -> [B,Hkv,blk,D]
+      keys, vals = lanes.unpack(keys, packed), lanes.unpack(vals, packed)
     pos = start + jnp.arange(block, dtype=jnp.int32)
     vis = visibility(lengths, t, block, tree_mask, sliding_window, key_positions=pos)
     vis = vis & (pos >= i * block)[None, None, :]                           # [B,T,blk]

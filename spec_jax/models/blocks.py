@@ -115,14 +115,9 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
   s = k_layer.shape[2 if head_major else 1]
   window = config.sliding_window
   needs_window = window is not None and window < s
-  packed = lanes.packing(k_layer.shape[-1], q.shape[-1]) if head_major else 1
-  if packed > 1 and not (_kernel_path(config, q, s, tree_mask) and
-                         kernels_pallas.dispatch.resolve(config.attention_impl)[0] == "tpu"):
-    # A lane-packed cache (kernels_pallas.lanes) is the TPU kernel's: every other reader gets
-    # the layer's slab unpacked (on TPU a head_dim-64 slab was relaid out for the jnp path's
-    # dots anyway, below).
-    k_layer, v_layer = lanes.unpack(k_layer, packed), lanes.unpack(v_layer, packed)
-    layer = None
+  # A lane-packed cache (kernels_pallas.lanes, the TPU kernel's layout for head_dim < 128) is
+  # read packed by the TPU kernel and by the blocked jnp attention (block by block); the
+  # reference and the GPU kernel get the layer's slab unpacked (_jnp_attention, dispatch).
   if not _kernel_path(config, q, s, tree_mask):
     # Prefill and sliding-window attention take the jnp path; the kernel is for small T (draft
     # trees: up to its 64 new tokens) with a square tree mask.
@@ -130,7 +125,8 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
       # Key blocks sliced straight out of the stacked cache. (With a head_dim below the 128
       # lanes XLA:TPU lays whatever the loop's dots read out transposed: handed the stack it
       # copied the whole stack per layer, 512 MiB for Llama-3.2-1B's cache at B = 8,
-      # S = 4096; handed a slab, one slab.)
+      # S = 4096; handed a slab, one slab. A lane-packed stack handed whole measured
+      # more temporaries per chip than its slab (15 MiB, the 1B draft model under model=4).)
       return _jnp_attention(q, *stacked, kv_lengths, tree_mask,
                             window if needs_window else None, head_major, layer=layer)
     return _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask,
@@ -157,6 +153,9 @@ def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_majo
                                     sliding_window=window, head_major=head_major, layer=layer)
   if layer is not None:
     k_layer, v_layer = k_layer[layer], v_layer[layer]
+  if head_major:           # a lane-packed slab unpacked (kernels_pallas.lanes)
+    packed = lanes.packing(k_layer.shape[-1], q.shape[-1])
+    k_layer, v_layer = lanes.unpack(k_layer, packed), lanes.unpack(v_layer, packed)
   return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                     sliding_window=window, head_major=head_major)
 
