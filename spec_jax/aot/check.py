@@ -34,7 +34,7 @@ import jax
 
 # Importing these makes no backend (spec_jax's package has imported jax already); the
 # environment setup_environment sets is read when the first backend is made, in main.
-from kernels_pallas import dispatch, platform, reference
+from kernels_pallas import dispatch, lanes, platform, reference
 from spec_jax.aot import program, shapes
 from spec_jax.aot.cli import describe, parse_tree, setup_environment
 from spec_jax.decoding import target as target_lib
@@ -84,7 +84,11 @@ def put_back(defect: str) -> None:
   elif defect == "scores":
     def whole_capacity(q, k, v, *args, layer=None, **kw):
       whole = (lambda c: c) if layer is None else (lambda c: c[layer])
-      return reference.verify_attention_reference(q, whole(k), whole(v), *args, **kw)
+      k, v = whole(k), whole(v)
+      if kw.get("head_major"):         # a lane-packed slab unpacked (kernels_pallas.lanes)
+        packed = lanes.packing(k.shape[-1], q.shape[-1])
+        k, v = lanes.unpack(k, packed), lanes.unpack(v, packed)
+      return reference.verify_attention_reference(q, k, v, *args, **kw)
     blocks.verify_attention_blocked = whole_capacity
   elif defect == "logits":
     target_lib.ModelTarget.forward_last = target_lib.Target.forward_last
