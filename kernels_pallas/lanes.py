@@ -25,15 +25,22 @@ from __future__ import annotations
 LANES = 128
 
 
+def heads_per_block(num_kv_heads: int, head_dim: int) -> int | None:
+  """KV heads per lane-aligned block of 128 lanes (1 for head_dim a multiple of 128, or one
+  head), or None when the heads do not fill whole blocks: the TPU kernel's [B, S, Hkv * D]
+  view and the packed cache group heads by this rule."""
+  if head_dim % LANES == 0 or num_kv_heads == 1:
+    return 1
+  if LANES % head_dim == 0 and num_kv_heads % (LANES // head_dim) == 0:
+    return LANES // head_dim
+  return None
+
+
 def lane_pack(num_kv_heads: int, head_dim: int, model_size: int = 1) -> int:
   """p: KV heads per 128-lane group of a head-major TPU cache (1: not packed). Packs when
   head_dim divides 128, the heads fill whole groups, and the groups divide the "model" axis."""
-  if head_dim >= LANES or LANES % head_dim:
-    return 1
-  p = LANES // head_dim
-  if num_kv_heads % p or (num_kv_heads // p) % model_size:
-    return 1
-  return p
+  p = heads_per_block(num_kv_heads, head_dim) or 1
+  return p if (num_kv_heads // p) % model_size == 0 else 1
 
 
 def packing(cache_minor: int, head_dim: int) -> int:
@@ -41,6 +48,12 @@ def packing(cache_minor: int, head_dim: int) -> int:
   if cache_minor % head_dim:
     raise ValueError(f"a cache of minor dim {cache_minor} cannot hold heads of dim {head_dim}")
   return cache_minor // head_dim
+
+
+def unpacked(buf, head_dim: int):
+  """A head-major buffer [.., Hkv / p, S, p * D] read with head_dim-wide heads, as
+  [.., Hkv, S, D] (itself when not packed; a copy otherwise)."""
+  return unpack(buf, packing(buf.shape[-1], head_dim))
 
 
 def pack_rows(new, p: int):

@@ -24,23 +24,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import lanes, layout
+from kernels_pallas.lanes import LANES, heads_per_block
 
 # Tuned defaults (bfloat16, D=128; see python -m kernels_pallas.bench).
 BLOCK_K = 512          # cache entries per grid step; a multiple of 8 (128 is best for lanes)
 MAX_ROWS = 512         # most folded query rows (T * group, padded) kept in VMEM
 ROW_ALIGN = 16         # rows padded to a multiple of this (bfloat16 packs 16 sublanes)
-LANES = 128
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
-
-
-def heads_per_block(num_kv_heads: int, head_dim: int) -> int | None:
-  """KV heads per lane-aligned block, or None when no legal Mosaic block exists."""
-  if head_dim % LANES == 0 or num_kv_heads == 1:
-    return 1
-  if LANES % head_dim == 0 and num_kv_heads % (LANES // head_dim) == 0:
-    return LANES // head_dim
-  return None
 
 
 def unsupported_reason(q_shape, kv_shape, q_dtype, kv_dtype, block_k: int = BLOCK_K,

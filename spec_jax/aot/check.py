@@ -86,8 +86,7 @@ def put_back(defect: str) -> None:
       whole = (lambda c: c) if layer is None else (lambda c: c[layer])
       k, v = whole(k), whole(v)
       if kw.get("head_major"):         # a lane-packed slab unpacked (kernels_pallas.lanes)
-        packed = lanes.packing(k.shape[-1], q.shape[-1])
-        k, v = lanes.unpack(k, packed), lanes.unpack(v, packed)
+        k, v = lanes.unpacked(k, q.shape[-1]), lanes.unpacked(v, q.shape[-1])
       return reference.verify_attention_reference(q, k, v, *args, **kw)
     blocks.verify_attention_blocked = whole_capacity
   elif defect == "logits":

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kernels_pallas import platform as platform_lib
+from kernels_pallas import lanes, platform as platform_lib
 from spec_jax import memory, sharding as sharding_lib
 from spec_jax.decoding.compiled import _DECODE_STATIC, _packed_decode
 from spec_jax.decoding.strategies import strategy_for
@@ -174,7 +174,7 @@ def cache_dtype(model, static, mesh=None) -> str:
   head_dim = getattr(model.config, "head_dim", None)
   k = getattr(cache, "k", None)
   if getattr(cache, "head_major", False) and hasattr(k, "shape") and head_dim:
-    packed = k.shape[-1] // head_dim
+    packed = lanes.packing(k.shape[-1], head_dim)
     if packed > 1:
       text += f", {packed} heads per {k.shape[-1]} lanes"
   return text

@@ -154,8 +154,7 @@ def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_majo
   if layer is not None:
     k_layer, v_layer = k_layer[layer], v_layer[layer]
   if head_major:           # a lane-packed slab unpacked (kernels_pallas.lanes)
-    packed = lanes.packing(k_layer.shape[-1], q.shape[-1])
-    k_layer, v_layer = lanes.unpack(k_layer, packed), lanes.unpack(v_layer, packed)
+    k_layer, v_layer = (lanes.unpacked(c, q.shape[-1]) for c in (k_layer, v_layer))
   return verify_attention_reference(q, k_layer, v_layer, kv_lengths, tree_mask,
                                     sliding_window=window, head_major=head_major)
 

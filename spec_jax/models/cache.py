@@ -103,7 +103,7 @@ class KVCache:
     dims = jax.tree.map(lambda b: b.shape[-1], self.k) if head_dims is None else head_dims
     if isinstance(dims, int) and isinstance(self.k, tuple):
       dims = tuple(dims for _ in self.k)
-    seq = lambda b, d: jnp.swapaxes(lanes.unpack(b, lanes.packing(b.shape[-1], d)), 2, 3)
+    seq = lambda b, d: jnp.swapaxes(lanes.unpacked(b, d), 2, 3)
     return KVCache(k=jax.tree.map(seq, self.k, dims), v=jax.tree.map(seq, self.v, dims),
                    head_major=False)
 
