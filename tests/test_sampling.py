@@ -280,10 +280,13 @@ def _weights_with_zeros_and_a_tail(vocab: int, seed: int) -> np.ndarray:
   return w.astype(np.float32)
 
 
-@pytest.mark.parametrize("vocab", [6, 700])
+@pytest.mark.parametrize("vocab", [6, 700, 4800])
 def test_sample_draws_the_normalised_weights_and_never_a_zero(vocab):
   """sample(key, w) against w / sum(w): chi-square over 60k draws (p > 1e-3), batched rows with
-  one key and vmapped rows with a key each; a zero-weight token is never drawn."""
+  one key and vmapped rows with a key each; a zero-weight token is never drawn. 4,800 tokens
+  are drawn as 16 parts of 300, each padded to two blocks of 256 (`sample_layout`)."""
+  if vocab == 4800:
+    assert sj.sampling.sample_layout(vocab) == (16, 2, 256)
   from tests.stats_helpers import assert_same_distribution, counts_of
   w = (np.array([0.0, 1.0, 2.5, 0.0, 3.0, 0.2], np.float32) if vocab == 6 else
        _weights_with_zeros_and_a_tail(vocab, 0))
@@ -310,3 +313,57 @@ def test_sample_rows_are_independent_draws_from_their_own_weights():
   assert np.all(draws[:, 0] == 17)
   assert set(np.unique(draws[:, 1])) == {3, vocab - 2}
   assert abs(np.mean(draws[:, 1] == 3) - 0.5) < 0.03        # 4000 draws: sd 0.008
+
+
+def test_sample_layout_cuts_the_vocabulary_where_a_mesh_would():
+  """Parts of gcd(V, 16) equal runs, blocks never straddling one; vocabularies whose blocks
+  were whole parts already keep the one-part blocks (the same draws as before the parts)."""
+  layout = sj.sampling.sample_layout
+  assert layout(128_256) == (16, 32, 256)          # Llama 3: 8,016 tokens a part
+  assert layout(151_936) == (16, 38, 256)          # Qwen 2/3
+  assert layout(49_152) == (16, 12, 256)           # SmolLM2: 192 blocks, as in one part
+  assert layout(512) == (1, 2, 256) and layout(700) == (1, 3, 256) and layout(6) == (1, 1, 6)
+
+
+def test_a_vocabulary_sharded_four_ways_is_drawn_without_gathering_it():
+  """The weights [8, 128256] sharded over 4 CPU devices on the vocabulary: the compiled draw
+  all-gathers nothing of vocabulary size and draws the one-device tokens. The same script
+  with one part (blocks across the shard boundaries, the layout before parts) shows the check
+  fails: XLA gathers every row's weights."""
+  import os
+  import subprocess
+  import sys
+  import textwrap
+  from tests.conftest import ROOT
+  script = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import spec_jax as sj
+    V = 128_256
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    w = jax.random.uniform(jax.random.key(0), (8, V)) ** 16
+    keys = jax.random.split(jax.random.key(1), 8)
+    sharded = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+
+    def vocab_sized_gathers(parts):
+      sj.sampling.SAMPLE_PARTS = parts
+      draw = jax.jit(jax.vmap(sj.sampling.sample))
+      hlo = draw.lower(keys, sharded).compile().as_text()
+      shapes = re.findall(r"= f32\\[([\\d,]+)\\][^ ]* all-gather", hlo)
+      big = [s for s in shapes if np.prod([int(d) for d in s.split(",")]) >= V]
+      return big, np.asarray(draw(keys, sharded)), np.asarray(jax.jit(jax.vmap(
+          sj.sampling.sample))(keys, jax.device_put(w, jax.devices()[0])))
+
+    big, on_mesh, on_one = vocab_sized_gathers(16)
+    assert not big, big
+    assert np.array_equal(on_mesh, on_one), (on_mesh, on_one)
+    big_before, _, _ = vocab_sized_gathers(1)
+    assert big_before, "the check should see the one-part layout's gathers"
+    print("OK", big_before[:2])
+  """)
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+  out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
