@@ -362,8 +362,8 @@ def test_a_vocabulary_sharded_four_ways_is_drawn_without_gathering_it():
     assert big_before, "the check should see the one-part layout's gathers"
     print("OK", big_before[:2])
   """)
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-             XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
