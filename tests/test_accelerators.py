@@ -355,3 +355,18 @@ def test_kernels_read_a_stacked_caches_layer_in_place(kernel, head_major):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   with pytest.raises(ValueError, match="layer must be a static int"):
     kernels_pallas.verify_attention(q, k, v, lengths, impl="pallas", layer=3)
+
+
+def test_vocab_sized_gathers_reads_the_shapes_xla_tpu_gathers_a_vocabulary_in():
+  """The AOT check's count: an axis of V or two adjacent axes multiplying to V, in a sync or
+  an async all-gather; activations and small gathers are not counted."""
+  hlo = "\n".join([
+      "  %all-gather.97 = f32[4,32064,8]{1,2,0:T(8,128)} all-gather(%p), dimensions={0}",
+      "  %all-gather.3 = f32[8,1,128256]{2,1,0} all-gather(%q), dimensions={2}",
+      "  %ags = (f32[8,32064]{1,0}, f32[8,128256]{1,0}) all-gather-start(%r), dimensions={1}",
+      "  %all-gather.4 = f32[8,1,128]{2,1,0} all-gather(%s), dimensions={2}",
+      "  %all-gather.5 = bf16[8,128,2048]{2,1,0} all-gather(%t), dimensions={2}",
+      "  %fusion.1 = f32[4,32064,8]{1,2,0} fusion(%all-gather.97), kind=kLoop",
+  ])
+  assert program.vocab_sized_gathers(hlo, 128_256) == 3
+  assert program.vocab_sized_gathers(hlo, 32_000) == 0

@@ -17,9 +17,11 @@ and fails (exit 1) when any of issue 35's defects is back:
   2. program-sized temporaries (weights fused inside the jit, [B, P, V] prefill logits, f32
      [B, H, P, S] prefill scores): the compiler's temporaries exceed TEMP_LIMIT of weights + KV;
   3. backend choices read from the host (CPU) instead of the platform lowered for: no Mosaic
-     kernel call in the program, or a float32 KV cache.
+     kernel call in the program, or a float32 KV cache;
+and, beyond the issue's three: a head_dim-64 cache that is not lane-packed, or an all-gather
+of a vocabulary-sized buffer under a mesh (a token draw gathering each row's distribution).
 
-`--put-back mesh|fuse|scores|logits|platform|lanes` restores main's behaviour of one defect in this
+`--put-back mesh|fuse|scores|logits|platform|lanes|parts` restores main's behaviour of one defect in this
 process (a monkeypatch) to show that the check then fails; docs/accelerators.md records those
 runs.
 """
@@ -35,6 +37,7 @@ import jax
 # Importing these makes no backend (spec_jax's package has imported jax already); the
 # environment setup_environment sets is read when the first backend is made, in main.
 from kernels_pallas import dispatch, lanes, platform, reference
+from spec_jax import sampling
 from spec_jax.aot import program, shapes
 from spec_jax.aot.cli import describe, parse_tree, setup_environment
 from spec_jax.decoding import target as target_lib
@@ -60,7 +63,7 @@ RUNS = (  # (label, drafter spec, mesh (data, model) or None, num_draft, tree)
 )
 
 
-DEFECTS = ("mesh", "fuse", "scores", "logits", "platform", "lanes")
+DEFECTS = ("mesh", "fuse", "scores", "logits", "platform", "lanes", "parts")
 
 
 def put_back(defect: str) -> None:
@@ -72,6 +75,9 @@ def put_back(defect: str) -> None:
   platform  every backend choice from jax.default_backend() (the CPU host)       defect 3
   lanes     head_dim-64 caches not lane-packed (each [S, 64] slab padded to 128 lanes in HBM;
             not one of the issue's defects: kernels_pallas.lanes, 2026-12-05)
+  parts     token draws in blocks from token 0, across the vocabulary's shard boundaries
+            (XLA all-gathers each row's distribution; not one of the issue's defects:
+            sampling.sample_layout, 2026-12-05)
   """
   if defect == "mesh":
     dispatch.sharded = lambda call, mesh, *args, **kw: call(*args)
@@ -93,6 +99,8 @@ def put_back(defect: str) -> None:
     target_lib.ModelTarget.forward_last = target_lib.Target.forward_last
   elif defect == "lanes":
     cache_lib.default_lane_pack = lambda config: False
+  elif defect == "parts":
+    sampling.SAMPLE_PARTS = 1
   elif defect == "platform":
     platform.current = lambda: platform.normalize(jax.default_backend())
     platform.is_cpu = lambda: platform.current() == "cpu"
@@ -112,6 +120,10 @@ def failures(label: str, report, one_chip: bool) -> list:
     # CI's Llama-3.2-1B shape has head_dim 64 and 8 KV heads: packed in pairs on every mesh
     # here (kernels_pallas.lanes), else each [S, 64] slab is padded to 128 lanes in HBM.
     bad.append(f"KV cache {report.cache_dtype}: head_dim-64 heads not lane-packed")
+  if report.vocab_gathers:
+    # the vocabulary is split on "model": a gather of it is a whole distribution moved
+    # between chips at each draw (sampling.sample_layout keeps the draw sharded)
+    bad.append(f"{report.vocab_gathers} vocabulary-sized all-gather(s) under the mesh")
   est = report.estimate
   if not report.fits:
     bad.append("does not fit a v5e chip")

@@ -102,7 +102,9 @@ def describe(report) -> str:
            + (f" mesh {report.mesh}" if report.mesh else " (one device)")
            + f": compiled in {report.seconds:.0f} s",
            "  " + e.describe(report.device_bytes),
-           f"  KV cache {report.cache_dtype}; {report.kernel_calls} {kernels} kernel call(s)"]
+           f"  KV cache {report.cache_dtype}; {report.kernel_calls} {kernels} kernel call(s)"
+           + ("" if report.vocab_gathers is None else
+              f"; {report.vocab_gathers} vocabulary-sized all-gather(s)")]
   if e.compiled:
     base = e.weights + e.kv_cache
     temps = memory.device_temporaries(e.compiled)

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import re
 import tempfile
 import time
 from typing import Optional
@@ -53,6 +54,7 @@ class Report:
   kernel_calls: int
   seconds: float
   cache_dtype: str
+  vocab_gathers: Optional[int] = None   # TPU: all-gathers of vocabulary-sized buffers
 
   @property
   def fits(self) -> bool:
@@ -65,7 +67,28 @@ class Report:
             "kv_cache": e.kv_cache, "state": e.state, "compiled": e.compiled,
             "peak": e.peak, "overhead": e.overhead, "device_bytes": self.device_bytes,
             "fits": self.fits, "kernel_calls": self.kernel_calls,
-            "cache_dtype": self.cache_dtype, "seconds": round(self.seconds, 1)}
+            "cache_dtype": self.cache_dtype, "vocab_gathers": self.vocab_gathers,
+            "seconds": round(self.seconds, 1)}
+
+
+def vocab_sized_gathers(hlo_text: str, vocab: int) -> int:
+  """How many all-gathers of the optimised HLO produce a buffer with a vocabulary-sized axis:
+  an axis of `vocab` elements, or two adjacent axes whose product is `vocab` (the [shards,
+  V / shards, rows] form XLA:TPU gathers a vocabulary-sharded [rows, V] in). Under a mesh that
+  splits the vocabulary, each is a whole distribution moved between the chips at every draw
+  (sampling.sample_layout explains the one that was there)."""
+  found = 0
+  for line in hlo_text.splitlines():
+    op = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
+    if not op:
+      continue
+    for dims in re.findall(r"\[([\d,]+)\]", op.group(1)):
+      axes = [int(d) for d in dims.split(",")]
+      pairs = [a * b for a, b in zip(axes, axes[1:])]
+      if vocab in axes or vocab in pairs:
+        found += 1
+        break
+  return found
 
 
 def topology_devices(platform: str, count: int) -> list:
@@ -221,11 +244,13 @@ def compile_decode(model, drafter, *, platform: str, data: int = 1, model_axis: 
             tempfile.TemporaryDirectory(prefix="spec_jax_aot_")) as dump:
         compiled = lowered.compile({"xla_dump_to": dump})
         est.compiled = memory.compiled_figures(compiled, dump_dir=dump)
+      gathers = vocab_sized_gathers(compiled.as_text(), model.config.vocab_size)
       text = lowered.as_text()
       calls = text.count(TPU_MARKER)
       device_bytes = memory.device_memory(devices[0])
   mesh_text = f"data={data},model={model_axis}" if use_mesh else None
   return Report(label=label, platform=platform, mesh=mesh_text, devices=count, estimate=est,
                 device_bytes=device_bytes, kernel_calls=calls,
-                seconds=time.perf_counter() - start, cache_dtype=kv_dtype)
+                seconds=time.perf_counter() - start, cache_dtype=kv_dtype,
+                vocab_gathers=None if platform == "cuda" else gathers)
 
