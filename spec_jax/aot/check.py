@@ -21,9 +21,9 @@ and fails (exit 1) when any of issue 35's defects is back:
 and, beyond the issue's three: a head_dim-64 cache that is not lane-packed, or an all-gather
 of a vocabulary-sized buffer under a mesh (a token draw gathering each row's distribution).
 
-`--put-back mesh|fuse|scores|logits|platform|lanes|parts` restores main's behaviour of one defect in this
-process (a monkeypatch) to show that the check then fails; docs/accelerators.md records those
-runs.
+`--put-back mesh|fuse|scores|logits|platform|lanes|parts` restores main's behaviour of one
+defect in this process (a monkeypatch) to show that the check then fails;
+docs/accelerators.md records those runs.
 """
 
 from __future__ import annotations
