@@ -370,3 +370,34 @@ def test_vocab_sized_gathers_reads_the_shapes_xla_tpu_gathers_a_vocabulary_in():
   ])
   assert program.vocab_sized_gathers(hlo, 128_256) == 3
   assert program.vocab_sized_gathers(hlo, 32_000) == 0
+
+
+def test_a_vocabulary_sharded_four_ways_is_drawn_without_gathering_it():
+  """sampling.sample over weights [8, 128256] sharded on the vocabulary across 4 CPU devices:
+  the compiled draw has no vocabulary-sized all-gather (the AOT check's counter) and draws the
+  one-device tokens. With one part (blocks from token 0 across the shard boundaries, the
+  layout before sampling.sample_layout) the same script finds the gathers: the check can fail."""
+  _run("""
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import spec_jax as sj
+    from spec_jax.aot.program import vocab_sized_gathers
+    V = 128_256
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    w = jax.random.uniform(jax.random.key(0), (8, V)) ** 16
+    keys = jax.random.split(jax.random.key(1), 8)
+    sharded = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+
+    def draw(parts):
+      sj.sampling.SAMPLE_PARTS = parts
+      fn = jax.jit(jax.vmap(sj.sampling.sample))
+      gathers = vocab_sized_gathers(fn.lower(keys, sharded).compile().as_text(), V)
+      return gathers, np.asarray(fn(keys, sharded)), np.asarray(fn(keys, w))
+
+    gathers, on_mesh, on_one = draw(16)
+    assert gathers == 0, gathers
+    assert np.array_equal(on_mesh, on_one), (on_mesh, on_one)
+    gathers_before, _, _ = draw(1)
+    assert gathers_before > 0, "the counter should see the one-part layout's gathers"
+    print("OK", gathers_before)
+  """, devices=4)
