@@ -24,7 +24,17 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 # compile here; CI's clean machine starts with none).
 os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector scans every live object at each gen-2 pass; jax's tracing
+# allocates millions of short-lived objects, so under the default thresholds (700, 10, 10) the
+# collector ran thousands of times per file over jax's own long-lived modules and caches. Rarer
+# gen-0 passes and the collection-time objects frozen out of the scan (pytest_collection_finish)
+# cut test_lossless.py 46.3 -> 41.8 s and test_tree.py 172 -> 165 s (single worker, the same
+# peak RSS). Tests only: the library never changes a process's collector.
+gc.set_threshold(50_000, 20, 100)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHARED = pathlib.Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))
@@ -92,6 +102,11 @@ _LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_df
                "test_lossless.py",
                "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
                "test_eval.py", "test_bench.py")
+
+
+def pytest_collection_finish(session):
+  gc.collect()
+  gc.freeze()        # the modules and objects collection loaded: never scanned again
 
 
 def pytest_collection_modifyitems(config, items):
