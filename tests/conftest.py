@@ -33,7 +33,8 @@ import pytest  # noqa: E402
 # collector ran thousands of times per file over jax's own long-lived modules and caches. Rarer
 # gen-0 passes and the collection-time objects frozen out of the scan (pytest_collection_finish)
 # cut test_lossless.py 46.3 -> 41.8 s and test_tree.py 172 -> 165 s (single worker, the same
-# peak RSS). Tests only: the library never changes a process's collector.
+# peak RSS), and the whole suite 1306-1358 s -> 1201 s (2 workers, 2 cores). Tests only: the
+# library never changes a process's collector.
 gc.set_threshold(50_000, 20, 100)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,13 +96,18 @@ def hf_target(target, tmp_path_factory):
 
 # The longest files first: with two xdist workers taking whole files (--dist loadfile), a long
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
-# Rough single-worker minutes on the 2-core CI machine, longest first.
-_LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_dflash.py",
-               "test_dspark.py", "test_gemma_assistant.py", "test_heads.py", "test_constraints.py",
-               "test_hybrid.py", "test_hybrid_speculation.py",
-               "test_lossless.py",
-               "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
-               "test_eval.py", "test_bench.py")
+# Every file over ~20 worker-seconds, in the order of their seconds in a full run on the 2-core
+# CI machine (2026-12-05, 2 workers): test_tree 210, test_multiprocess 181, ..., test_kernels 20.
+# The files left out follow in pytest's order; each takes seconds.
+_LONG_FILES = ("test_tree.py", "test_multiprocess.py", "test_constraints.py", "test_dflash.py",
+               "test_gemma_assistant.py", "test_governor.py", "test_gguf.py", "test_gemma.py",
+               "test_bench.py", "test_heads.py", "test_sampling_controls.py",
+               "test_accelerators.py", "test_ddtree.py", "test_mutants.py",
+               "test_real_model_lossless.py", "test_lossless.py", "test_self_generate.py",
+               "test_hybrid.py", "test_widen.py", "test_dspark.py", "test_hybrid_speculation.py",
+               "test_sharding.py", "test_engine.py", "test_eval.py", "test_eagle3.py",
+               "test_train.py", "test_target.py", "test_sampling.py", "test_real_speculative.py",
+               "test_bf16.py", "test_kernels.py")
 
 
 def pytest_collection_finish(session):
