@@ -33,8 +33,8 @@ import pytest  # noqa: E402
 # collector ran thousands of times per file over jax's own long-lived modules and caches. Rarer
 # gen-0 passes and the collection-time objects frozen out of the scan (pytest_collection_finish)
 # cut test_lossless.py 46.3 -> 41.8 s and test_tree.py 172 -> 165 s (single worker, the same
-# peak RSS), and the whole suite 1306-1358 s -> 1201 s (2 workers, 2 cores). Tests only: the
-# library never changes a process's collector.
+# peak RSS), and the whole suite 1306 / 1358 s -> 1201 / 1273 s (two runs each, 2 workers, 2
+# cores). Tests only: the library never changes a process's collector.
 gc.set_threshold(50_000, 20, 100)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def hf_target(target, tmp_path_factory):
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
 # Rough single-worker minutes on the 2-core CI machine, longest first. (Every file over ~20 s
 # in its measured order, test_tree and test_multiprocess first, ran 1280 s against this
-# list's 1201 s, one full run each on 2026-12-05: not kept.)
+# list's 1201 and 1273 s on 2026-12-05: no gain beyond the spread between runs, not kept.)
 _LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_dflash.py",
                "test_dspark.py", "test_gemma_assistant.py", "test_heads.py", "test_constraints.py",
                "test_hybrid.py", "test_hybrid_speculation.py",
