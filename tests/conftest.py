@@ -23,6 +23,20 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 # the suite's time depended on what earlier runs had left there (a warm cache saved 866 s of
 # compile here; CI's clean machine starts with none).
 os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
+# One compilation cache per test run instead, empty at its start and removed at its end
+# (pytest_unconfigure): the xdist workers and every subprocess share it through these
+# variables, set by the first process (the controller) before jax is imported. Files
+# recompile what earlier files already compiled (_release_compiled_executables drops jax's
+# in-memory caches after each file), and the two workers compile many of the same programs.
+_TEST_CACHE_VAR = "SPEC_JAX_TEST_XLA_CACHE"
+_OWN_TEST_CACHE = _TEST_CACHE_VAR not in os.environ
+if _OWN_TEST_CACHE:
+  import tempfile
+  os.environ[_TEST_CACHE_VAR] = tempfile.mkdtemp(prefix="spec_jax_test_xla_")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_TEST_CACHE_VAR])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                      os.environ.get("SPEC_JAX_TEST_CACHE_MIN_SECS", "0"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 
@@ -105,6 +119,12 @@ _LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_df
                "test_lossless.py",
                "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
                "test_eval.py", "test_bench.py")
+
+
+def pytest_unconfigure(config):
+  if _OWN_TEST_CACHE:
+    import shutil
+    shutil.rmtree(os.environ[_TEST_CACHE_VAR], ignore_errors=True)
 
 
 def pytest_collection_finish(session):
