@@ -28,6 +28,8 @@ os.environ.setdefault("SPEC_JAX_COMPILE_CACHE", "off")
 # variables, set by the first process (the controller) before jax is imported. Files
 # recompile what earlier files already compiled (_release_compiled_executables drops jax's
 # in-memory caches after each file), and the two workers compile many of the same programs.
+# Every program is cached, single ops too (a hit: 5.5 ms, a compile: 15.7 ms); a floor of
+# 0.1 s (SPEC_JAX_TEST_CACHE_MIN_SECS) ran seven files in 133 s against 124 s.
 _TEST_CACHE_VAR = "SPEC_JAX_TEST_XLA_CACHE"
 _OWN_TEST_CACHE = _TEST_CACHE_VAR not in os.environ
 if _OWN_TEST_CACHE:
