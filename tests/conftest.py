@@ -154,7 +154,8 @@ def _release_compiled_executables():
 
 
 def _lowering_caches():
-  """jax's caches of lowered programs (jax 0.10-0.12 names; those absent are skipped)."""
+  """jax's caches of lowered programs (their names in jax 0.10.2; a version without them skips
+  them and only loses the speed-up)."""
   from jax._src import pjit
   from jax._src.interpreters import pxla
   caches = (getattr(pjit, "_pjit_lower", None), getattr(pxla, "_cached_lowering_to_hlo", None))
