@@ -291,6 +291,7 @@ def stories():
 
 
 @pytest.mark.parametrize("kind", ["json", "regex"])
+@pytest.mark.optimized
 def test_two_hundred_sampled_decodes_parse(stories, kind):
   """200 rows at T = 1 with n-gram speculation on a real (sentencepiece, byte-fallback)
   tokenizer: every row that ends (with EOS) parses and satisfies the schema / matches the

@@ -168,6 +168,7 @@ T07_TOPP = sj.Sampling(temperature=0.7, top_p=0.8)
 
 @pytest.mark.parametrize("sampling", [sj.Sampling(temperature=1.0), T07_TOPP],
                          ids=["T1", "T0.7_topp0.8"])
+@pytest.mark.optimized
 def test_dflash_best_first_keeps_the_target_joint(sampling):
   _, drafter = test_dflash.tiny()
   toks, stats = sample_joint(drafter, sampling, seed=5, tree=BEST_FIRST)
@@ -202,6 +203,7 @@ class BestFirstAsSampled(DFlash):
 
 
 @pytest.mark.slow   # one more 40k-row generate
+@pytest.mark.optimized
 def test_the_joint_check_catches_best_first_verified_as_sampled():
   _, d = test_dflash.tiny()
   lossy = BestFirstAsSampled(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)

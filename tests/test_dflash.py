@@ -482,6 +482,7 @@ LOSSLESS = [("chain", "T1"), ("chain", "T0.7_topk3"), ("chain", "T1.3_topp0.8"),
 
 
 @pytest.mark.parametrize("mode,setting", LOSSLESS, ids=[f"{m}-{s}" for m, s in LOSSLESS])
+@pytest.mark.optimized
 def test_dflash_is_lossless(mode, setting):
   """The exact joint (tests/test_lossless.py) with sampled per-slot drafts (K = b - 1 = 3),
   sampled / distinct trees over the slots, and argmax drafts."""

@@ -189,6 +189,7 @@ LOSSLESS = [("chain", "T1"), ("chain", "T1.3_topp0.8"), ("tree-distinct", "T1")]
 
 
 @pytest.mark.parametrize("mode,setting", LOSSLESS, ids=[f"{m}-{s}" for m, s in LOSSLESS])
+@pytest.mark.optimized
 def test_dspark_is_lossless(mode, setting):
   """The exact joint of six tokens (several rounds: every slot, rejections, corrections and
   bonus tokens at every block offset) with the Markov chain's drafts (K = b = 3)."""

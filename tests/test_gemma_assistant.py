@@ -243,6 +243,7 @@ class FloorShortcut(Gemma4Assistant):
 
 
 @pytest.mark.slow   # three 40k-row generates (~2 min on the shared 2-core CPU)
+@pytest.mark.optimized
 def test_sampled_drafts_are_exactly_lossless_and_the_floor_shortcut_is_not():
   """Sampled chain drafts and a top-k tree at T = 1: the exact target joint (p > 1e-3); the
   floor-value shortcut: far outside it."""
@@ -279,6 +280,7 @@ class UntemperedDraws(Gemma4Assistant):
 
 
 @pytest.mark.slow   # two 40k-row generates (~1 min on the shared 2-core CPU)
+@pytest.mark.optimized
 def test_tempered_top_p_drafts_are_lossless_and_untempered_draws_are_not():
   """At T = 0.7 with top-p 0.9 the assistant's sampled chain keeps the exact target joint
   (p > 1e-3); one that draws untempered while reporting the tempered q fails the same test."""

@@ -86,6 +86,7 @@ SETTINGS = {
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("drafter_kind,k", [("sampled", 2), ("deterministic", 1)])
+@pytest.mark.optimized
 def test_speculative_joint_matches_target(setting, drafter_kind, k):
   target, draft = _models()
   sampling = SETTINGS[setting]
@@ -169,6 +170,7 @@ def _shaped_models():
 
 
 @pytest.mark.parametrize("scale", [SHARP, 0.0])
+@pytest.mark.optimized
 def test_drafts_at_another_temperature_keep_the_target_joint(scale):
   """Sampling.draft_temperature_scale: the draft model draws at scale x the row's temperature
   (0: greedy drafts) and reports the q it drew from, so the joint stays the target's; the

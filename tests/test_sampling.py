@@ -281,6 +281,7 @@ def _weights_with_zeros_and_a_tail(vocab: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("vocab", [6, 700, 4800])
+@pytest.mark.optimized
 def test_sample_draws_the_normalised_weights_and_never_a_zero(vocab):
   """sample(key, w) against w / sum(w): chi-square over 60k draws (p > 1e-3), batched rows with
   one key and vmapped rows with a key each; a zero-weight token is never drawn. 4,800 tokens

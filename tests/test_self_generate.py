@@ -22,6 +22,7 @@ def smol():
   return sj.load(need_shared("models", "smollm2-135m-instruct"), dtype="bfloat16")
 
 
+@pytest.mark.optimized
 def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monkeypatch):
   prefix = user_turn_prefix(smol)
   hf = smol.tokenizer.hf
@@ -47,6 +48,7 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   assert sorted(p.name for p in out.glob("shard_*.npz"))[:len(shards)] == shards
 
 
+@pytest.mark.optimized
 def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
   cfg = resolve({"target": "x", "out_dir": str(tmp_path), "head": {"kind": "eagle3"},
                               "data": {"sources": ["self_generated"], "window": 16,

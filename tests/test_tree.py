@@ -249,6 +249,7 @@ def _accept_whenever_p_ge_q(u, r, token, q_node, p_cur):
     (sj.TreeSpec(3, 3, 6, "sampled"), dict(build=dict(rank_by_score=True))),
 ], ids=["topk-no-renormalisation", "sampled-no-residual", "sampled-verified-as-one-hot",
         "sampled-p-ge-q-no-residual", "distinct-verified-as-iid", "sampled-ranked-by-score"])
+@pytest.mark.optimized
 def test_the_round_check_catches_lossy_verifiers(spec, hooks):
   counts, exact, _, _ = _round_joint(spec, **hooks)
   stat, dof = chi_square(counts, exact)
@@ -559,6 +560,7 @@ ENGINE_CASES = [("T1", "topk"), ("T1", "sampled"), ("T0.7_topk3", "sampled"),
 @pytest.mark.parametrize("setting,candidates", [
     pytest.param(s, c, marks=[] if (s, c) in (("T1", "topk"), ("T1", "sampled")) else
                  [pytest.mark.slow]) for s, c in ENGINE_CASES])
+@pytest.mark.optimized
 def test_tree_decoding_keeps_the_target_joint(setting, candidates):
   target, draft = _models()
   sampling = SETTINGS[setting]
@@ -609,6 +611,7 @@ def test_a_rows_tree_does_not_depend_on_the_batch():
   assert batch[0] == alone[0]
 
 
+@pytest.mark.optimized
 def test_mixed_greedy_and_sampled_rows_in_one_tree_batch():
   """Even rows greedy, odd rows T=1, top-k trees: the greedy rows follow the argmax path and
   the sampled rows keep the exact joint."""
