@@ -298,3 +298,67 @@ def test_prompts_of_many_lengths_compile_three_times():
     assert len(out.tokens[0]) == 16
     compiles += out.compile_seconds > 0
   assert compiles == 3
+
+
+# ----------------------------------------------------------------------------- the reader
+
+def _same_as_ggml_orgs_reader(path):
+  """spec_jax's GGUFFile reads every metadata value and tensor of `path` as gguf.GGUFReader
+  does (values, counts, tensor types, shapes, offsets and bytes)."""
+  import gguf
+  from spec_jax.models.gguf_reader import GGUFFile
+  ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+  want = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+  assert list(ours.fields) == list(want)
+  for name, field in want.items():
+    assert ours.fields[name].contents() == field.contents(), name
+    assert ours.fields[name].count == (len(field.data) if field.types[0] ==
+                                       gguf.GGUFValueType.ARRAY else 1), name
+  assert len(ours.tensors) == len(theirs.tensors)
+  for a, b in zip(ours.tensors, theirs.tensors):
+    assert (a.name, a.tensor_type, a.shape, a.n_bytes, a.data_offset) == (
+        b.name, b.tensor_type, tuple(int(d) for d in b.shape), int(b.n_bytes),
+        int(b.data_offset)), a.name
+    assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+  return ours
+
+
+def test_the_reader_reads_what_ggml_orgs_reader_reads(tmp_path):
+  for qtype in ("Q4_1", "F16", "F32"):
+    _same_as_ggml_orgs_reader(write_tiny_gguf(tmp_path / f"{qtype}.gguf", "qwen2", qtype,
+                                              bias=True))
+  ours = _same_as_ggml_orgs_reader(need_shared(*SMOL))     # 49k tokens, 48k merges, a template
+  assert ours.fields["tokenizer.ggml.tokens"].count == 49152
+  assert "im_start" in ours.fields["tokenizer.chat_template"].contents()
+
+
+def test_the_reader_refuses_what_it_cannot_decode(tmp_path):
+  import struct
+  from spec_jax.models.gguf_reader import GGUFFile, GGUFFormatError
+  data = write_tiny_gguf(tmp_path / "ok.gguf", "llama", "Q8_0").read_bytes()
+
+  def refused(raw: bytes, match: str):
+    (tmp_path / "bad.gguf").write_bytes(raw)
+    with pytest.raises(GGUFFormatError, match=match):
+      GGUFFile(tmp_path / "bad.gguf")
+
+  refused(b"", "magic number at byte 0 needs 4 bytes")
+  refused(b"GGML" + data[4:], "not a GGUF file: it starts with b'GGML'")
+  refused(data[:4] + struct.pack("<I", 1) + data[8:], "GGUF version 1; versions 2, 3")
+  refused(data[:4] + struct.pack(">I", 3) + data[8:], "big-endian")
+  refused(data[:30], "needs .* bytes; the file has 30")
+  refused(data[:len(data) - 10], "truncated GGUF file: tensor .* ends at byte")
+  # A key whose string length runs past the end of the file.
+  refused(data[:24] + struct.pack("<Q", 10 ** 12) + data[32:], "key at byte 32 needs 1000000000000 bytes")
+  # A string value that is not UTF-8: the file opens, reading that value raises.
+  key = b"general.architecture"
+  at = data.index(key) + len(key) + 4 + 8                 # past the key, the type, the length
+  assert data[at:at + 5] == b"llama"
+  (tmp_path / "latin.gguf").write_bytes(data[:at] + b"llam\xe9" + data[at + 5:])
+  bad = GGUFFile(tmp_path / "latin.gguf")
+  with pytest.raises(GGUFFormatError, match="'general.architecture' holds a string that is not"):
+    bad.fields["general.architecture"].contents()
+  assert bad.fields["llama.block_count"].contents() == 2
+  # ... and a key that is not UTF-8 is refused.
+  refused(data.replace(key, b"general.architectur\xe9", 1), "not UTF-8")

@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from spec_jax.models import hf
+from spec_jax.models.gguf_reader import GGUFFile, GGUFFormatError
 from spec_jax.models.hf_export import save_hf
 from spec_jax.models.model import Model
 from spec_jax.models.tokenizers import HFTokenizer
@@ -84,25 +85,17 @@ def is_gguf(path) -> bool:
 # ----------------------------------------------------------------------------- reading
 
 def open_reader(path: pathlib.Path):
-  """gguf.GGUFReader over `path`; ValueError for a file that is not a readable GGUF (bad
-  magic, truncated, corrupt)."""
+  """The file's metadata and tensor table (gguf_reader.GGUFFile); ValueError for a file that is
+  not a readable GGUF (bad magic, truncated, corrupt)."""
+  import importlib.util
+  if importlib.util.find_spec("gguf") is None:   # a runtime dependency: guards broken installs
+    raise ValueError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)")
   try:
-    import gguf
-  except ImportError as e:           # a runtime dependency; this only guards broken installs
-    raise ValueError(f"{path}: reading GGUF files needs the `gguf` package (pip install gguf)"
-                     ) from e
-  size = path.stat().st_size
-  try:
-    reader = gguf.GGUFReader(os.fspath(path))
-  except Exception as e:  # noqa: BLE001 - the reader raises many kinds on corrupt input
-    raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): "
-                     f"{type(e).__name__}: {e}") from e
-  for t in reader.tensors:
-    end = int(t.data_offset) + int(t.n_bytes)
-    if end > size:
-      raise ValueError(f"{path}: truncated GGUF file: tensor {t.name} ends at byte {end} but "
-                       f"the file has {size} bytes")
-  return reader
+    return GGUFFile(path)
+  except GGUFFormatError as e:
+    if str(e).startswith("truncated GGUF file"):
+      raise ValueError(f"{path}: {e}") from e
+    raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
 
 
 def metadata(reader) -> dict:
@@ -110,11 +103,9 @@ def metadata(reader) -> dict:
   tokenizer's token / merge arrays are left out, as their lengths)."""
   out = {}
   for name, field in reader.fields.items():
-    if name.startswith("GGUF."):
-      continue
     if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.scores"):
-      out[name] = len(field.data)
+      out[name] = field.count
       continue
     try:
       out[name] = field.contents()
