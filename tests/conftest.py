@@ -154,13 +154,13 @@ def _release_compiled_executables():
   gc.collect()
 
 
-# Tests marked `optimized` (or whose module sets `pytestmark = pytest.mark.optimized`) compile
-# at LLVM O1 instead: they run their programs for much longer than they compile them (the
-# statistical tests' tens of thousands of rows). A 512-row sampled generate with a draft model
-# ran in 26.8 s at O0 and 10.6 s at O1, and compiled in about the same time. The marked tests
-# are those a whole suite run at O1 made faster (2 workers; O1 everywhere ran 1613 s against
-# O0's 1165 s): marked, the suite's summed test seconds fell 2264 -> 2157 and its wall time
-# 1165 -> 1109 s. Tests that compare two programs bit for bit stay unmarked.
+# Tests marked `optimized` compile at LLVM O1 instead (their module fixtures do not): they run
+# their programs for much longer than they compile them (the statistical tests' tens of
+# thousands of rows). A 512-row sampled generate with a draft model ran in 26.8 s at O0 and
+# 10.6 s at O1, and compiled in about the same time. The marked tests are those a whole suite
+# run at O1 made faster (2 workers; O1 everywhere ran 1613 s against O0's 1165 s): marked, the
+# suite's summed test seconds fell 2264 -> 2157 and its wall time 1165 -> 1109 s. Tests that
+# compare two programs bit for bit stay unmarked.
 _OPTIMIZED_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
@@ -184,16 +184,6 @@ def optimized_compiles():
     yield
   finally:
     compiler.get_compile_options = original
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _optimized_module(request):
-  """A module marked `optimized` (pytestmark) compiles at O1 throughout, its module fixtures
-  included."""
-  marks = getattr(request.module, "pytestmark", [])
-  marked = any(m.name == "optimized" for m in (marks if isinstance(marks, list) else [marks]))
-  with optimized_compiles() if marked else contextlib.nullcontext():
-    yield
 
 
 @pytest.fixture(autouse=True)

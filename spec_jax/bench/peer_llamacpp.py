@@ -45,8 +45,8 @@ def gguf_info(path) -> dict:
   """What llama.cpp streams per decode step from a GGUF file: {"bytes": every tensor's bytes as
   stored (the quantised weights, the tied token embedding once), "type": the tensor type
   holding the most bytes (e.g. "Q4_1"), "bytes_by_type": {type: bytes}}."""
-  import gguf
-  reader = gguf.GGUFReader(str(path))
+  from spec_jax.models.gguf_reader import GGUFFile
+  reader = GGUFFile(path)
   by_type: dict = {}
   for t in reader.tensors:
     name = t.tensor_type.name

@@ -93,9 +93,7 @@ def open_reader(path: pathlib.Path):
   try:
     return GGUFFile(path)
   except GGUFFormatError as e:
-    if str(e).startswith("truncated GGUF file"):
-      raise ValueError(f"{path}: {e}") from e
-    raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+    raise ValueError(f"{path}: not a readable GGUF file: {e}") from e
 
 
 def metadata(reader) -> dict:
