@@ -113,15 +113,38 @@ def hf_target(target, tmp_path_factory):
 
 # The longest files first: with two xdist workers taking whole files (--dist loadfile), a long
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
-# Rough single-worker minutes on the 2-core CI machine, longest first. (Every file over ~20 s
-# in its measured order, test_tree and test_multiprocess first, ran 1280 s against this
-# list's 1201 and 1273 s on 2026-12-05: no gain beyond the spread between runs, not kept.)
-_LONG_FILES = ("test_multiprocess.py", "test_gemma.py", "test_tree.py", "test_dflash.py",
-               "test_dspark.py", "test_gemma_assistant.py", "test_heads.py", "test_constraints.py",
-               "test_hybrid.py", "test_hybrid_speculation.py",
-               "test_lossless.py",
-               "test_governor.py", "test_widen.py", "test_eagle3.py", "test_train.py",
-               "test_eval.py", "test_bench.py")
+# pyproject's addopts passes --no-loadscope-reorder: without it xdist (3.8, as every earlier
+# version) hands out the files by their number of tests, whatever this order says, and it did
+# until 2026-12-05: a 1-test, 60 s file ran last while the other worker idled 46 s.
+# Worker-seconds per file on the 2-core CI machine (--durations=0 summed, 2026-12-05), every
+# file over ~10 s, longest first; the rest follow in collection order.
+_LONG_FILES = ("test_tree.py",                 # 211
+               "test_multiprocess.py",         # 179 (two processes: both cores)
+               "test_constraints.py",          # 151
+               "test_dflash.py",               # 134
+               "test_gemma_assistant.py",      # 134
+               "test_governor.py",             # 118
+               "test_gemma.py",                # 105
+               "test_gguf.py",                 # 100
+               "test_heads.py",                # 92
+               "test_bench.py",                # 79
+               "test_accelerators.py",         # 73
+               "test_sampling_controls.py",    # 69
+               "test_mutants.py",              # 67
+               "test_real_model_lossless.py",  # 60
+               "test_hybrid.py",               # 56
+               "test_widen.py",                # 53
+               "test_lossless.py",             # 50
+               "test_ddtree.py",               # 50
+               "test_dspark.py",               # 47
+               "test_self_generate.py",        # 43
+               "test_hybrid_speculation.py",   # 42
+               "test_sharding.py",             # 37
+               "test_engine.py",               # 32
+               "test_train.py", "test_eagle3.py", "test_target.py", "test_eval.py",   # 24-26
+               "test_real_speculative.py", "test_kernels.py", "test_bf16.py",           # 20-21
+               "test_sampling.py", "test_kv_write.py", "test_rejection.py",             # 14-19
+               "test_decode.py", "test_strategies.py", "test_transformer.py")           # 11-13
 
 
 def pytest_unconfigure(config):

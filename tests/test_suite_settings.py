@@ -1,11 +1,16 @@
-"""The suite's own compile settings (tests/conftest.py): a test marked `optimized` compiles at
-LLVM O1 while the rest of the suite compiles at O0. If jax renames what the marker patches, the
-marker silently compiles at O0 again and these tests say so."""
+"""The suite's own settings (tests/conftest.py, pyproject.toml): a test marked `optimized`
+compiles at LLVM O1 while the rest of the suite compiles at O0, and the long files are handed to
+the xdist workers first. If jax renames what the marker patches, the marker silently compiles at
+O0 again; if xdist reorders the files or a listed file is renamed, the order silently stops
+mattering; these tests say so."""
+
+import pathlib
+import shlex
 
 import pytest
 from jax._src import compiler
 
-from .conftest import optimized_compiles
+from .conftest import _LONG_FILES, optimized_compiles
 
 
 def _overrides() -> dict:
@@ -23,3 +28,13 @@ def test_unmarked_tests_compile_with_the_flags_alone():
 @pytest.mark.optimized
 def test_a_marked_test_compiles_at_o1():
   assert _overrides()["xla_backend_optimization_level"] == 1
+
+
+def test_the_longest_first_order_names_real_files_and_xdist_keeps_it(pytestconfig):
+  here = pathlib.Path(__file__).parent
+  missing = [name for name in _LONG_FILES if not (here / name).is_file()]
+  assert not missing, f"tests/conftest.py's _LONG_FILES names files that do not exist: {missing}"
+  assert len(set(_LONG_FILES)) == len(_LONG_FILES)
+  addopts = pytestconfig.getini("addopts")     # pytest gives "args" ini values as a list
+  addopts = shlex.split(addopts) if isinstance(addopts, str) else list(addopts)
+  assert "--no-loadscope-reorder" in addopts     # else xdist sorts the files by test count
