@@ -113,9 +113,9 @@ def hf_target(target, tmp_path_factory):
 
 # The longest files first: with two xdist workers taking whole files (--dist loadfile), a long
 # file started last keeps one worker busy while the other idles (longest-first scheduling).
-# pyproject's addopts passes --no-loadscope-reorder: without it xdist (3.8, as every earlier
-# version) hands out the files by their number of tests, whatever this order says, and it did
-# until 2026-12-05: a 1-test, 60 s file ran last while the other worker idled 46 s.
+# pyproject's addopts passes --no-loadscope-reorder: without it xdist hands out the files by
+# their number of tests, whatever this order says (3.8's default; before 3.8 always), and it
+# did here until 2026-12-05: a 1-test, 60 s file ran last while the other worker idled 46 s.
 # Worker-seconds per file on the 2-core CI machine (--durations=0 summed, 2026-12-05), every
 # file over ~10 s, longest first; the rest follow in collection order.
 _LONG_FILES = ("test_tree.py",                 # 211
