@@ -28,6 +28,8 @@ from __future__ import annotations
 import itertools
 import time
 
+from spec_jax.models.gguf_reader import GGUFFile
+
 LLAMACPP_HINT = ("llama-cpp-python is not installed: `pip install -e '.[peers]'` builds it "
                  "(CMAKE_ARGS=\"-DGGML_NATIVE=ON\"; see docs/peers.md)")
 
@@ -45,7 +47,6 @@ def gguf_info(path) -> dict:
   """What llama.cpp streams per decode step from a GGUF file: {"bytes": every tensor's bytes as
   stored (the quantised weights, the tied token embedding once), "type": the tensor type
   holding the most bytes (e.g. "Q4_1"), "bytes_by_type": {type: bytes}}."""
-  from spec_jax.models.gguf_reader import GGUFFile
   reader = GGUFFile(path)
   by_type: dict = {}
   for t in reader.tensors:
