@@ -5,7 +5,6 @@ O0 again; if xdist reorders the files or a listed file is renamed, the order sil
 mattering; these tests say so."""
 
 import pathlib
-import shlex
 
 import pytest
 from jax._src import compiler
@@ -35,6 +34,5 @@ def test_the_longest_first_order_names_real_files_and_xdist_keeps_it(pytestconfi
   missing = [name for name in _LONG_FILES if not (here / name).is_file()]
   assert not missing, f"tests/conftest.py's _LONG_FILES names files that do not exist: {missing}"
   assert len(set(_LONG_FILES)) == len(_LONG_FILES)
-  addopts = pytestconfig.getini("addopts")     # pytest gives "args" ini values as a list
-  addopts = shlex.split(addopts) if isinstance(addopts, str) else list(addopts)
-  assert "--no-loadscope-reorder" in addopts     # else xdist sorts the files by test count
+  # addopts is an "args" ini value: pytest gives it split into a list
+  assert "--no-loadscope-reorder" in pytestconfig.getini("addopts")   # else xdist sorts by test count
