@@ -189,7 +189,7 @@ class Estimate:
     g = human
     parts = [f"weights {g(self.weights)}", f"KV cache {g(self.kv_cache)}"]
     if self.drafter_weights or self.state:
-      # state holds a draft model's KV cache: named, so a 0.25 GiB "state" does not puzzle
+      # the state's largest part is a draft model's KV cache: the label says so
       parts.append(f"drafter {g(self.drafter_weights)} + decode state (drafter caches, "
                    f"token buffers) {g(self.state)}")
     text = "memory per device: " + ", ".join(parts) + f" = {g(self.resident)}"
