@@ -237,12 +237,26 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   env = LoopEnv(target=target, drafter=drafter, drafter_params=drafter_params,
                 target_params=target_params, sampling=sampling, stop_tokens=stop_tokens,
                 limit=limit, greedy=greedy, layers=layers, history=history,
-                round_costs=round_costs, acceptance_prior=acceptance_prior)
+                round_costs=round_costs, acceptance_prior=acceptance_prior,
+                rolled=rolls_draft_steps(drafter))
   init_drafter = lambda: drafter.init_state(drafter_params, PrefillInfo(
       tokens=tokens, prompt_tokens=prompt_tokens, prompt_lens=prompt_lens, hidden=pre.hidden,
       layer_hidden=pre.layer_hidden, target_params=target_params,
       sampling=sampling.for_drafts(), lazy=strategy.lazy_drafter))
   return env, state.replace(drafter_state=strategy.init_drafter(env, state, init_drafter))
+
+
+def rolls_draft_steps(drafter: Drafter) -> bool:
+  """Whether `drafter` runs its later draft steps in this decode as a `lax.fori_loop`
+  (DraftContext.rolled: the same drafts and q, two copies of its layers in the program instead
+  of K). Lowered for TPU, when the drafter says it pays there (Drafter.rolls_on_tpu: a draft
+  model, whose unrolled steps each hold the HBM buffers of XLA:TPU's async weight slices;
+  issue 35's 8B decode with a 1B draft model, K = 4, v5e 2x2 `model=4`: 21 MiB less per chip.
+  An EAGLE-3 head's loop measured 56 MiB more: docs/accelerators.md). Elsewhere, no: XLA:CPU
+  keeps the unrolled programs its benchmarks measured, and on GPU nothing measured a loop (XLA:GPU
+  may sync with the host every iteration). The governor rolls its rounds everywhere (many K,
+  one program)."""
+  return kernel_platform.current() == "tpu" and drafter.rolls_on_tpu
 
 
 def _concretely_greedy(sampling: Sampling) -> bool:

@@ -113,6 +113,10 @@ class DraftModel(FrozenDrafter):
 
   supports_tree = True
   reads_prompt_hidden = False
+  # Each draft step is a whole model: unrolled, XLA:TPU gives every copy of its layers' weights
+  # its own async slices into VMEM and their HBM buffers (8B target + 1B draft model, K = 4,
+  # v5e 2x2 `model=4`: 21 MiB more per chip than the loop, docs/accelerators.md).
+  rolls_on_tpu = True
 
   model: Any = dataclasses.field(compare=False, repr=False)
   greedy_drafts: bool = False
