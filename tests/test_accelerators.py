@@ -142,9 +142,11 @@ def test_a_draft_model_rolls_its_steps_on_tpu_to_the_same_tokens(monkeypatch):
   target = sj.init_model(cfg, jax.random.key(1))
   drafters = {"draft model": sj.drafters.DraftModel(target),      # q = p: every draft accepted
               "EAGLE-3": EAGLE3.init(target, key=jax.random.key(5), init_std=0.5)}
+  unrolled_model = drafters["draft model"].replace(rolls_on_tpu=False)   # to time both on a chip
   for name, rolls in (("cpu", (False, False)), ("tpu", (True, False)), ("cuda", (False, False))):
     with platform.lowering_for(name):
       assert tuple(map(loop.rolls_draft_steps, drafters.values())) == rolls, name
+      assert not loop.rolls_draft_steps(unrolled_model)
   prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
   kw = dict(num_draft=4, sampling=sj.Sampling(1.0), max_new_tokens=12, stop_tokens=[],
             key=jax.random.key(3))
