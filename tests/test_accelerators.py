@@ -126,14 +126,13 @@ def test_a_lane_packed_cache_decodes_the_same_tokens(monkeypatch):
   assert len(calls) > 1
 
 
-def test_a_draft_model_rolls_its_steps_on_tpu_to_the_same_tokens(monkeypatch):
-  """Lowered for TPU, a chain's draft model runs its later draft steps as a loop
-  (loop.rolls_draft_steps: XLA:TPU keeps HBM buffers per unrolled layer's weight slices); an
-  EAGLE-3 head, whose loop measured more HBM, and every drafter for CPU and GPU stay unrolled.
-  Forced on this CPU, the rolled chain draws the same tokens as the unrolled one at T = 1 (the
-  drafts and their q alike): a draft model (the target itself, so a wrong draft shows in the
-  tokens) and an EAGLE-3 head (random: its q shows in the corrections; the governor rolls it),
-  K = 4."""
+def test_a_draft_model_rolls_its_steps_to_the_same_tokens(monkeypatch):
+  """A chain's draft model runs its later draft steps as a loop (loop.rolls_draft_steps) when
+  lowered for TPU (XLA:TPU keeps HBM buffers per unrolled layer's weight slices) or CPU, not for
+  GPU; an EAGLE-3 head, whose loop measured more HBM, stays unrolled. The rolled chain draws the
+  same tokens as the unrolled one at T = 1 (the drafts and their q alike): a draft model (the
+  target itself, so a wrong draft shows in the tokens) and an EAGLE-3 head (random: its q shows
+  in the corrections; the governor rolls it), K = 4."""
   from spec_jax.decoding import loop
   from spec_jax.decoding.compiled import clear_compiled
   from spec_jax.drafters import EAGLE3
@@ -142,21 +141,24 @@ def test_a_draft_model_rolls_its_steps_on_tpu_to_the_same_tokens(monkeypatch):
   target = sj.init_model(cfg, jax.random.key(1))
   drafters = {"draft model": sj.drafters.DraftModel(target),      # q = p: every draft accepted
               "EAGLE-3": EAGLE3.init(target, key=jax.random.key(5), init_std=0.5)}
-  unrolled_model = drafters["draft model"].replace(rolls_on_tpu=False)   # to time both on a chip
-  for name, rolls in (("cpu", (False, False)), ("tpu", (True, False)), ("cuda", (False, False))):
+  unrolled_model = drafters["draft model"].replace(rolls_steps=False)   # to time both on a chip
+  for name, rolls in (("cpu", (True, False)), ("tpu", (True, False)), ("cuda", (False, False))):
     with platform.lowering_for(name):
       assert tuple(map(loop.rolls_draft_steps, drafters.values())) == rolls, name
       assert not loop.rolls_draft_steps(unrolled_model)
   prompts = [[1, 5, 7, 9, 5, 7], [1, 3]]
   kw = dict(num_draft=4, sampling=sj.Sampling(1.0), max_new_tokens=12, stop_tokens=[],
             key=jax.random.key(3))
-  unrolled = {n: sj.generate(target, prompts, drafter=d, **kw) for n, d in drafters.items()}
-  monkeypatch.setattr(loop, "rolls_draft_steps", lambda drafter: True)
-  clear_compiled()                                         # retrace with the rolled steps
-  for n, d in drafters.items():
-    rolled = sj.generate(target, prompts, drafter=d, **kw)
-    assert rolled.tokens == unrolled[n].tokens, n
-    assert rolled.stats.accepted == unrolled[n].stats.accepted, n
+  for rolled in (False, True):
+    monkeypatch.setattr(loop, "rolls_draft_steps", lambda drafter: rolled)
+    clear_compiled()                                       # retrace with the other steps
+    out = {n: sj.generate(target, prompts, drafter=d, **kw) for n, d in drafters.items()}
+    if not rolled:
+      unrolled = out
+  for n in drafters:
+    assert out[n].tokens == unrolled[n].tokens, n
+    assert out[n].stats.accepted == unrolled[n].stats.accepted, n
+  clear_compiled()
 
 
 def test_tpu_sampled_verify_filters_the_vocabulary_without_sorting_or_reversing_it():

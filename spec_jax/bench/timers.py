@@ -18,6 +18,7 @@ from spec_jax.models.transformer import KVCache
 import spec_jax as sj
 from spec_jax.decoding.rounds import verify_step
 from spec_jax.decoding.rounds import accept_step
+from spec_jax.decoding.loop import rolls_draft_steps
 
 _FN_CACHE: dict = {}
 
@@ -74,7 +75,8 @@ def _propose_loop_fn(drafter, k, target_config):
       def body(i, carry):
         toks, st = carry
         ctx = DraftContext(key=jax.random.fold_in(rng, i), tokens=toks, lengths=lengths,
-                           sampling=sampling, target_params=target_params, num_draft=k)
+                           sampling=sampling, target_params=target_params, num_draft=k,
+                           rolled=rolls_draft_steps(drafter))   # as a chain decode does
         drafts, _, st = drafter.propose(params, st, ctx)
         drafts = jnp.maximum(drafts, 0).astype(jnp.int32)
         emitted = jnp.concatenate([drafts[:, :1], jnp.full((b, k), -1, jnp.int32)], axis=1)
