@@ -1,5 +1,5 @@
-"""A draft model's chain on this CPU: its draft steps unrolled (XLA:CPU's default) against
-rolled as a `lax.fori_loop` (what a decode lowered for TPU runs: decoding.loop.rolls_draft_steps).
+"""A draft model's chain on this CPU: its draft steps unrolled against rolled as a
+`lax.fori_loop` (what a decode lowered for TPU or CPU runs: decoding.loop.rolls_draft_steps).
 
     python scripts/rolled_draft_steps.py [--repeats 9] [-K 4] [--max-new-tokens 64]
 
@@ -42,7 +42,7 @@ def main():
     def call(drafter, rolled):
       def go():
         # Read when generate() traces (the first call of each), not afterwards.
-        loop.rolls_draft_steps = (lambda d: True) if rolled else platform_choice
+        loop.rolls_draft_steps = lambda d: rolled
         t0 = time.perf_counter()
         out = sj.generate(target, prompts, drafter=drafter, num_draft=args.K,
                           max_new_tokens=args.max_new_tokens, stop_tokens=[],
