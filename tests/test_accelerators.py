@@ -126,13 +126,13 @@ def test_a_lane_packed_cache_decodes_the_same_tokens(monkeypatch):
   assert len(calls) > 1
 
 
-def test_a_draft_model_rolls_its_steps_to_the_same_tokens(monkeypatch):
-  """A chain's draft model runs its later draft steps as a loop (loop.rolls_draft_steps) when
-  lowered for TPU (XLA:TPU keeps HBM buffers per unrolled layer's weight slices) or CPU, not for
-  GPU; an EAGLE-3 head, whose loop measured more HBM, stays unrolled. The rolled chain draws the
-  same tokens as the unrolled one at T = 1 (the drafts and their q alike): a draft model (the
-  target itself, so a wrong draft shows in the tokens) and an EAGLE-3 head (random: its q shows
-  in the corrections; the governor rolls it), K = 4."""
+def test_drafters_roll_their_steps_where_it_pays_to_the_same_tokens(monkeypatch):
+  """A chain runs its later draft steps as a loop (loop.rolls_draft_steps) where the drafter
+  says it pays: a draft model for TPU (XLA:TPU keeps HBM buffers per unrolled layer's weight
+  slices) and CPU, an EAGLE-3 head (whose loop measured more HBM on TPU) nowhere, nothing for
+  GPU. The rolled chain draws the same tokens as the unrolled one at T = 1 (the drafts and
+  their q alike): a draft model (the target itself, so a wrong draft shows in the tokens) and
+  an EAGLE-3 head (random: its q shows in the corrections), K = 4."""
   from spec_jax.decoding import loop
   from spec_jax.decoding.compiled import clear_compiled
   from spec_jax.drafters import EAGLE3
@@ -141,7 +141,10 @@ def test_a_draft_model_rolls_its_steps_to_the_same_tokens(monkeypatch):
   target = sj.init_model(cfg, jax.random.key(1))
   drafters = {"draft model": sj.drafters.DraftModel(target),      # q = p: every draft accepted
               "EAGLE-3": EAGLE3.init(target, key=jax.random.key(5), init_std=0.5)}
-  unrolled_model = drafters["draft model"].replace(rolls_steps=False)   # to time both on a chip
+  unrolled_model = drafters["draft model"].replace(rolls_steps_on=())   # to time both on a chip
+  assert drafters["draft model"].replace(rolls_steps_on="cuda").rolls_steps_on == ("gpu",)
+  with pytest.raises(ValueError, match="rolls_steps_on must name platforms among"):
+    drafters["draft model"].replace(rolls_steps_on=("tpu", "metal"))
   for name, rolls in (("cpu", (True, False)), ("tpu", (True, False)), ("cuda", (False, False))):
     with platform.lowering_for(name):
       assert tuple(map(loop.rolls_draft_steps, drafters.values())) == rolls, name

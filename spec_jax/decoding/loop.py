@@ -249,15 +249,15 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
 def rolls_draft_steps(drafter: Drafter) -> bool:
   """Whether `drafter` runs its later draft steps in this decode as a `lax.fori_loop`
   (DraftContext.rolled: the same drafts and q, two copies of its layers in the program instead
-  of K): when the drafter says it pays (Drafter.rolls_steps: a draft model) and the program is
-  lowered for TPU or CPU. For a 1B draft model beside an 8B target on TPU (K = 4, v5e 2x2
-  `model=4`) the unrolled steps held 21 MiB more HBM per chip: each step's weights take their
-  own async slices into VMEM. On this CPU the loop ran at the unrolled program's speed (0.98-1.01x)
-  and compiled faster (stories260K + salty279K: K = 4 ~7 -> ~6.5 s, K = 6 ~11 -> ~7.5 s;
-  docs/accelerators.md). Not on GPU: nothing measured a loop there (XLA:GPU may sync with the
-  host at every iteration). An EAGLE-3 head's loop measured 56 MiB more on TPU: it stays
-  unrolled. The governor rolls every drafter's rounds on every platform (many K, one program)."""
-  return drafter.rolls_steps and kernel_platform.current() != "gpu"
+  of K): when the platform being lowered for is one the drafter names
+  (Drafter.rolls_steps_on). A draft model rolls on TPU, where its unrolled steps held 21 MiB
+  more HBM per chip (1B draft model beside an 8B target, K = 4, v5e 2x2 `model=4`: each step's
+  weights take their own async slices into VMEM), and on CPU, where the loop ran at the
+  unrolled program's speed (0.98-1.01x) and compiles faster. Feature heads do not: on TPU an
+  EAGLE-3 head's loop measured 56 MiB more (docs/accelerators.md). Nothing rolls on GPU, where
+  no loop was measured (XLA:GPU may sync with the host at every iteration). The governor rolls every drafter's rounds on every
+  platform (many K, one program)."""
+  return kernel_platform.current() in drafter.rolls_steps_on
 
 
 def _concretely_greedy(sampling: Sampling) -> bool:

@@ -149,8 +149,9 @@ class Drafter:
       whose one forward gives every depth's child distribution.
     reads_prompt_hidden: init_state reads PrefillInfo.hidden / layer_hidden (the target's
       features over the prompt); when False the prefill keeps none and passes hidden None.
-    rolls_steps: a chain decode runs its later draft steps as a loop (DraftContext.rolled;
-      decoding.loop.rolls_draft_steps: on TPU and CPU, not GPU), where that measured better.
+    rolls_steps_on: the platforms ("cpu", "gpu", "tpu") on which a chain decode runs its later
+      draft steps as a loop (DraftContext.rolled; decoding.loop.rolls_draft_steps): where that
+      measured better.
   """
   params: Any = None
   reads_prompt_hidden: bool = True
@@ -159,7 +160,7 @@ class Drafter:
   supports_tree: bool = False
   samples_tree_candidates: bool = True
   supports_best_first: bool = False
-  rolls_steps: bool = False
+  rolls_steps_on: tuple = ()
 
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""

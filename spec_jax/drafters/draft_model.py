@@ -39,6 +39,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas import platform as platform_lib
 from spec_jax import sampling as sampling_lib
 from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import (DraftContext, FrozenDrafter, PrefillInfo, VerifyInfo,
@@ -99,6 +100,17 @@ def check_same_vocabulary(draft, target, what="draft model"):
           "vocabulary, token for token")
 
 
+def platforms(names) -> tuple:
+  """A platform name or several (DraftModel.rolls_steps_on) -> a tuple of "cpu" / "gpu" /
+  "tpu" ("cuda" is "gpu"); ValueError naming what is allowed."""
+  names = (names,) if isinstance(names, str) else names
+  try:
+    return tuple(sorted({platform_lib.normalize(n) for n in names}))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"DraftModel rolls_steps_on must name platforms among "
+                     f"{platform_lib.PLATFORMS}, got {names!r}") from e
+
+
 @frozen_drafter
 class DraftModel(FrozenDrafter):
   """Drafts K tokens autoregressively from a small model.
@@ -107,11 +119,12 @@ class DraftModel(FrozenDrafter):
   draft_probs are the real q. With greedy_drafts=True the drafts are the draft model's argmax,
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
   catch_up_chunk: tokens per forward when the cache catches up after plain (K = 0) rounds.
-  rolls_steps: a chain decode runs the K-1 later draft steps as a loop (the same drafts; on
-  TPU and CPU, decoding.loop.rolls_draft_steps). Each unrolled step is a whole model: on TPU
-  its weights' async slices into VMEM each hold HBM (8B target + 1B draft model, K = 4, v5e
-  2x2 `model=4`: 21 MiB more per chip unrolled, docs/accelerators.md); on CPU it compiles
-  slower at the same speed. False: unrolled, e.g. to time both on a chip (no TPU has).
+  rolls_steps_on: the platforms on which a chain decode runs the K-1 later draft steps as a
+  loop (the same drafts; decoding.loop.rolls_draft_steps). Each unrolled step is a whole
+  model: on TPU its weights' async slices into VMEM each hold HBM (8B target + 1B draft model,
+  K = 4, v5e 2x2 `model=4`: 21 MiB more per chip unrolled, docs/accelerators.md); on CPU it
+  compiles slower at the same speed. () unrolls everywhere, e.g. to time both on a chip (no TPU
+  has).
   The static configuration is the model's config (`config`) with these; its params are the
   model's (`params`, traced). Another model: `drafter.replace(model=...)`.
   """
@@ -122,7 +135,7 @@ class DraftModel(FrozenDrafter):
   model: Any = dataclasses.field(compare=False, repr=False)
   greedy_drafts: bool = False
   catch_up_chunk: int = 16
-  rolls_steps: bool = True
+  rolls_steps_on: tuple = ("cpu", "tpu")
   config: Any = derived_field()
   params: Any = derived_field(compare=False)
 
@@ -131,7 +144,7 @@ class DraftModel(FrozenDrafter):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got {chunk!r}")
     object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
-    object.__setattr__(self, "rolls_steps", bool(self.rolls_steps))
+    object.__setattr__(self, "rolls_steps_on", platforms(self.rolls_steps_on))
     object.__setattr__(self, "config", self.model.config)
     object.__setattr__(self, "params", self.model.params)
     if self.model.config.family.commit_cache is not None:
