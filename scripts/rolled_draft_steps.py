@@ -1,12 +1,14 @@
 """A draft model's chain on this CPU: its draft steps unrolled against rolled as a
-`lax.fori_loop` (what a decode lowered for TPU or CPU runs: decoding.loop.rolls_draft_steps).
+`lax.fori_loop` (what a decode lowered for TPU or CPU runs: DraftModel.rolls_steps_on,
+decoding.loop.rolls_draft_steps).
 
     python scripts/rolled_draft_steps.py [--repeats 9] [-K 4] [--max-new-tokens 64]
 
 Widened stories260K in bfloat16 with salty279K, B = 1, greedy and T = 1. The two programs
-alternate, the unrolled one bracketing each rolled call (spec_jax.timing.interleaved_rounds);
-printed: medians, the median of the paired ratios rolled / mean(bracketing unrolled), the
-unrolled calls' spread, and whether both drew the same tokens (they must).
+(`rolls_steps_on=("cpu",)` and `()`, two executables) alternate, the unrolled one bracketing
+each rolled call (spec_jax.timing.interleaved_rounds); printed: medians, the median of the
+paired ratios rolled / mean(bracketing unrolled), the unrolled calls' spread, and whether both
+drew the same tokens (they must).
 """
 
 import argparse
@@ -32,17 +34,14 @@ def main():
   args = ap.parse_args()
 
   target = load_model(args.target, dtype="bfloat16")
-  unrolled_drafter = make_drafter(args.draft, target)
-  # Another static configuration (one token less per catch-up forward, which a chain never
-  # runs), so that each program has its own compiled executable.
-  rolled_drafter = unrolled_drafter.replace(catch_up_chunk=unrolled_drafter.catch_up_chunk - 1)
-  platform_choice = loop.rolls_draft_steps
+  drafter = make_drafter(args.draft, target)
+  rolled_drafter = drafter.replace(rolls_steps_on=("cpu",))
+  unrolled_drafter = drafter.replace(rolls_steps_on=())
+  assert loop.rolls_draft_steps(rolled_drafter) and not loop.rolls_draft_steps(unrolled_drafter)
   prompts, _ = prompt_token_lists(target, "tinystories", 1, 8, 128, 0)
   for temperature in (0.0, 1.0):
-    def call(drafter, rolled):
+    def call(drafter):
       def go():
-        # Read when generate() traces (the first call of each), not afterwards.
-        loop.rolls_draft_steps = lambda d: rolled
         t0 = time.perf_counter()
         out = sj.generate(target, prompts, drafter=drafter, num_draft=args.K,
                           max_new_tokens=args.max_new_tokens, stop_tokens=[],
@@ -50,7 +49,7 @@ def main():
         return time.perf_counter() - t0, out.tokens
       return go
 
-    runs = {"unrolled": call(unrolled_drafter, False), "rolled": call(rolled_drafter, True)}
+    runs = {"unrolled": call(unrolled_drafter), "rolled": call(rolled_drafter)}
     for run in runs.values():                      # compile, then one warm call
       run(), run()
     got = interleaved_rounds(runs, args.repeats, baseline="unrolled")
@@ -63,7 +62,6 @@ def main():
           f"{statistics.median(ratios):.3f} (paired, {min(ratios):.3f}-{max(ratios):.3f}); "
           f"unrolled spread {(max(u) - min(u)) / statistics.median(u):.0%}; "
           f"same tokens: {same}", flush=True)
-  loop.rolls_draft_steps = platform_choice
 
 
 if __name__ == "__main__":
