@@ -255,8 +255,8 @@ def rolls_draft_steps(drafter: Drafter) -> bool:
   weights take their own async slices into VMEM), and on CPU, where the loop ran at the
   unrolled program's speed (0.98-1.01x) and compiles faster. Feature heads do not: on TPU an
   EAGLE-3 head's loop measured 56 MiB more (docs/accelerators.md). Nothing rolls on GPU, where
-  no loop was measured (XLA:GPU may sync with the host at every iteration). The governor rolls every drafter's rounds on every
-  platform (many K, one program)."""
+  no loop was measured (XLA:GPU may sync with the host at every iteration). The governor
+  rolls every drafter's rounds on every platform (many K, one program)."""
   return kernel_platform.current() in drafter.rolls_steps_on
 
 
