@@ -100,7 +100,7 @@ def check_same_vocabulary(draft, target, what="draft model"):
           "vocabulary, token for token")
 
 
-def platforms(names) -> tuple:
+def _platforms(names) -> tuple:
   """A platform name or several (DraftModel.rolls_steps_on) -> a tuple of "cpu" / "gpu" /
   "tpu" ("cuda" is "gpu"); ValueError naming what is allowed."""
   names = (names,) if isinstance(names, str) else names
@@ -120,11 +120,8 @@ class DraftModel(FrozenDrafter):
   proposed as deterministic tokens (draft_probs None: q one-hot), also lossless.
   catch_up_chunk: tokens per forward when the cache catches up after plain (K = 0) rounds.
   rolls_steps_on: the platforms on which a chain decode runs the K-1 later draft steps as a
-  loop (the same drafts; decoding.loop.rolls_draft_steps). Each unrolled step is a whole
-  model: on TPU its weights' async slices into VMEM each hold HBM (8B target + 1B draft model,
-  K = 4, v5e 2x2 `model=4`: 21 MiB more per chip unrolled, docs/accelerators.md); on CPU it
-  compiles slower at the same speed. () unrolls everywhere, e.g. to time both on a chip (no TPU
-  has).
+  loop, the same drafts (why TPU and CPU: decoding.loop.rolls_draft_steps). () unrolls them
+  everywhere, e.g. to time both programs on a chip.
   The static configuration is the model's config (`config`) with these; its params are the
   model's (`params`, traced). Another model: `drafter.replace(model=...)`.
   """
@@ -144,7 +141,7 @@ class DraftModel(FrozenDrafter):
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
       raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got {chunk!r}")
     object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
-    object.__setattr__(self, "rolls_steps_on", platforms(self.rolls_steps_on))
+    object.__setattr__(self, "rolls_steps_on", _platforms(self.rolls_steps_on))
     object.__setattr__(self, "config", self.model.config)
     object.__setattr__(self, "params", self.model.params)
     if self.model.config.family.commit_cache is not None:
