@@ -350,19 +350,30 @@ EIGHT_DEVICES = textwrap.dedent("""
     assert jax.device_count() == 8
     path = sys.argv[1]
     first = distill_heads.main(["--config", path, "--set", "mesh.data=8",
-                                "--set", "train.stop_after=30"])
-    assert first["stopped"] and first["end_step"] == 30 and first["devices"] == 8
+                                "--set", "train.stop_after=8"])
+    assert first["stopped"] and first["end_step"] == 8 and first["devices"] == 8
     second = distill_heads.main(["--config", path, "--set", "mesh.data=8"])
-    assert second["start_step"] == 30 and second["end_step"] == 50
+    assert second["start_step"] == 8 and second["end_step"] == 12
     print("RESULT", json.dumps({"final": second["final"]["loss"]}))
 """)
 
 
-@pytest.mark.slow   # 50 steps on one device here, 30 + 20 (resumed) on 8 devices (~1.5 min)
-def test_distill_on_eight_devices_matches_one_device_and_resumes(tmp_path):
-  one = distill_heads.main(["--config", str(distill_config(tmp_path, "one", 50,
-                                                           checkpoint_every=10))])
-  path = distill_config(tmp_path, "eight", 50, checkpoint_every=10)
+DISTILL_STEPS = 12      # checkpoints at 4 and 8; the multi-device runs stop after 8 and resume
+
+
+@pytest.fixture(scope="module")
+def one_device_distill(tmp_path_factory):
+  """distill_heads on this process's one device, DISTILL_STEPS steps: the reference both
+  multi-device tests compare their losses and heads with."""
+  tmp = tmp_path_factory.mktemp("one_device")
+  return distill_heads.main(["--config", str(distill_config(tmp, "one", DISTILL_STEPS,
+                                                           checkpoint_every=4))])
+
+
+@pytest.mark.slow   # 8 + 4 (resumed) steps on 8 devices, one subprocess (~30 s)
+def test_distill_on_eight_devices_matches_one_device_and_resumes(tmp_path, one_device_distill):
+  one = one_device_distill
+  path = distill_config(tmp_path, "eight", DISTILL_STEPS, checkpoint_every=4)
   script = tmp_path / "eight.py"
   script.write_text(EIGHT_DEVICES)
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -371,15 +382,14 @@ def test_distill_on_eight_devices_matches_one_device_and_resumes(tmp_path):
   assert res.returncode == 0, _show(res)
   final = json.loads(res.stdout.split("RESULT", 1)[1])["final"]
   losses = json.loads((tmp_path / "eight" / "losses.json").read_text())["losses"]
-  assert_same_losses(losses, one["losses"], 50)
+  assert_same_losses(losses, one["losses"], DISTILL_STEPS)
   assert abs(final - one["final"]["loss"]) <= 1e-5 * abs(one["final"]["loss"])
 
 
-@pytest.mark.slow   # two launches of 8 (+ 4 resumed) steps, and 12 steps here (~2 min)
-def test_distill_on_two_processes_checkpoints_resumes_and_matches_one_device(tmp_path):
-  steps = 12
-  one = distill_heads.main(["--config", str(distill_config(tmp_path, "one", steps,
-                                                           checkpoint_every=4))])
+@pytest.mark.slow   # two launches of 8 (+ 4 resumed) steps (~1.5 min)
+def test_distill_on_two_processes_checkpoints_resumes_and_matches_one_device(
+    tmp_path, one_device_distill):
+  steps, one = DISTILL_STEPS, one_device_distill
   path = distill_config(tmp_path, "multi", steps, checkpoint_every=4)
   cmd = ["python", "-m", "train.distill_heads", "--config", path, "--set", "mesh.data=8"]
   first = run_launch(cmd + ["--set", "train.stop_after=8"])
