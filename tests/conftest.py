@@ -12,9 +12,10 @@ import pathlib
 # before jax is imported; subprocesses inherit them; benchmarks never import this file.
 _FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # XLA's HLO verifier runs after every HLO pass: it checks XLA's own passes, not this project's
-# programs, and took ~15 % of a decode program's backend compile (perf: HloVerifier::RunImpl,
-# 3.97 -> 3.3 s for a stories260K + salty279K generate, the same tokens); four test files
-# 214 / 205 -> 210 / 197 user CPU-s, alternated (2026-12-06). The library never sets it.
+# programs. perf: HloVerifier::RunImpl is about a tenth of a decode's backend compile; a
+# stories260K + salty279K generate compiled in 3.97 / 3.96 / 4.25 s with it, 3.24-3.70 s
+# without, the same tokens; four test files 214 / 205 -> 210 / 197 user CPU-s, alternated
+# (2026-12-06). The library never sets it.
 _FLAGS += " --xla_disable_hlo_passes=hlo-verifier"
 try:
   from importlib.metadata import version as _version
