@@ -223,6 +223,32 @@ def test_default_stop_tokens_are_the_models_eos():
                      stop_tokens=[]).tokens == ref
 
 
+def test_stop_lists_of_any_short_length_share_one_executable():
+  """The stop ids are padded with -1s (never a token) to a multiple of STOP_BUCKET: no stops,
+  one and three stops run one compiled decode, and each list still ends the rows at its ids;
+  nine ids make the next bucket."""
+  target, _ = models()
+  ref = plain_greedy().tokens
+  drafter = sj.drafters.DraftModel(target)
+
+  def run(stops):
+    return sj.generate(target, PROMPTS, drafter=drafter, num_draft=3, max_new_tokens=24,
+                       sampling=GREEDY, stop_tokens=stops)
+
+  def cut(stops):
+    return [r[:min(r.index(s) for s in stops if s in r) + 1] if set(stops) & set(r) else r
+            for r in ref]
+
+  assert run([]).tokens == ref
+  one, three = [ref[0][5]], [ref[0][5], ref[2][3], 63]
+  for stops in (one, three):
+    out = run(stops)
+    assert out.compile_seconds == 0, stops              # the executable of [] above
+    assert out.tokens == cut(stops) and out.tokens != ref
+  nine = list(range(55, 64))
+  assert run(nine).compile_seconds > 0 and run(nine).tokens == cut(nine)
+
+
 def test_per_row_top_k_and_top_p_through_the_engine():
   """Row 0: top_k = 1, row 1: top_p = 1e-6 (both the argmax: equal to greedy), row 2: top_k = 2
   at T = 1.5 (every token among the target's top 2, and not the greedy path). A sampled draft

@@ -15,6 +15,7 @@ import numpy as np
 from kernels_pallas import platform
 from spec_jax import sharding as sharding_lib
 from spec_jax.decoding.loop import decode
+from spec_jax.decoding.prompts import padded_stops
 from spec_jax.decoding.state import DecodeResult
 from spec_jax.decoding.strategies import Strategy
 from spec_jax.decoding.target import as_target, model_config
@@ -207,7 +208,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   compiled.unpack(np.asarray(it)) is the DecodeResult (PackedDecode).
 
   prompt_tokens int32 [B, P], prompt_lens [B] (numpy or jax); sampling: per-row arrays [B];
-  stop: int32 [N]; strategy: the bound Strategy (strategies.strategy_for); round_costs: float32
+  stop: int32 [N] (padded to a STOP_BUCKET multiple with -1s: one executable for any short
+  list); strategy: the bound Strategy (strategies.strategy_for); round_costs: float32
   [len(candidates)] or None; acceptance_prior: float32 [W] or None (the governor's learned
   prior; generate passes -1s for none, so both share one executable); history: (static) carry the penalties' token history
   (Sampling.needs_history of the host settings); processors: (static) LogitsProcessors, their
@@ -223,7 +225,7 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
   kwargs = dict(drafter_params=sharding_lib.shard_params(mesh, drafter_params),
                 max_new_tokens=sharding_lib.replicate(mesh, np.asarray(max_new_tokens, np.int32)),
                 sampling=sharding_lib.shard_rows(mesh, sampling),
-                stop_tokens=sharding_lib.replicate(mesh, np.asarray(stop, np.int32)))
+                stop_tokens=sharding_lib.replicate(mesh, padded_stops(stop)))
   static = dict(config=target.config, drafter=drafter, strategy=strategy, capacity=capacity,
                 mesh=mesh, greedy=greedy, history=bool(history), processors=tuple(processors))
   if processors:

@@ -96,7 +96,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     key: jax PRNG key (default key(0)).
     stop_tokens: None = the model's end-of-text tokens (its EOS ids and its tokenizer's
       end-of-turn tokens: <|im_end|>, <|endoftext|>, <|eot_id|>, <end_of_turn>, ...); [] = never
-      stop early.
+      stop early. Any list of up to 8 ids runs the same compiled decode (prompts.padded_stops).
     capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
       up to a power of two, at least 128: decode compiles once per such bucket).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP

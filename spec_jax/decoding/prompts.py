@@ -13,6 +13,7 @@ from spec_jax.models.chat import default_stop_ids
 PROMPT_BUCKET = 16
 CAPACITY_BUCKET = 64
 MIN_CAPACITY = 512
+STOP_BUCKET = 8        # stop ids padded to a multiple of this: one executable for 0-8 stop ids
 
 
 def round_up(x: int, m: int) -> int:
@@ -87,6 +88,17 @@ def stop_array(target, stop_tokens) -> np.ndarray:
   if bad:
     raise ValueError(f"stop_tokens outside the vocabulary [0, {target.config.vocab_size}): {bad}")
   return np.asarray(stop, np.int32).reshape(-1)
+
+
+def padded_stops(stop) -> np.ndarray:
+  """int32 [N] stop ids -> int32 [round_up(max(N, 1), STOP_BUCKET)], padded with -1 (token ids
+  are >= 0, so a pad never matches). The stop array's length is a static shape of the compiled
+  decode: padded, calls with no stops ([]), a model's default stops (1-3 ids) and a user's
+  short list share one executable instead of compiling once per count."""
+  stop = np.asarray(stop, np.int32).reshape(-1)
+  out = np.full((round_up(max(stop.size, 1), STOP_BUCKET),), -1, np.int32)
+  out[:stop.size] = stop
+  return out
 
 
 def prepare_batch(target, prompts, max_new_tokens: int, k: int, capacity=None,
