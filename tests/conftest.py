@@ -150,7 +150,7 @@ _LONG_FILES = ("test_tree.py",                 # 231
                "test_eagle3.py", "test_eval.py", "test_target.py", "test_train.py",   # 22-26
                "test_kernels.py", "test_bf16.py", "test_sampling.py",                   # 17-21
                "test_real_speculative.py", "test_kv_write.py", "test_rejection.py",     # 13-16
-               "test_decode.py", "test_transformer.py", "test_strategies.py")           # 9-11           # 11-13
+               "test_decode.py", "test_transformer.py", "test_strategies.py")           # 9-11
 
 
 def pytest_unconfigure(config):
