@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+import spec_jax as sj
 from spec_jax import timing
 from spec_jax.bench import cli, metrics, report
 from spec_jax.bench.definitions import SPEC_DEFINITIONS
@@ -452,3 +453,31 @@ def test_draft_temperature_scale_reaches_the_sampled_cells(tmp_path, monkeypatch
   assert seen and set(seen) == {0.5}
   rows = json.loads(out.read_text())["rows"]
   assert rows and all(r["draft_temperature_scale"] == 0.5 for r in rows)
+
+
+def test_tuned_draft_temperature_runs_the_sampled_chains_tuned():
+  """--draft-temperature-scale tuned: a sampled cell's chain K runs as
+  sj.strategies.TunedDraftTemperature(K) at scale 1; greedy cells, plain decoding, the
+  governor and trees run as they would; bad values are refused by the parser."""
+  import argparse
+  from spec_jax.bench.cli import scale_or_tuned
+  from spec_jax.bench.suites import targets
+  opts = argparse.Namespace(draft_temperature_scale=scale_or_tuned("tuned"))
+  drafter, tree = sj.drafters.NGram(2, 1), sj.TreeSpec(2, 2, 4)
+  assert targets.cell_config(4, 1.0, drafter, opts) == sj.strategies.TunedDraftTemperature(4)
+  assert [targets.cell_config(k, t, d, opts) for k, t, d in [
+      (4, 0.0, drafter), (0, 1.0, None), ("auto", 1.0, drafter), (tree, 1.0, drafter)]] == [
+          4, 0, "auto", tree]
+  assert targets.cell_sampling(1.0, opts).draft_temperature_scale == 1.0
+  assert scale_or_tuned("0.5") == 0.5
+  for bad in ["-1", "inf", "fast"]:
+    with pytest.raises(argparse.ArgumentTypeError, match="a finite number >= 0 or 'tuned'"):
+      scale_or_tuned(bad)
+  # run_generate runs the strategy it is given.
+  from tests.conftest import peaky_models
+  target, draft = peaky_models(sj.ModelConfig(
+      vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+      num_kv_heads=1, max_position_embeddings=64, eos_token_ids=()))
+  out = targets.run_generate(target, [[1, 2, 3]], sj.drafters.DraftModel(draft),
+                             targets.cell_config(2, 1.0, drafter, opts), 8, 1.0, 0)
+  assert out.stats.strategy == "K=2,tuned-draft-T" and len(out.tokens[0]) == 8

@@ -210,6 +210,26 @@ def test_the_check_catches_a_draft_q_from_another_temperature():
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
 
 
+def test_drafts_at_a_tuned_temperature_keep_the_target_joint():
+  """sj.strategies.TunedDraftTemperature: each row's later rounds draft at the scale its
+  earlier rounds scored best (here 0.5 or 2.5, starting at 0.5), so the draft distribution
+  changes between rounds; the joint of the first three tokens stays the target's. The
+  acceptance must differ from drafting at 0.5 throughout (the same key), or no row moved."""
+  target, draft = _shaped_models()
+  sampling = SETTINGS["T1"]
+  tuned = sj.strategies.TunedDraftTemperature(1, scales=(0.5, 2.5))
+  out = sj.generate(target, [PROMPT] * N, drafter=sj.drafters.DraftModel(draft),
+                    strategy=tuned, max_new_tokens=NEW, sampling=sampling,
+                    key=jax.random.key(0), stop_tokens=[], capacity=16,
+                    prompt_bucket=len(PROMPT))
+  _, fixed = sample_joint(target, sj.drafters.DraftModel(draft),
+                          sampling.replace(draft_temperature_scale=0.5), 1)
+  assert abs(out.stats.acceptance_rate - fixed.acceptance_rate) > 0.02, (
+      out.stats.summary(), fixed.summary())
+  assert_same_distribution(joint_counts(np.asarray(out.tokens)),
+                           exact_joint(target, PROMPT, sampling), alpha=1e-3)
+
+
 # ----------------------------------------------------------------------------- longer, ragged
 
 NEW6 = 6

@@ -121,3 +121,42 @@ def test_a_strategy_of_our_own_with_per_row_draft_lengths():
   drafted, rounds = out.stats.row_counts["drafted"], out.stats.row_counts["rounds"]
   assert drafted[0] == 0 and 0 < drafted[1] <= rounds[1] and rounds[2] < drafted[2] <= 2 * rounds[2]
   assert out.stats.strategy == "Budgeted"
+
+
+# ------------------------------------------------------------- drafts at a tuned temperature
+
+def test_acceptance_at_other_scales_equals_drafting_there():
+  """TunedDraftTemperature scores a candidate scale c' from the q drawn at c as q^(c/c')
+  renormalised: the same beta = sum_x min(p, q_c') as the drafter's own softmax at
+  temperature T c' (no top-k / top-p), at every position of every row."""
+  from spec_jax.decoding.rounds import Verified
+  from spec_jax.decoding.strategies.tuned import acceptance_at_scales, scored_positions
+  b, k, v, temperature = 3, 2, 64, 0.9
+  logits = 3.0 * jax.random.normal(jax.random.key(0), (b, k, v))
+  p = jax.nn.softmax(2.0 * jax.random.normal(jax.random.key(1), (b, k + 1, v)), axis=-1)
+  drawn = jnp.asarray([0.6, 1.0, 0.8])                      # each row's scale c
+  candidates = jnp.asarray([0.5, 0.8, 1.0, 1.5])
+  q = jax.nn.softmax(logits / (temperature * drawn[:, None, None]), axis=-1)
+  verified = Verified(q, p, jnp.asarray([2, 1, 0]), jnp.asarray([1, 0, 0]),
+                      jnp.asarray([True, True, False]))
+  beta = acceptance_at_scales(verified, drawn[:, None] / candidates[None, :])     # [B, K, S]
+  for s, c in enumerate(candidates):
+    q_c = jax.nn.softmax(logits / (temperature * c), axis=-1)
+    want = jnp.sum(jnp.minimum(p[:, :k], q_c), axis=-1)
+    np.testing.assert_allclose(beta[..., s], want, rtol=1e-5, atol=1e-6)
+  # Every drafted position of a running sampled row is scored, past a rejection too.
+  scored = scored_positions(verified, jnp.asarray([True, False, True]))
+  np.testing.assert_array_equal(scored, [[True, True], [False, False], [False, False]])
+
+
+def test_tuned_draft_temperature_is_checked_and_leaves_greedy_rows_alone():
+  tuned = sj.strategies.TunedDraftTemperature
+  for scales in [(), (0.5, 0.5), (0.0, 1.0), (1.0, float("inf")), "0.8"]:
+    with pytest.raises(ValueError, match="scales must be distinct finite numbers > 0"):
+      tuned(2, scales=scales)
+  with pytest.raises(ValueError, match="needs a drafter"):
+    run(strategy=tuned(2), drafter=None)
+  assert tuned(2, scales=(0.3, 3.0)).start == 1 and tuned(2).scales[tuned(2).start] == 1.0
+  # Greedy: temperature 0 at any scale, so the tokens are plain greedy's.
+  out = run(strategy=tuned(2))
+  assert out.tokens == plain(), out.stats.summary()

@@ -22,6 +22,19 @@ DEFAULT_PLAIN_MODELS = ("../shared/models/stories260K", "../shared/models/tinyst
 QUICK = dict(num_draft=[2, 4], batch=[1, 4], max_new_tokens=32, repeats=2, cost_repeats=5)
 
 
+def scale_or_tuned(value):
+  """--draft-temperature-scale: a number >= 0, or 'tuned'."""
+  if value == "tuned":
+    return value
+  try:
+    scale = float(value)
+  except ValueError:
+    scale = -1.0
+  if not 0 <= scale < float("inf"):
+    raise argparse.ArgumentTypeError(f"expected a finite number >= 0 or 'tuned', got {value!r}")
+  return scale
+
+
 def k_or_auto(value):
   """A --num-draft value: an integer K or 'auto' (the governor)."""
   if isinstance(value, str) and value.strip().lower() == "auto":
@@ -69,9 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "prompt, and at temperature 1 one sampled story moves it a lot")
   p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")],
                  default=[0.0, 1.0], help="comma-separated, e.g. 0,1 (0 = greedy)")
-  p.add_argument("--draft-temperature-scale", type=float, default=1.0, metavar="S",
+  p.add_argument("--draft-temperature-scale", type=scale_or_tuned, default=1.0, metavar="S",
                  help="sampled cells: drafters draw at S x the temperature (sj.Sampling's "
-                 "draft_temperature_scale; 1 = the same, 0 = greedy drafts; lossless either way)")
+                 "draft_temperature_scale; 1 = the same, 0 = greedy drafts; lossless either way), "
+                 "or 'tuned': every chain K runs as sj.strategies.TunedDraftTemperature(K), "
+                 "each row choosing its scale online")
   p.add_argument("--max-new-tokens", type=int, default=128,
                  help="new tokens per row (capped by the context of target and draft model)")
   p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")

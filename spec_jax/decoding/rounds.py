@@ -19,7 +19,7 @@ decoding.strategies; they call these primitives, which know none of them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -166,8 +166,20 @@ def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n
       finished_at_round=jnp.where(new.done & ~st.done, iteration, c.finished_at_round)))
 
 
+class Verified(NamedTuple):
+  """What a sampled chain round verified, for a strategy that learns from it (chain_round's
+  `observe`): draft_probs float32 [B, K, V] (the q each draft was drawn from), target_probs
+  float32 [B, K+1, V] (p at each verify position), draft_lengths and n_accepted int32 [B],
+  active bool [B] (the rows that were running at the round's start)."""
+  draft_probs: jax.Array
+  target_probs: jax.Array
+  draft_lengths: jax.Array
+  n_accepted: jax.Array
+  active: jax.Array
+
+
 def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None,
-                sync_drafter: bool = True) -> DecodeState:
+                sync_drafter: bool = True, observe=None) -> DecodeState:
   """One speculative round with a chain of K drafts (K = 0: a plain decoding step):
   propose -> verify -> accept -> commit -> drafter.commit -> statistics.
 
@@ -177,7 +189,9 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None,
   missing ones are): bool [B], the rows that may use their drafts (the others decode one token:
   the governor's per-row gating), or int32 [B] in 0..K, each row's own draft length (a
   strategy that budgets each row's verify). sync_drafter=False (K = 0 only) skips
-  drafter.commit: a plain step and nothing else, for a loop that never drafts again."""
+  drafter.commit: a plain step and nothing else, for a loop that never drafts again.
+  observe: optional (state after the round, Verified) -> state, called in sampled rounds whose
+  drafter reports its q (a strategy's own statistics of p and q); never in greedy loops."""
   key, draft_key, accept_key = jax.random.split(st.key, 3)
   if k == 0:
     b = st.tokens.shape[0]
@@ -220,6 +234,8 @@ def chain_round(env: LoopEnv, st: DecodeState, *, k: int, draft_rows=None,
   new = st.replace(tokens=tokens, lengths=lengths, done=done, cache=cache,
                    drafter_state=dstate, key=key,
                    sampling_state=commit_history(env, st, emitted, n_emit))
+  if observe is not None and not env.greedy and draft_probs is not None:
+    new = observe(new, Verified(draft_probs, target_out, draft_lengths, n_acc, ~st.done))
   return update_stats(st, new, draft_lengths, n_acc, n_emit)
 
 

@@ -116,24 +116,42 @@ def run_batches(target, batches, drafter, k, max_new: int, temperature, seed: in
                                        seed).stats for prompts in batches])
 
 
+TUNED = "tuned"            # --draft-temperature-scale tuned
+
+
 def cell_sampling(temperature: float, opts) -> "sj.Sampling":
-  """A cell's sampling settings: its temperature and --draft-temperature-scale."""
+  """A cell's sampling settings: its temperature and --draft-temperature-scale (1 when
+  'tuned': the strategy scales it, cell_config)."""
+  scale = getattr(opts, "draft_temperature_scale", 1.0)
   return sj.Sampling(temperature=temperature,
-                     draft_temperature_scale=getattr(opts, "draft_temperature_scale", 1.0))
+                     draft_temperature_scale=1.0 if scale == TUNED else scale)
+
+
+def cell_config(k, temperature: float, drafter, opts):
+  """What run_generate runs for configuration k of a cell: k itself, or with
+  --draft-temperature-scale tuned at a temperature > 0, a chain's K as
+  sj.strategies.TunedDraftTemperature(K)."""
+  tuned = getattr(opts, "draft_temperature_scale", 1.0) == TUNED
+  if tuned and temperature > 0 and drafter is not None and isinstance(k, int) and k > 0:
+    return sj.strategies.TunedDraftTemperature(k)
+  return k
 
 
 def run_generate(target, prompts, drafter, k, max_new: int, temperature, seed: int):
   """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
-  an integer, 'auto' (the governor: calibrated on its first call, outside the timing) or an
-  sj.TreeSpec (tree drafting); temperature: a float or an sj.Sampling (cell_sampling)."""
+  an integer, 'auto' (the governor: calibrated on its first call, outside the timing), an
+  sj.TreeSpec (tree drafting) or an sj.Strategy (cell_config); temperature: a float or an
+  sj.Sampling (cell_sampling)."""
   import jax
   tree = k if isinstance(k, sj.TreeSpec) else None
   sampling = (temperature if isinstance(temperature, sj.Sampling)
               else sj.Sampling(temperature=temperature))
-  out = sj.generate(target, prompts, drafter=drafter,
-                    num_draft=k if drafter is not None and tree is None else 4, tree=tree,
-                    max_new_tokens=max_new, sampling=sampling,
-                    key=jax.random.key(seed), stop_tokens=[])
+  if isinstance(k, sj.Strategy):
+    how = {"strategy": k}
+  else:
+    how = {"num_draft": k if drafter is not None and tree is None else 4, "tree": tree}
+  out = sj.generate(target, prompts, drafter=drafter, max_new_tokens=max_new,
+                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], **how)
   counts = {len(t) for t in out.tokens}
   if counts != {max_new}:
     raise RuntimeError(f"expected exactly {max_new} new tokens per row with stop_tokens=[], got "
