@@ -5,7 +5,7 @@ Speculative sampling is exact for any draft distribution q fixed before the draf
 (Leviathan et al. 2023, Theorem 1), so q may be chosen from anything the past rounds saw: the
 output keeps the target's distribution. What the choice moves is the acceptance, per position
 
-    beta(q) = sum_x min(p(x), q(x))          (Leviathan et al. 2023, Definition 3.1)
+    beta(q) = sum_x min(p(x), q(x))          (Leviathan et al. 2023, section 3: the acceptance rate)
 
 and a draft model broader than its target at T = 1 accepts more when sharpened
 (docs/speed.md: salty279K drafting for stories260K, beta 0.649 at scale 1, 0.666 at 0.8).
