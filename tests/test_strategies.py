@@ -151,12 +151,13 @@ def test_acceptance_at_other_scales_equals_drafting_there():
 
 def test_tuned_draft_temperature_is_checked_and_leaves_greedy_rows_alone():
   tuned = sj.strategies.TunedDraftTemperature
-  for scales in [(), (0.5, 0.5), (0.0, 1.0), (1.0, float("inf")), "0.8"]:
+  for scales in [(), (0.5, 0.5), (0.0, 1.0), (1.0, float("inf")), "0.8", (True, 0.5)]:
     with pytest.raises(ValueError, match="scales must be distinct finite numbers > 0"):
       tuned(2, scales=scales)
   with pytest.raises(ValueError, match="needs a drafter"):
     run(strategy=tuned(2), drafter=None)
   assert tuned(2, scales=(0.3, 3.0)).start == 1 and tuned(2).scales[tuned(2).start] == 1.0
+  assert tuned(2, scales=(np.float32(0.5), 1)).scales == (0.5, 1.0)
   # Greedy: temperature 0 at any scale, so the tokens are plain greedy's.
   out = run(strategy=tuned(2))
   assert out.tokens == plain(), out.stats.summary()

@@ -20,9 +20,9 @@ from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.metrics import alpha_per_verified_token, bound_of, engine_capacity
 from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
-from spec_jax.bench.suites.targets import (DTYPE_TAGS, TUNED, cell_config, cell_sampling,
-                                           grid_of, prepare_target, release_compiled,
-                                           run_batches)
+from spec_jax.bench.suites.targets import (DTYPE_TAGS, cell_config, cell_sampling,
+                                           draft_scale, grid_of, prepare_target,
+                                           release_compiled, run_batches)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
@@ -246,9 +246,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   meta = {"target": setup.label, "target_spec": setup.spec,
           "target_params": setup.model.config.num_params, "batch": batch, "temperature": temp,
           "max_new_tokens": setup.max_new, "batches_per_cell": n,
-          "draft_temperature_scale": (
-              TUNED if getattr(opts, "draft_temperature_scale", 1.0) == TUNED
-              else float(sampling.draft_temperature_scale)),
+          "draft_temperature_scale": draft_scale(opts),
           "prompt_tokens_longest": max(len(r) for b in batches for r in b),
           "cost_fill": setup.fill, "cost_capacity": cost_capacity}
   plains = {setup.model.config.dtype: base}

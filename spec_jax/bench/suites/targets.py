@@ -119,10 +119,16 @@ def run_batches(target, batches, drafter, k, max_new: int, temperature, seed: in
 TUNED = "tuned"            # --draft-temperature-scale tuned
 
 
+def draft_scale(opts):
+  """--draft-temperature-scale: a float, or TUNED."""
+  scale = getattr(opts, "draft_temperature_scale", 1.0)
+  return scale if scale == TUNED else float(scale)
+
+
 def cell_sampling(temperature: float, opts) -> "sj.Sampling":
   """A cell's sampling settings: its temperature and --draft-temperature-scale (1 when
   'tuned': the strategy scales it, cell_config)."""
-  scale = getattr(opts, "draft_temperature_scale", 1.0)
+  scale = draft_scale(opts)
   return sj.Sampling(temperature=temperature,
                      draft_temperature_scale=1.0 if scale == TUNED else scale)
 
@@ -131,8 +137,7 @@ def cell_config(k, temperature: float, drafter, opts):
   """What run_generate runs for configuration k of a cell: k itself, or with
   --draft-temperature-scale tuned at a temperature > 0, a chain's K as
   sj.strategies.TunedDraftTemperature(K)."""
-  tuned = getattr(opts, "draft_temperature_scale", 1.0) == TUNED
-  if tuned and temperature > 0 and drafter is not None and isinstance(k, int) and k > 0:
+  if draft_scale(opts) == TUNED and temperature > 0 and drafter is not None and isinstance(k, int) and k > 0:
     return sj.strategies.TunedDraftTemperature(k)
   return k
 

@@ -25,6 +25,7 @@ nothing and draft as a Chain(K) would.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,8 @@ class TunedDraftTemperature(Chain):
   def __post_init__(self):
     super().__post_init__()
     scales = tuple(self.scales) if isinstance(self.scales, (tuple, list)) else None
-    if (not scales or not all(isinstance(s, (int, float)) and 0 < s < np.inf for s in scales)
+    if (not scales or not all(isinstance(s, numbers.Real) and not isinstance(s, bool)
+                              and 0 < s < np.inf for s in scales)
         or len(set(scales)) != len(scales)):
       raise ValueError(f"TunedDraftTemperature: scales must be distinct finite numbers > 0 "
                        f"(multiples of the row's draft temperature), got {self.scales!r}")
