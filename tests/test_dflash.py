@@ -678,6 +678,13 @@ def test_bench_spec_loads_dflash_drafters(trained):
     specs.make_drafter(f"dflash:{tmp / 'medusa'}", stories)
   with pytest.raises(ValueError, match=r"dflash:PATH needs the DFlash drafter's directory"):
     specs.check_drafter_spec("dflash:")
+  # LOOKUP+MODEL: sj.drafters.LookupFirst, prompt lookup first.
+  both = specs.make_drafter(f"ngram:4:2+dflash:{tmp / 'run'}", stories)
+  assert both == sj.drafters.LookupFirst(drafter, sj.drafters.NGram(4, 2))
+  assert specs.drafter_label(f"ngram:4:2+dflash:{tmp / 'run'}") == "ngram:4:2+dflash:run"
+  for bad in ("dflash:x+ngram", "ngram+ngram:3", "ngram+", "ngram:x+dflash:y"):
+    with pytest.raises(ValueError, match="bad drafter"):
+      specs.check_drafter_spec(bad)
 
 
 @pytest.mark.slow   # three short trainer runs

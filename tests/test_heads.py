@@ -44,13 +44,16 @@ def make_head(kind, target, greedy_drafts=False, scale=0.5):
     ids = [i for i in range(v) if i % 3 != 1]
     return EAGLE3.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts,
                        draft_tokens=ids)
+  if kind.startswith("lookup+"):     # prompt lookup first, the head where it finds nothing
+    head = make_head(kind[len("lookup+"):], target, greedy_drafts, scale)
+    return sj.drafters.LookupFirst(head, sj.drafters.NGram(2, 1))
   cls = {"eagle": EAGLE, "eagle3": EAGLE3, "eagle3_fused": EAGLE3Fused, "mtp": MTP}[kind]
   return cls.init(target, key=key, init_std=scale, greedy_drafts=greedy_drafts)
 
 
 LOSSLESS_CASES = [("medusa", False), ("eagle", False), ("eagle3", False), ("mtp", False),
                   ("eagle", True), ("eagle3-reduced", False), ("eagle3-reduced", True),
-                  ("eagle3_fused", False)]
+                  ("eagle3_fused", False), ("lookup+eagle3-reduced", False)]
 
 
 @pytest.mark.slow   # ~20-40 s each on a shared 2-core CPU (40k rows)
@@ -379,6 +382,94 @@ def test_agreeing_heads_through_the_engine(kind):
         assert_f32_close(g, w, MODEL_ULPS, err_msg=f"{kind} row {r}")
     checked += rows.size
   assert checked >= s.rounds - len(PROMPTS), (checked, s.rounds)   # one cut round per row at most
+
+
+def counting_proposes(drafter, calls: list, scratch: bool):
+  """`drafter` whose propose appends to `calls` each time it runs, claiming
+  propose_is_scratch = scratch (a distinct static key: its own compile)."""
+  class Counting(type(drafter)):
+    propose_is_scratch = scratch
+
+    def _static_key(self):
+      return ("Counting", scratch) + super()._static_key()
+
+    def propose(self, params, state, ctx):
+      jax.debug.callback(lambda: calls.append(None))
+      return super().propose(params, state, ctx)
+
+  out = Counting.__new__(Counting)
+  out.__dict__.update(drafter.__dict__)
+  return out
+
+
+def test_lookup_first_skips_the_head_only_where_its_drafts_are_unchanged():
+  """LookupFirst(head) at B = 1 on a prompt that repeats itself: rounds whose last tokens match
+  earlier text draft the lookup's continuation and skip the head's propose (the head's
+  propose_is_scratch); the head's later drafts, the tokens and every count equal those of the
+  same drafter made to propose in every round, and the tokens equal plain greedy's."""
+  target = agreeing_target()
+  head = _copy_layer_head("eagle", target)
+  runs = {}
+  for scratch in (True, False):
+    calls = []
+    drafter = sj.drafters.LookupFirst(counting_proposes(head, calls, scratch),
+                                      sj.drafters.NGram(2, 1))
+    out = sj.generate(target, PROMPTS[:1], drafter=drafter, num_draft=AGREE_K,
+                      max_new_tokens=AGREE_NEW, sampling=GREEDY, stop_tokens=[])
+    runs[scratch] = out, len(calls)
+  (skipping, n_skipping), (always, n_always) = runs[True], runs[False]
+  assert skipping.tokens == always.tokens == agreeing_plain().tokens[:1]
+  counts = lambda s: (s.rounds, s.drafted, s.accepted, s.accepted_at)
+  assert counts(skipping.stats) == counts(always.stats)
+  assert n_always >= always.stats.rounds and 0 < n_skipping < n_always, (n_skipping, n_always)
+  alone = sj.generate(target, PROMPTS[:1], drafter=head, num_draft=AGREE_K,
+                      max_new_tokens=AGREE_NEW, sampling=GREEDY, stop_tokens=[])
+  assert counts(alone.stats) != counts(always.stats)       # the lookup's drafts were taken
+
+
+@sj.drafters.base.frozen_drafter
+class _FixedDrafts(sj.drafters.FrozenDrafter):
+  """Token 7 at every slot, drawn from the uniform q over 8 tokens."""
+  params = None
+  reads_prompt_hidden = False
+
+  def propose(self, params, state, ctx):
+    b, k = ctx.tokens.shape[0], ctx.num_draft
+    q = None if ctx.greedy else jnp.full((b, k, 8), 1 / 8, jnp.float32)
+    return jnp.full((b, k), 7, jnp.int32), q, state
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_lookup_first_takes_each_rows_match_else_the_model(greedy):
+  """Row 0 ends with a 2-gram seen earlier: the lookup's continuation, q one-hot there. Row 1
+  has no match and row 2 only a 1-gram one (the default lookup NGram(3, 2) needs 2): the
+  model's drafts and q."""
+  tokens = jnp.asarray([[1, 2, 3, 1, 2, 0], [1, 2, 3, 4, 5, 0], [1, 2, 3, 2, 0, 0]], jnp.int32)
+  ctx = sj.drafters.DraftContext(key=jax.random.key(0), tokens=tokens,
+                                 lengths=jnp.asarray([5, 5, 4], jnp.int32),
+                                 sampling=sj.Sampling(temperature=1.0).as_arrays(3),
+                                 target_params=None, num_draft=3, greedy=greedy)
+  drafts, q, state = sj.drafters.LookupFirst(_FixedDrafts()).propose(None, (), ctx)
+  np.testing.assert_array_equal(drafts, [[3, 1, 2], [7, 7, 7], [7, 7, 7]])
+  assert state == ()
+  if greedy:
+    assert q is None
+  else:
+    np.testing.assert_array_equal(q[0], jax.nn.one_hot(jnp.asarray([3, 1, 2]), 8))
+    np.testing.assert_array_equal(q[1:], jnp.full((2, 3, 8), 1 / 8))
+
+
+def test_lookup_first_is_checked():
+  with pytest.raises(ValueError, match="model must be a model drafter"):
+    sj.drafters.LookupFirst(sj.drafters.NGram())
+  with pytest.raises(ValueError, match="lookup must be a spec_jax.drafters.NGram"):
+    sj.drafters.LookupFirst(_FixedDrafts(), lookup=_FixedDrafts())
+  head = make_head("eagle3", greedy_target())
+  both = sj.drafters.LookupFirst(head)
+  assert both.target_layers == head.target_layers and both.params is head.params
+  assert both == sj.drafters.LookupFirst(head.with_params(jax.tree.map(jnp.zeros_like,
+                                                                       head.params)))
+  assert both != sj.drafters.LookupFirst(head, sj.drafters.NGram(4, 2))
 
 
 def test_medusa_with_more_drafts_than_heads_is_refused():

@@ -6,7 +6,8 @@ tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.mod
 hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
 exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
 heads of MODEL (`heads:PATH`, `KIND:PATH`) are widened with it. Drafters: `none`, `ngram`,
-`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `mtp` (the native MTP head in the target's own
+`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `ngram[:MAX[:MIN]]+MODEL_DRAFTER` (prompt lookup
+first, the model drafter where it finds no match: sj.drafters.LookupFirst), `mtp` (the native MTP head in the target's own
 folder, e.g. a Qwen3-Next / Qwen3.5 checkpoint's mtp.*), `heads:PATH` (trained heads of any kind, or
 any folder `sj.drafters.load` reads), `KIND:PATH` for a head kind of the registry
 (spec_jax.drafters.registry: `dflash:PATH` a DFlash block drafter, trained here or a published
@@ -47,7 +48,8 @@ RANDOM_MODELS = {
 
 DRAFTER_SPECS = ("none, ngram, ngram:MAX[:MIN], draft:MODEL, mtp (the target's own MTP head), "
                  "heads:PATH or KIND:PATH (KIND: "
-                 + ", ".join(registry.HEAD_KINDS) + ")")
+                 + ", ".join(registry.HEAD_KINDS) + "), ngram[:MAX[:MIN]]+MODEL_DRAFTER (prompt "
+                 "lookup first, e.g. ngram:3:2+heads:PATH)")
 WIDENED_DEFAULT = (768, 2048, 12)
 _WIDENED_SOURCES: dict = {}     # id(widened model) -> (source model, widened model)
 
@@ -82,6 +84,9 @@ def drafter_label(spec: str) -> str:
   """A short name for tables: heads by their run folder, draft models by their model label."""
   if spec in ("none", "", None):
     return "none"
+  if "+" in spec:
+    lookup, _, model = spec.partition("+")
+    return f"{drafter_label(lookup)}+{drafter_label(model)}"
   kind, _, arg = spec.partition(":")
   if (kind == "heads" or kind in registry.KINDS) and arg:
     # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
@@ -154,6 +159,15 @@ def check_drafter_spec(spec: str) -> None:
   """Raises ValueError for a spec make_drafter would refuse, without loading anything."""
   if spec in (None, "", "none"):
     return
+  if "+" in spec:                          # LOOKUP+MODEL: sj.drafters.LookupFirst
+    lookup, _, model = spec.partition("+")
+    if lookup.partition(":")[0] != "ngram" or model.partition(":")[0] in ("ngram", "none", ""):
+      raise ValueError(f"bad drafter {spec!r}: a combined drafter is ngram[:MAX[:MIN]]+MODEL, "
+                       f"prompt lookup first and a model drafter (draft:, heads:, a head kind) "
+                       f"where it finds no match")
+    check_drafter_spec(lookup)
+    check_drafter_spec(model)
+    return
   kind, _, arg = spec.partition(":")
   if kind == "ngram":
     try:
@@ -177,6 +191,10 @@ def make_drafter(spec: str, target, seed: int = 0):
   check_drafter_spec(spec)
   if spec in (None, "", "none"):
     return None
+  if "+" in spec:
+    lookup, _, model = spec.partition("+")
+    return sj.drafters.LookupFirst(make_drafter(model, target, seed),
+                                   make_drafter(lookup, target, seed))
   kind, _, arg = spec.partition(":")
   if kind == "ngram":
     return sj.drafters.NGram(*[int(x) for x in arg.split(":") if x])

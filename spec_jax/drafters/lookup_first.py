@@ -1,0 +1,112 @@
+"""Prompt lookup first, a model drafter where lookup finds nothing (per row, every round).
+
+Prompt lookup (spec_jax.drafters.ngram) is nearly free and drafts long runs where an answer
+copies its question or its own earlier text (extraction, summarisation, code edits); a trained
+head or a draft model drafts everywhere else, at the cost of its own steps. This drafter runs
+both as one: each round, a row whose last tokens match earlier text (an n-gram of the lookup's
+min_ngram..max_ngram tokens) takes the lookup's continuation, and every other row takes the
+model's drafts. vLLM's and SGLang's n-gram and suffix drafters are separate methods; suffix
+decoding with an EAGLE fallback (Arctic Inference) is this idea with a suffix tree.
+
+Lossless as each part is: the choice between the two is a function of the committed tokens
+only (made before anything is drawn), and each row's q is the distribution its drafts came
+from: one-hot at a looked-up token (what a deterministic draft is), the model's q elsewhere.
+
+Cost: the lookup is one [B, S] comparison per n-gram length. The model's propose is skipped,
+by a `lax.cond`, in a round where every row looked its drafts up, if the model says skipping
+is safe (`Drafter.propose_is_scratch`: what its propose writes to its state, commit rewrites;
+the feature heads and the block drafters). A draft model's propose advances its own cache, so
+it runs in every round. At B = 1 a round of copied text then costs what prompt lookup costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.drafters.base import (DraftContext, Drafter, FrozenDrafter, derived_field,
+                                    frozen_drafter)
+from spec_jax.drafters.ngram import NGram
+
+
+@frozen_drafter
+class LookupFirst(FrozenDrafter):
+  """Per row and round: prompt lookup's drafts where it finds a match, else the model's.
+
+  Args:
+    model: the drafter for rows without a match (a trained head, DFlash, a DraftModel, ...);
+      its params are this drafter's params.
+    lookup: the prompt lookup (NGram; default NGram(3, 2): the longest match of 3 or 2
+      tokens, so that one repeated token does not displace the model).
+  """
+
+  model: Drafter = dataclasses.field()
+  lookup: NGram = NGram(3, 2)
+  params: Any = derived_field(compare=False)
+
+  supports_tree = False
+
+  def __post_init__(self):
+    if not isinstance(self.model, Drafter) or isinstance(self.model, (NGram, LookupFirst)):
+      raise ValueError(f"LookupFirst's model must be a model drafter (a trained head, DFlash, "
+                       f"a DraftModel, ...), not {type(self.model).__name__}: the lookup is "
+                       f"its `lookup` argument")
+    if not isinstance(self.lookup, NGram):
+      raise ValueError(f"LookupFirst's lookup must be a spec_jax.drafters.NGram, got "
+                       f"{type(self.lookup).__name__}")
+    object.__setattr__(self, "params", self.model.params)
+
+  # What the engine reads of a drafter: the model's (the lookup needs no features).
+  reads_prompt_hidden = property(lambda self: self.model.reads_prompt_hidden)
+  target_layers = property(lambda self: tuple(self.model.target_layers))
+  max_draft = property(lambda self: self.model.max_draft)
+  rolls_steps_on = property(lambda self: self.model.rolls_steps_on)
+  greedy_drafts = property(lambda self: bool(getattr(self.model, "greedy_drafts", False)))
+
+  def with_params(self, params, greedy_drafts=None):
+    return self.replace(model=self.model.with_params(params, greedy_drafts))
+
+  def check_compatible(self, target) -> None:
+    self.model.check_compatible(target)
+
+  def prepare(self, params):
+    return self.model.prepare(params)
+
+  def init_state(self, params, prefill):
+    return self.model.init_state(params, prefill)
+
+  def catch_up(self, params, state, tokens, lengths):
+    return self.model.catch_up(params, state, tokens, lengths)
+
+  def commit(self, params, state, tokens, n_accepted, verify):
+    return self.model.commit(params, state, tokens, n_accepted, verify)
+
+  def propose(self, params, state, ctx: DraftContext):
+    """-> (drafts int32 [B, K] (-1 past a row's drafts), q float32 [B, K, V] or None when
+    every row drafts deterministically, state)."""
+    looked, _, _ = self.lookup.propose(None, (), ctx)
+    use_lookup = looked[:, 0] >= 0                                       # [B]
+
+    def model_drafts(state):
+      return self.model.propose(params, state, ctx)
+
+    if self.model.propose_is_scratch:
+      shapes = jax.eval_shape(model_drafts, state)
+
+      def skipped(state):
+        drafts, q, _ = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return jnp.full_like(drafts, -1), q, state
+
+      drafts, q, state = jax.lax.cond(jnp.all(use_lookup), skipped, model_drafts, state)
+    else:
+      drafts, q, state = model_drafts(state)
+    drafts = jnp.where(use_lookup[:, None], looked, drafts)
+    if q is not None:
+      # A looked-up draft is deterministic: its q is one-hot (positions past the row's drafts
+      # are never read).
+      one_hot = jax.nn.one_hot(jnp.maximum(looked, 0), q.shape[-1], dtype=q.dtype)
+      q = jnp.where(use_lookup[:, None, None], one_hot, q)
+    return drafts, q, state
