@@ -460,7 +460,7 @@ def test_lookup_first_takes_each_rows_match_else_the_model(greedy):
 
 
 def test_lookup_first_is_checked():
-  with pytest.raises(ValueError, match="model must be a model drafter"):
+  with pytest.raises(ValueError, match="fallback must be a model drafter"):
     sj.drafters.LookupFirst(sj.drafters.NGram())
   with pytest.raises(ValueError, match="lookup must be a spec_jax.drafters.NGram"):
     sj.drafters.LookupFirst(_FixedDrafts(), lookup=_FixedDrafts())

@@ -6,13 +6,13 @@ tokenizer), or `widened:MODEL[:H,F,L]`: MODEL widened in memory by `spec_jax.mod
 hidden H, MLP F, L layers (default 768,2048,12: stories260K becomes a 78M-parameter model with
 exactly its logits — the cost of a 100M-class model, the distribution of a real one); trained
 heads of MODEL (`heads:PATH`, `KIND:PATH`) are widened with it. Drafters: `none`, `ngram`,
-`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `ngram[:MAX[:MIN]]+MODEL_DRAFTER` (prompt lookup
-first, the model drafter where it finds no match: sj.drafters.LookupFirst), `mtp` (the native MTP head in the target's own
+`ngram:MAX[:MIN]`, `draft:MODEL` (a DraftModel), `mtp` (the native MTP head in the target's own
 folder, e.g. a Qwen3-Next / Qwen3.5 checkpoint's mtp.*), `heads:PATH` (trained heads of any kind, or
 any folder `sj.drafters.load` reads), `KIND:PATH` for a head kind of the registry
 (spec_jax.drafters.registry: `dflash:PATH` a DFlash block drafter, trained here or a published
 DFlash folder; `eagle3:PATH`, `medusa:PATH`, ...: the same, refused unless the folder holds
-that kind). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
+that kind), `ngram[:MAX[:MIN]]+DRAFTER` (prompt lookup first, DRAFTER where it finds no match:
+sj.drafters.LookupFirst). A pair is `TARGET@DRAFTER`; `default` is DEFAULT_PAIRS.
 """
 
 from __future__ import annotations
@@ -223,8 +223,11 @@ def make_drafter(spec: str, target, seed: int = 0):
 
 
 def draft_model_of(drafter):
-  """The separate draft model of a DraftModel drafter; None for every other drafter."""
-  return getattr(drafter, "model", None)
+  """The separate draft model of a DraftModel drafter (also as a LookupFirst's fallback); None
+  for every other drafter."""
+  if isinstance(drafter, sj.drafters.LookupFirst):
+    drafter = drafter.fallback
+  return drafter.model if isinstance(drafter, sj.drafters.DraftModel) else None
 
 
 def parse_pairs(pairs) -> list:

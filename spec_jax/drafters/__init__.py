@@ -18,5 +18,5 @@ from spec_jax.drafters.registry import HEAD_KINDS, TREE_DRAFTERS
 from spec_jax.drafters.widening import widen_heads
 
 __all__ = ["Drafter", "FrozenDrafter", "DraftContext", "PrefillInfo", "VerifyInfo", "DraftModel",
-           "NGram", "LookupFirst", "Medusa", "Gemma4Assistant", "EAGLE", "EAGLE3", "EAGLE3Fused", "MTP",
-           "HybridMTP", "DFlash", "DSpark", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]
+           "NGram", "LookupFirst", "Medusa", "Gemma4Assistant", "EAGLE", "EAGLE3", "EAGLE3Fused",
+           "MTP", "HybridMTP", "DFlash", "DSpark", "HEAD_KINDS", "TREE_DRAFTERS", "load", "export", "widen_heads"]

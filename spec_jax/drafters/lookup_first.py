@@ -37,52 +37,53 @@ class LookupFirst(FrozenDrafter):
   """Per row and round: prompt lookup's drafts where it finds a match, else the model's.
 
   Args:
-    model: the drafter for rows without a match (a trained head, DFlash, a DraftModel, ...);
-      its params are this drafter's params.
+    fallback: the drafter for rows without a match (a trained head, DFlash, a DraftModel,
+      ...); its params are this drafter's params.
     lookup: the prompt lookup (NGram; default NGram(3, 2): the longest match of 3 or 2
       tokens, so that one repeated token does not displace the model).
   """
 
-  model: Drafter = dataclasses.field()
+  fallback: Drafter = dataclasses.field()
   lookup: NGram = NGram(3, 2)
   params: Any = derived_field(compare=False)
 
   supports_tree = False
 
   def __post_init__(self):
-    if not isinstance(self.model, Drafter) or isinstance(self.model, (NGram, LookupFirst)):
-      raise ValueError(f"LookupFirst's model must be a model drafter (a trained head, DFlash, "
-                       f"a DraftModel, ...), not {type(self.model).__name__}: the lookup is "
+    if not isinstance(self.fallback, Drafter) or isinstance(self.fallback,
+                                                             (NGram, LookupFirst)):
+      raise ValueError(f"LookupFirst's fallback must be a model drafter (a trained head, DFlash, "
+                       f"a DraftModel, ...), not {type(self.fallback).__name__}: the lookup is "
                        f"its `lookup` argument")
     if not isinstance(self.lookup, NGram):
       raise ValueError(f"LookupFirst's lookup must be a spec_jax.drafters.NGram, got "
                        f"{type(self.lookup).__name__}")
-    object.__setattr__(self, "params", self.model.params)
+    object.__setattr__(self, "params", self.fallback.params)
 
-  # What the engine reads of a drafter: the model's (the lookup needs no features).
-  reads_prompt_hidden = property(lambda self: self.model.reads_prompt_hidden)
-  target_layers = property(lambda self: tuple(self.model.target_layers))
-  max_draft = property(lambda self: self.model.max_draft)
-  rolls_steps_on = property(lambda self: self.model.rolls_steps_on)
-  greedy_drafts = property(lambda self: bool(getattr(self.model, "greedy_drafts", False)))
+  # What the engine reads of a drafter: the fallback's (the lookup needs no features).
+  reads_prompt_hidden = property(lambda self: self.fallback.reads_prompt_hidden)
+  target_layers = property(lambda self: tuple(self.fallback.target_layers))
+  max_draft = property(lambda self: self.fallback.max_draft)
+  rolls_steps_on = property(lambda self: self.fallback.rolls_steps_on)
+  greedy_drafts = property(lambda self: bool(getattr(self.fallback, "greedy_drafts", False)))
 
   def with_params(self, params, greedy_drafts=None):
-    return self.replace(model=self.model.with_params(params, greedy_drafts))
+    return self.replace(fallback=self.fallback.with_params(params, greedy_drafts))
 
   def check_compatible(self, target) -> None:
-    self.model.check_compatible(target)
+    self.fallback.check_compatible(target)
 
   def prepare(self, params):
-    return self.model.prepare(params)
+    return self.fallback.prepare(params)
 
   def init_state(self, params, prefill):
-    return self.model.init_state(params, prefill)
+    return self.fallback.init_state(params, prefill)
 
   def catch_up(self, params, state, tokens, lengths):
-    return self.model.catch_up(params, state, tokens, lengths)
+    return self.fallback.catch_up(params, state, tokens, lengths)
 
   def commit(self, params, state, tokens, n_accepted, verify):
-    return self.model.commit(params, state, tokens, n_accepted, verify)
+    return self.fallback.commit(params, state, tokens, n_accepted, verify)
 
   def propose(self, params, state, ctx: DraftContext):
     """-> (drafts int32 [B, K] (-1 past a row's drafts), q float32 [B, K, V] or None when
@@ -91,9 +92,9 @@ class LookupFirst(FrozenDrafter):
     use_lookup = looked[:, 0] >= 0                                       # [B]
 
     def model_drafts(state):
-      return self.model.propose(params, state, ctx)
+      return self.fallback.propose(params, state, ctx)
 
-    if self.model.propose_is_scratch:
+    if self.fallback.propose_is_scratch:
       shapes = jax.eval_shape(model_drafts, state)
 
       def skipped(state):
