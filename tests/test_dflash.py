@@ -681,6 +681,8 @@ def test_bench_spec_loads_dflash_drafters(trained):
   # LOOKUP+MODEL: sj.drafters.LookupFirst, prompt lookup first.
   both = specs.make_drafter(f"ngram:4:2+dflash:{tmp / 'run'}", stories)
   assert both == sj.drafters.LookupFirst(drafter, sj.drafters.NGram(4, 2))
+  assert specs.draft_model_of(both) is None        # the eval's context limit reads draft models
+  assert specs.draft_model_of(sj.drafters.LookupFirst(sj.drafters.DraftModel(stories))) is stories
   assert specs.drafter_label(f"ngram:4:2+dflash:{tmp / 'run'}") == "ngram:4:2+dflash:run"
   for bad in ("dflash:x+ngram", "ngram+ngram:3", "ngram+", "ngram:x+dflash:y"):
     with pytest.raises(ValueError, match="bad drafter"):
