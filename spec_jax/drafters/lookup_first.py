@@ -16,7 +16,8 @@ Cost: the lookup is one [B, S] comparison per n-gram length. The model's propose
 by a `lax.cond`, in a round where every row looked its drafts up, if the model says skipping
 is safe (`Drafter.propose_is_scratch`: what its propose writes to its state, commit rewrites;
 the feature heads and the block drafters). A draft model's propose advances its own cache, so
-it runs in every round. At B = 1 a round of copied text then costs what prompt lookup costs.
+it runs in every round. (On SmolLM2 at B = 1 the skip measured the same time as proposing in
+every round, within 1 %: docs/real_model.md.)
 """
 
 from __future__ import annotations
