@@ -85,8 +85,7 @@ def drafter_label(spec: str) -> str:
   if spec in ("none", "", None):
     return "none"
   if "+" in spec:
-    lookup, _, model = spec.partition("+")
-    return f"{drafter_label(lookup)}+{drafter_label(model)}"
+    return "+".join(drafter_label(part) for part in spec.partition("+")[::2])
   kind, _, arg = spec.partition(":")
   if (kind == "heads" or kind in registry.KINDS) and arg:
     # train.distill_heads saves to OUT_DIR/heads: the run's folder names the heads.
@@ -191,7 +190,7 @@ def make_drafter(spec: str, target, seed: int = 0):
   check_drafter_spec(spec)
   if spec in (None, "", "none"):
     return None
-  if "+" in spec:
+  if "+" in spec:                          # checked above: ngram...+MODEL
     lookup, _, model = spec.partition("+")
     return sj.drafters.LookupFirst(make_drafter(model, target, seed),
                                    make_drafter(lookup, target, seed))

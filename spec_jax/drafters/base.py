@@ -152,10 +152,6 @@ class Drafter:
     rolls_steps_on: the platforms ("cpu", "gpu", "tpu") on which a chain decode runs its later
       draft steps as a loop (DraftContext.rolled; decoding.loop.rolls_draft_steps): where that
       measured better.
-    propose_is_scratch: what propose writes to the state, the next commit rewrites, so a round
-      may skip propose (the state as it was) and still commit (LookupFirst skips the model in
-      rounds where every row looked its drafts up). False where propose advances the state
-      (a draft model's cache).
   """
   params: Any = None
   reads_prompt_hidden: bool = True
@@ -165,7 +161,6 @@ class Drafter:
   samples_tree_candidates: bool = True
   supports_best_first: bool = False
   rolls_steps_on: tuple = ()
-  propose_is_scratch: bool = False
 
   def check_compatible(self, target) -> None:
     """Raises ValueError if this drafter cannot draft for `target` (a Model)."""

@@ -107,7 +107,6 @@ class DFlash(FrozenDrafter):
 
   kind = "dflash"
   supports_tree = True
-  propose_is_scratch = True      # propose returns the state as it was
   supports_best_first = True
 
   params: Any = params_field()

@@ -103,7 +103,6 @@ class DSpark(DFlash):
 
   kind = "dspark"
   supports_tree = True
-  propose_is_scratch = False     # propose keeps its confidences in the state
 
   markov_rank: int = 0
   markov_head: str = "vanilla"

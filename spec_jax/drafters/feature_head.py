@@ -107,7 +107,6 @@ class FeatureHead(FrozenDrafter):
 
   kind = "eagle"
   supports_tree = True
-  propose_is_scratch = True      # propose writes speculative slots; commit rewrites K + 1 slots
   # Prompt positions per head forward in init_state (static; the target's prefill chunk).
   prefill_chunk = PREFILL_CHUNK
 

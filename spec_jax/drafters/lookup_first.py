@@ -12,12 +12,10 @@ Lossless as each part is: the choice between the two is a function of the commit
 only (made before anything is drawn), and each row's q is the distribution its drafts came
 from: one-hot at a looked-up token (what a deterministic draft is), the model's q elsewhere.
 
-Cost: the lookup is one [B, S] comparison per n-gram length. The model's propose is skipped,
-by a `lax.cond`, in a round where every row looked its drafts up, if the model says skipping
-is safe (`Drafter.propose_is_scratch`: what its propose writes to its state, commit rewrites;
-the feature heads and the block drafters). A draft model's propose advances its own cache, so
-it runs in every round. (On SmolLM2 at B = 1 the skip measured the same time as proposing in
-every round, within 1 %: docs/real_model.md.)
+Cost: the lookup is one [B, S] comparison per n-gram length, and the fallback proposes in
+every round (its drafts are dropped where the lookup matched). Skipping it by a `lax.cond` in
+rounds where every row matched measured the same time on SmolLM2 at B = 1 (within 1 %,
+docs/real_model.md), so the round stays this simple.
 """
 
 from __future__ import annotations
@@ -91,20 +89,7 @@ class LookupFirst(FrozenDrafter):
     every row drafts deterministically, state)."""
     looked, _, _ = self.lookup.propose(None, (), ctx)
     use_lookup = looked[:, 0] >= 0                                       # [B]
-
-    def model_drafts(state):
-      return self.fallback.propose(params, state, ctx)
-
-    if self.fallback.propose_is_scratch:
-      shapes = jax.eval_shape(model_drafts, state)
-
-      def skipped(state):
-        drafts, q, _ = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return jnp.full_like(drafts, -1), q, state
-
-      drafts, q, state = jax.lax.cond(jnp.all(use_lookup), skipped, model_drafts, state)
-    else:
-      drafts, q, state = model_drafts(state)
+    drafts, q, state = self.fallback.propose(params, state, ctx)
     drafts = jnp.where(use_lookup[:, None], looked, drafts)
     if q is not None:
       # A looked-up draft is deterministic: its q is one-hot (positions past the row's drafts
