@@ -2,6 +2,7 @@
 (Magpie): the user turn from the template's user-turn prefix alone, then the answer; batched,
 deduplicated, resumable shards; the trainer's `self_generated` data source."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ def resolve(raw: dict) -> dict:
   """A config dict as load_config makes it from YAML (checked keys, defaults, validated)."""
   train_config._check(raw, train_config.DEFAULTS)
   return train_config.validate(train_config._merge(train_config.DEFAULTS, raw))
+from spec_jax.models.chat import chat_ids
 from train.self_generate import load_conversations, self_generate, user_turn_prefix
 
 
@@ -41,11 +43,21 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   shards = sorted(p.name for p in out.glob("shard_*.npz"))
   calls = []
   real = sj.generate
-  monkeypatch.setattr(sj, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+  monkeypatch.setattr(sj, "generate", lambda *a, **k: calls.append(k) or real(*a, **k))
   assert self_generate(smol, 3, out, **kw) == seqs and not calls
-  more = self_generate(smol, len(stored) + 1, out, **kw)
-  assert more[:len(stored)] == stored and len(more) == len(stored) + 1 and calls
+  # The extension answers greedily (answer_temperature=0) while the question stays sampled.
+  more = self_generate(smol, len(stored) + 1, out, **kw, answer_temperature=0.0)
+  assert more[:len(stored)] == stored and len(more) == len(stored) + 1
+  asked, answered = calls
+  assert asked["sampling"].temperature == 1.0 and answered["sampling"].temperature == 0.0
+  again = real(smol, messages=answered["messages"], max_new_tokens=16,
+               sampling=sj.Sampling(temperature=0.0), key=jax.random.key(7))
+  new, new_rows = more[len(stored):], answered["messages"][:len(more) - len(stored)]
+  for seq, row, answer in zip(new, new_rows, again.tokens):
+    assert seq == chat_ids(smol, row) + list(answer)      # the greedy answer, whatever the key
   assert sorted(p.name for p in out.glob("shard_*.npz"))[:len(shards)] == shards
+  with pytest.raises(ValueError, match="answer_temperature"):
+    self_generate(smol, 1, tmp_path / "bad", answer_temperature=-1.0)
 
 
 @pytest.mark.optimized
@@ -64,6 +76,10 @@ def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
     resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
                           "data": {"sources": ["self_generated"],
                                    "self_generate": {"batch": 0}}})
+  with pytest.raises(ValueError, match="self_generate.answer_temperature"):
+    resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
+             "data": {"sources": ["self_generated"],
+                      "self_generate": {"answer_temperature": -0.5}}})
 
 
 def test_evaluation_prompts_from_a_prompt_set_use_the_chat_template(smol):

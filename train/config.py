@@ -67,6 +67,7 @@ DEFAULTS = {
             "answer_tokens": 256,    # budget of the answer
             "temperature": 1.0,
             "top_p": 1.0,
+            "answer_temperature": None,  # the answers' own (None: temperature; 0: greedy)
         },
     },
     "train": {
@@ -192,6 +193,10 @@ def validate(cfg: dict) -> dict:
   for name in ("conversations", "batch", "user_tokens", "answer_tokens"):
     if isinstance(sg[name], bool) or not isinstance(sg[name], int) or sg[name] < 1:
       raise ValueError(f"data.self_generate.{name} must be an integer >= 1, got {sg[name]!r}")
+  at = sg["answer_temperature"]
+  if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0):
+    raise ValueError(f"data.self_generate.answer_temperature must be a number >= 0 (0: greedy "
+                     f"answers) or null, got {at!r}")
   ub = sg["user_batch"]
   if ub is not None and (isinstance(ub, bool) or not isinstance(ub, int) or ub < 1):
     raise ValueError(f"data.self_generate.user_batch must be an integer >= 1 or null, got {ub!r}")

@@ -140,9 +140,12 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
   if "self_generated" in data_cfg["sources"]:
     knobs = dict(data_cfg["self_generate"])
     conversations = knobs.pop("conversations")
-    # The shard directory's key leaves `conversations` out: asking for more extends it.
+    # The shard directory's key leaves `conversations` out: asking for more extends it. An
+    # unset answer_temperature (added later) is left out too, so earlier caches keep their key.
+    key_knobs = {k: v for k, v in knobs.items()
+                 if not (k == "answer_temperature" and v is None)}
     out = pathlib.Path(data_cfg["cache_dir"]) / \
-        f"selfgen_{data_key(fingerprint_sha, dict(knobs, seed=seed))}"
+        f"selfgen_{data_key(fingerprint_sha, dict(key_knobs, seed=seed))}"
     seqs += self_generate(target, conversations, out, seed=seed, log=log, **knobs)
     if data_cfg["sources"] == ["self_generated"]:
       return _windows(seqs, data_cfg, log)

@@ -83,24 +83,35 @@ def load_conversations(out) -> tuple:
 
 def self_generate(target, conversations: int, out, *, batch: int = 32,
                   user_batch: Optional[int] = None, user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
-                  top_p: float = 1.0, min_user_chars: int = 8, seed: int = 0,
+                  top_p: float = 1.0, answer_temperature: Optional[float] = None,
+                  min_user_chars: int = 8, seed: int = 0,
                   max_batches=None, log=lambda m: print(m, file=sys.stderr)) -> list:
   """At least `conversations` distinct conversations (token ids, chat-templated), written to
   and resumed from the shards in `out`. A batch whose rows are all duplicates or empty still
   counts against max_batches (default: 4x the batches needed), so a target that repeats
   itself cannot loop forever. Each batch asks `user_batch` user messages (default 1.5 x batch:
   about a quarter are cut off at user_tokens, empty or duplicates) and answers up to `batch`
-  of them, so the answer phase, the long one, rarely runs padding rows."""
+  of them, so the answer phase, the long one, rarely runs padding rows.
+
+  answer_temperature (default: temperature) samples the answers apart from the questions: 0
+  answers greedily, so the drafter trains on the contexts a greedy decode visits (the
+  questions stay sampled, for variety)."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   user_batch = batch + batch // 2 if user_batch is None else user_batch
   if conversations < 1 or batch < 1 or user_batch < 1:
     raise ValueError(f"conversations, batch and user_batch must be >= 1, got {conversations}, "
                      f"{batch}, {user_batch}")
+  if answer_temperature is None:
+    answer_temperature = temperature
+  if answer_temperature < 0:
+    raise ValueError(f"answer_temperature must be >= 0 (0: greedy answers), got "
+                     f"{answer_temperature}")
   seqs, users = load_conversations(out)
   seen = {_normal(u) for u in users}
   prefix = user_turn_prefix(target)
   sampling = sj.Sampling(temperature=temperature, top_p=top_p)
+  answer_sampling = sj.Sampling(temperature=answer_temperature, top_p=top_p)
   if max_batches is None:
     max_batches = 4 * -(-conversations // batch) + 4
   shard = len(list(out.glob("shard_*.npz")))
@@ -130,7 +141,7 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
     if convs:
       rows = convs + [convs[0]] * (batch - len(convs))       # one compiled shape
       answered = sj.generate(target, messages=rows, max_new_tokens=answer_tokens,
-                             sampling=sampling, key=jax.random.fold_in(key, 1))
+                             sampling=answer_sampling, key=jax.random.fold_in(key, 1))
       for conv, toks in zip(convs, answered.tokens):
         kept_seqs.append(chat_ids(target, conv) + list(toks))
     offsets = np.cumsum([0] + [len(s) for s in kept_seqs])
@@ -160,6 +171,8 @@ def main(argv=None) -> int:
   p.add_argument("--answer-tokens", type=int, default=256)
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--answer-temperature", type=float, default=None,
+                 help="the answers' temperature (default: --temperature; 0: greedy answers)")
   p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
@@ -168,7 +181,8 @@ def main(argv=None) -> int:
     seqs = self_generate(target, args.conversations, args.out, batch=args.batch,
                          user_batch=args.user_batch,
                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                         temperature=args.temperature, top_p=args.top_p,
+                         answer_temperature=args.answer_temperature, seed=args.seed)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
