@@ -29,6 +29,8 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   prefix = user_turn_prefix(smol)
   hf = smol.tokenizer.hf
   assert hf.decode(prefix).endswith("<|im_start|>user\n"), hf.decode(prefix)
+  steered = hf.decode(user_turn_prefix(smol, "You answer in French."))
+  assert steered.endswith("system\nYou answer in French.<|im_end|>\n<|im_start|>user\n"), steered
   out = tmp_path / "sg"
   kw = dict(batch=4, user_batch=4, user_tokens=40, answer_tokens=16, seed=0, log=lambda m: None)
   seqs = self_generate(smol, 3, out, **kw)
@@ -43,12 +45,18 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   shards = sorted(p.name for p in out.glob("shard_*.npz"))
   calls = []
   real = sj.generate
-  monkeypatch.setattr(sj, "generate", lambda *a, **k: calls.append(k) or real(*a, **k))
+  monkeypatch.setattr(sj, "generate", lambda *a, **k: calls.append((a, k)) or real(*a, **k))
   assert self_generate(smol, 3, out, **kw) == seqs and not calls
-  # The extension answers greedily (answer_temperature=0) while the question stays sampled.
-  more = self_generate(smol, len(stored) + 1, out, **kw, answer_temperature=0.0)
+  # The extension answers greedily (answer_temperature=0) while the question stays sampled,
+  # and asks after the steering system prompts in turn (question j: system_prompts[j % n]).
+  systems = ["", "You are a math tutor. Users ask you to solve word problems."]
+  more = self_generate(smol, len(stored) + 1, out, **kw, answer_temperature=0.0,
+                       system_prompts=systems)
   assert more[:len(stored)] == stored and len(more) == len(stored) + 1
-  asked, answered = calls
+  (ask_args, asked), (_, answered) = calls
+  steered = user_turn_prefix(smol, systems[1])
+  first = len(shards) * kw["user_batch"]                   # questions asked before this batch
+  assert ask_args[1] == [[prefix, steered][(first + r) % 2] for r in range(kw["user_batch"])]
   assert asked["sampling"].temperature == 1.0 and answered["sampling"].temperature == 0.0
   again = real(smol, messages=answered["messages"], max_new_tokens=16,
                sampling=sj.Sampling(temperature=0.0), key=jax.random.key(7))
@@ -76,6 +84,10 @@ def test_the_trainer_reads_self_generated_conversations(smol, tmp_path):
     resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
                           "data": {"sources": ["self_generated"],
                                    "self_generate": {"batch": 0}}})
+  with pytest.raises(ValueError, match="self_generate.system_prompts"):
+    resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
+             "data": {"sources": ["self_generated"],
+                      "self_generate": {"system_prompts": "be brief"}}})
   with pytest.raises(ValueError, match="self_generate.answer_temperature"):
     resolve({"target": "x", "out_dir": "o", "head": {"kind": "eagle3"},
              "data": {"sources": ["self_generated"],

@@ -68,6 +68,8 @@ DEFAULTS = {
             "temperature": 1.0,
             "top_p": 1.0,
             "answer_temperature": None,  # the answers' own (None: temperature; 0: greedy)
+            "system_prompts": [],    # steer the questions: question j is asked after
+                                     # prompt j % n ("": the template's default; []: default)
         },
     },
     "train": {
@@ -197,6 +199,10 @@ def validate(cfg: dict) -> dict:
   if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0):
     raise ValueError(f"data.self_generate.answer_temperature must be a number >= 0 (0: greedy "
                      f"answers) or null, got {at!r}")
+  sp = sg["system_prompts"]
+  if not isinstance(sp, list) or not all(isinstance(x, str) for x in sp):
+    raise ValueError(f"data.self_generate.system_prompts must be a list of strings (\"\": the "
+                     f"template's default system prompt), got {sp!r}")
   ub = sg["user_batch"]
   if ub is not None and (isinstance(ub, bool) or not isinstance(ub, int) or ub < 1):
     raise ValueError(f"data.self_generate.user_batch must be an integer >= 1 or null, got {ub!r}")

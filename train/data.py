@@ -141,9 +141,10 @@ def build_windows(target, data_cfg: dict, fingerprint_sha: str, seed: int,
     knobs = dict(data_cfg["self_generate"])
     conversations = knobs.pop("conversations")
     # The shard directory's key leaves `conversations` out: asking for more extends it. An
-    # unset answer_temperature (added later) is left out too, so earlier caches keep their key.
-    key_knobs = {k: v for k, v in knobs.items()
-                 if not (k == "answer_temperature" and v is None)}
+    # unset answer_temperature or system_prompts (added later) is left out too, so earlier
+    # caches keep their key.
+    unset = {"answer_temperature": None, "system_prompts": []}
+    key_knobs = {k: v for k, v in knobs.items() if not (k in unset and v == unset[k])}
     out = pathlib.Path(data_cfg["cache_dir"]) / \
         f"selfgen_{data_key(fingerprint_sha, dict(key_knobs, seed=seed))}"
     seqs += self_generate(target, conversations, out, seed=seed, log=log, **knobs)

@@ -27,7 +27,7 @@ import pathlib
 import re
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
@@ -39,14 +39,16 @@ from spec_jax.models.chat import chat_ids, hf_chat_tokenizer
 _MARK = "\x00SPECJAXUSER\x00"
 
 
-def user_turn_prefix(target) -> list:
-  """Token ids of the chat template up to where a user message's text starts (the template's
-  default system prompt included). ValueError without a chat template."""
+def user_turn_prefix(target, system: str = "") -> list:
+  """Token ids of the chat template up to where a user message's text starts: after the
+  template's default system prompt, or after `system` when given (Magpie's way of steering
+  the questions towards a task). ValueError without a chat template."""
   hf = hf_chat_tokenizer(target.tokenizer)
   if hf is None:
     raise ValueError("self-generated conversations need an instruct target with a chat "
                      "template")
-  text = hf.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+  turns = [{"role": "system", "content": system}] if system else []
+  text = hf.apply_chat_template(turns + [{"role": "user", "content": _MARK}], tokenize=False,
                                 add_generation_prompt=False)
   if _MARK not in text:
     raise ValueError("the chat template does not render the user's message verbatim")
@@ -84,7 +86,7 @@ def load_conversations(out) -> tuple:
 def self_generate(target, conversations: int, out, *, batch: int = 32,
                   user_batch: Optional[int] = None, user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
                   top_p: float = 1.0, answer_temperature: Optional[float] = None,
-                  min_user_chars: int = 8, seed: int = 0,
+                  system_prompts: Sequence[str] = (), min_user_chars: int = 8, seed: int = 0,
                   max_batches=None, log=lambda m: print(m, file=sys.stderr)) -> list:
   """At least `conversations` distinct conversations (token ids, chat-templated), written to
   and resumed from the shards in `out`. A batch whose rows are all duplicates or empty still
@@ -95,7 +97,12 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
 
   answer_temperature (default: temperature) samples the answers apart from the questions: 0
   answers greedily, so the drafter trains on the contexts a greedy decode visits (the
-  questions stay sampled, for variety)."""
+  questions stay sampled, for variety).
+
+  system_prompts steer the questions (Magpie's task control): the j-th question asked
+  (counting over batches) is written after system_prompts[j % len] ("" keeps the template's
+  default), and every answer is written to the question alone, in the default template, as a
+  user's prompt is at inference."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   user_batch = batch + batch // 2 if user_batch is None else user_batch
@@ -109,7 +116,10 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
                      f"{answer_temperature}")
   seqs, users = load_conversations(out)
   seen = {_normal(u) for u in users}
-  prefix = user_turn_prefix(target)
+  systems = list(system_prompts) or [""]
+  if not all(isinstance(x, str) for x in systems):
+    raise ValueError(f"system_prompts must be strings, got {system_prompts!r}")
+  prefixes = [user_turn_prefix(target, x) for x in systems]
   sampling = sj.Sampling(temperature=temperature, top_p=top_p)
   answer_sampling = sj.Sampling(temperature=answer_temperature, top_p=top_p)
   if max_batches is None:
@@ -124,7 +134,8 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
                          f"(wanted {conversations}): the target repeats itself; raise the "
                          f"temperature or max_batches")
     key = jax.random.fold_in(jax.random.key(seed), shard)
-    asked = sj.generate(target, [prefix] * user_batch, max_new_tokens=user_tokens, sampling=sampling,
+    first = shard * user_batch
+    asked = sj.generate(target, [prefixes[(first + r) % len(prefixes)] for r in range(user_batch)], max_new_tokens=user_tokens, sampling=sampling,
                         key=jax.random.fold_in(key, 0))
     new_users, convs = [], []
     for toks, text in zip(asked.tokens, asked.text):
