@@ -66,6 +66,9 @@ def test_conversations_are_written_deduplicated_and_resumed(smol, tmp_path, monk
   assert sorted(p.name for p in out.glob("shard_*.npz"))[:len(shards)] == shards
   with pytest.raises(ValueError, match="answer_temperature"):
     self_generate(smol, 1, tmp_path / "bad", answer_temperature=-1.0)
+  with pytest.raises(ValueError, match="system_prompts must be a list of strings"):
+    self_generate(smol, 1, tmp_path / "bad", system_prompts="be brief")
+  assert not (tmp_path / "bad").exists()                  # refused before anything is written
 
 
 @pytest.mark.optimized

@@ -104,7 +104,6 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
   default), and every answer is written to the question alone, in the default template, as a
   user's prompt is at inference."""
   out = pathlib.Path(out)
-  out.mkdir(parents=True, exist_ok=True)
   user_batch = batch + batch // 2 if user_batch is None else user_batch
   if conversations < 1 or batch < 1 or user_batch < 1:
     raise ValueError(f"conversations, batch and user_batch must be >= 1, got {conversations}, "
@@ -114,12 +113,12 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
   if answer_temperature < 0:
     raise ValueError(f"answer_temperature must be >= 0 (0: greedy answers), got "
                      f"{answer_temperature}")
+  if isinstance(system_prompts, str) or not all(isinstance(x, str) for x in system_prompts):
+    raise ValueError(f"system_prompts must be a list of strings, got {system_prompts!r}")
+  prefixes = [user_turn_prefix(target, x) for x in list(system_prompts) or [""]]
+  out.mkdir(parents=True, exist_ok=True)
   seqs, users = load_conversations(out)
   seen = {_normal(u) for u in users}
-  systems = list(system_prompts) or [""]
-  if not all(isinstance(x, str) for x in systems):
-    raise ValueError(f"system_prompts must be strings, got {system_prompts!r}")
-  prefixes = [user_turn_prefix(target, x) for x in systems]
   sampling = sj.Sampling(temperature=temperature, top_p=top_p)
   answer_sampling = sj.Sampling(temperature=answer_temperature, top_p=top_p)
   if max_batches is None:
@@ -134,8 +133,9 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
                          f"(wanted {conversations}): the target repeats itself; raise the "
                          f"temperature or max_batches")
     key = jax.random.fold_in(jax.random.key(seed), shard)
-    first = shard * user_batch
-    asked = sj.generate(target, [prefixes[(first + r) % len(prefixes)] for r in range(user_batch)], max_new_tokens=user_tokens, sampling=sampling,
+    first = shard * user_batch                     # questions asked before this batch
+    asking = [prefixes[(first + r) % len(prefixes)] for r in range(user_batch)]
+    asked = sj.generate(target, asking, max_new_tokens=user_tokens, sampling=sampling,
                         key=jax.random.fold_in(key, 0))
     new_users, convs = [], []
     for toks, text in zip(asked.tokens, asked.text):
@@ -184,6 +184,9 @@ def main(argv=None) -> int:
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--answer-temperature", type=float, default=None,
                  help="the answers' temperature (default: --temperature; 0: greedy answers)")
+  p.add_argument("--system-prompt", action="append", default=[],
+                 help="steer the questions (repeat: question j asks after prompt j %% n; "
+                      "\"\" is the template's default)")
   p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
                          user_batch=args.user_batch,
                          user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                          temperature=args.temperature, top_p=args.top_p,
-                         answer_temperature=args.answer_temperature, seed=args.seed)
+                         answer_temperature=args.answer_temperature,
+                         system_prompts=args.system_prompt, seed=args.seed)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
