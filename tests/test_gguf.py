@@ -5,7 +5,6 @@ transformers', chat generation that stops at the end of the turn."""
 
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -115,15 +114,25 @@ def test_second_load_reads_the_cached_folder(tmp_path, monkeypatch):
   def no_reading(*args, **kwargs):
     raise AssertionError("the cached folder should have been read")
 
+  real_read = gguf_file.read_gguf
   monkeypatch.setattr(gguf_file, "read_gguf", no_reading)
   second = sj.load(path)
   assert second.config == first.config and second.source == str(path)
   for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # A rewritten file (new size / mtime) is a new entry, never the stale folder.
+  # A rewritten file (new size / mtime) is a new entry, never the stale folder; loading it
+  # removes the stale folder, and leaves another file's entry (same name elsewhere) alone.
+  (tmp_path / "other").mkdir()
+  elsewhere = write_tiny_gguf(tmp_path / "other" / "m.gguf", "qwen2", "Q4_0", bias=True)
+  monkeypatch.setattr(gguf_file, "read_gguf", real_read)
+  sj.load(elsewhere)
   write_tiny_gguf(path, "qwen2", "Q4_0", bias=True, seed=1)
   os.utime(path, ns=(1, 1))
-  assert gguf_file.cached_folder(path) != folder
+  fresh = gguf_file.cached_folder(path)
+  assert fresh != folder and folder.is_dir()
+  sj.load(path)
+  assert (fresh / "model.safetensors").is_file() and not folder.exists()
+  assert (gguf_file.cached_folder(elsewhere) / "model.safetensors").is_file()
 
 
 def test_convert_tool_writes_a_folder_transformers_reads(tmp_path):

@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import types
 from typing import Optional
 
@@ -333,6 +334,29 @@ def cached_folder(path) -> Optional[pathlib.Path]:
   """The cache folder of a GGUF file (written or not), None when caching is off."""
   root = cache_root()
   return None if root is None else root / cache_key(pathlib.Path(path))
+
+
+def prune_stale(path, keep) -> list:
+  """Removes the cache folders that earlier versions of the GGUF file at `path` left beside
+  `keep` (its current entry), and returns them. Each entry records the file it came from
+  (gguf_source.json), and the key holds the file's size and modification time. A
+  re-downloaded, rewritten or restored file therefore gets a new entry, and without pruning
+  every version would keep its dequantised float32 copy (~540 MB for SmolLM2-135M). Folders
+  without a record, or with another file's, are left alone."""
+  keep = pathlib.Path(keep)
+  source, prefix = str(pathlib.Path(path).resolve()), f"{pathlib.Path(path).stem}-"
+  removed = []
+  for other in keep.parent.iterdir():
+    if other == keep or not other.name.startswith(prefix) or not other.is_dir():
+      continue
+    try:
+      record = json.loads((other / "gguf_source.json").read_text())
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict) and record.get("file") == source:
+      shutil.rmtree(other, ignore_errors=True)
+      removed.append(other)
+  return removed
 
 
 def write_folder(path, out_dir, overwrite: bool = False) -> pathlib.Path:

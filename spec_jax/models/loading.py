@@ -70,6 +70,7 @@ def _load_gguf(path: pathlib.Path, dtype) -> Model:
                  source=str(path))
   if not (folder / "model.safetensors").is_file():
     gguf_file.write_folder(path, folder, overwrite=True)
+    gguf_file.prune_stale(path, folder)          # the entries of the file's earlier versions
   return _load_hf_folder(folder, dtype, source=str(path))
 
 
