@@ -14,26 +14,22 @@ fixed per-step overhead.
 
 import argparse
 
-import jax
 import numpy as np
 
 from spec_jax.aot import shapes
 from spec_jax.drafters.eagle import EAGLE3
+from spec_jax.memory import params_bytes
 
 PER_ROUND = ("fc",)          # EAGLE-3 params used once per round, not per draft step
-
-
-def nbytes(tree) -> int:
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def target_step_bytes(model) -> tuple[int, int]:
   """(bytes streamed per decode step, bytes of the LM head among them)."""
   p = model.params
-  total = nbytes(p)
+  total = params_bytes(p)
   if "lm_head" in p:
-    return total - nbytes(p["embed"]), nbytes(p["lm_head"])
-  return total, nbytes(p["embed"])                       # tied: the table is the LM head
+    return total - params_bytes(p["embed"]), params_bytes(p["lm_head"])
+  return total, params_bytes(p["embed"])                       # tied: the table is the LM head
 
 
 def eagle3_head(target, draft_vocab: int, config: str = None):
@@ -53,9 +49,9 @@ def report(name: str, target_config: str, draft_vocabs, head_config: str = None)
   for vd in draft_vocabs:
     d = eagle3_head(target, vd, head_config if vd is None else None)
     p = d.params
-    per_draft = nbytes({k: v for k, v in p.items() if k not in PER_ROUND})
-    lm = nbytes(p["lm_head"])
-    per_round = nbytes({k: v for k, v in p.items() if k in PER_ROUND})
+    per_draft = params_bytes({k: v for k, v in p.items() if k not in PER_ROUND})
+    lm = params_bytes(p["lm_head"])
+    per_round = params_bytes({k: v for k, v in p.items() if k in PER_ROUND})
     label = f"V_d {d.draft_vocab_size}" + (f" ({head_config})" if vd is None else "")
     print(f"  EAGLE-3 head, {label}: a draft step streams {per_draft / 1e6:.1f} MB "
           f"(LM head {lm / 1e6:.1f} MB) = {per_draft / step:.3f} of a target step; "

@@ -26,20 +26,15 @@ import spec_jax as sj
 from spec_jax.bench.specs import make_drafter
 from spec_jax.decoding.prompts import stop_array
 from train import evaluate
-from train.self_generate import _normal, load_conversations, user_turn_prefix
+from train.self_generate import _normal, load_conversations, new_questions, user_turn_prefix
 
 
 def fresh_questions(target, seen: set, n: int, asked: int = 48) -> list:
-  prefix = user_turn_prefix(target)
-  stops = set(stop_array(target, None).tolist())
-  out = sj.generate(target, [prefix] * asked, max_new_tokens=64,
+  """The first n new questions the target writes from its user-turn prefix (key 12345), kept
+  as train.self_generate keeps them."""
+  out = sj.generate(target, [user_turn_prefix(target)] * asked, max_new_tokens=64,
                     sampling=sj.Sampling(temperature=1.0), key=jax.random.key(12345))
-  fresh = []
-  for toks, text in zip(out.tokens, out.text):
-    m = text.strip()
-    if toks and toks[-1] in stops and len(m) >= 8 and _normal(m) not in seen and m not in fresh:
-      fresh.append(m)
-  return fresh[:n]
+  return new_questions(out, set(stop_array(target, None).tolist()), seen, limit=n)
 
 
 def main(argv=None):

@@ -83,6 +83,24 @@ def load_conversations(out) -> tuple:
   return seqs, users
 
 
+def new_questions(asked, stops, seen: set, min_user_chars: int = 8,
+                  limit: Optional[int] = None) -> list:
+  """The first `limit` user messages of `asked` (an sj.generate output from the user-turn
+  prefix) worth answering: ended by a stop token (not cut off), at least min_user_chars long,
+  and not in `seen` (normalised text; the kept ones are added to it), in order."""
+  kept = []
+  for toks, text in zip(asked.tokens, asked.text):
+    if limit is not None and len(kept) == limit:
+      break
+    message = text.strip()
+    if not toks or toks[-1] not in stops or len(message) < min_user_chars \
+        or _normal(message) in seen:
+      continue                             # cut off, empty or a duplicate
+    seen.add(_normal(message))
+    kept.append(message)
+  return kept
+
+
 def self_generate(target, conversations: int, out, *, batch: int = 32,
                   user_batch: Optional[int] = None, user_tokens: int = 64, answer_tokens: int = 256, temperature: float = 1.0,
                   top_p: float = 1.0, answer_temperature: Optional[float] = None,
@@ -137,17 +155,8 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
     asking = [prefixes[(first + r) % len(prefixes)] for r in range(user_batch)]
     asked = sj.generate(target, asking, max_new_tokens=user_tokens, sampling=sampling,
                         key=jax.random.fold_in(key, 0))
-    new_users, convs = [], []
-    for toks, text in zip(asked.tokens, asked.text):
-      if len(convs) == batch:
-        break
-      ended = bool(toks) and toks[-1] in stops
-      message = text.strip()
-      if not ended or len(message) < min_user_chars or _normal(message) in seen:
-        continue                           # cut off, empty or a duplicate
-      seen.add(_normal(message))
-      new_users.append(message)
-      convs.append([{"role": "user", "content": message}])
+    new_users = new_questions(asked, stops, seen, min_user_chars, limit=batch)
+    convs = [[{"role": "user", "content": message}] for message in new_users]
     kept_seqs = []
     if convs:
       rows = convs + [convs[0]] * (batch - len(convs))       # one compiled shape
