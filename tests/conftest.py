@@ -24,6 +24,15 @@ try:
 except Exception:  # noqa: BLE001 (no jaxlib metadata: the portable flags only)
   pass
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
+# Each xdist worker gets its share of the cores for OpenMP: torch (the transformers references)
+# otherwise starts one OpenMP thread per core in every worker, and its threads spin-wait for
+# the core the other worker holds. With a busy loop on the second core, SmolLM2's 64 greedy
+# tokens against transformers took 45.4 s, 20.8 s with one thread (51 s in a full suite run,
+# 17 s alone). Set before torch is imported; subprocesses inherit it. XLA's own thread pool
+# does not spin: its flag (--xla_cpu_multi_thread_eigen) changed nothing measurable.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+  os.environ.setdefault("OMP_NUM_THREADS", str(max(
+      1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # No persistent compilation cache in tests: the CLI's compile_cache.enable() (called in-process
 # by some tests) would otherwise turn on ~/.cache/spec_jax/xla for the rest of that worker, so
 # the suite's time depended on what earlier runs had left there (a warm cache saved 866 s of
