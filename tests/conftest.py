@@ -28,8 +28,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 # otherwise starts one OpenMP thread per core in every worker, and its threads spin-wait for
 # the core the other worker holds. With a busy loop on the second core, SmolLM2's 64 greedy
 # tokens against transformers took 45.4 s, 20.8 s with one thread (51 s in a full suite run,
-# 17 s alone). Set before torch is imported; subprocesses inherit it. XLA's own thread pool
-# does not spin: its flag (--xla_cpu_multi_thread_eigen) changed nothing measurable.
+# 17 s alone); the six transformers-parity files under -n 2 ran in 308 -> 264 s (user CPU 519
+# -> 467 s), test_tree + test_constraints (no torch) in 178 -> 182 s, within noise. Set before
+# torch is imported; subprocesses inherit it. XLA's own thread pool does not spin: its flag
+# (--xla_cpu_multi_thread_eigen) changed nothing measurable.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
   os.environ.setdefault("OMP_NUM_THREADS", str(max(
       1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
