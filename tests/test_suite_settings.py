@@ -36,3 +36,20 @@ def test_the_longest_first_order_names_real_files_and_xdist_keeps_it(pytestconfi
   assert len(set(_LONG_FILES)) == len(_LONG_FILES)
   # addopts is an "args" ini value: pytest gives it split into a list
   assert "--no-loadscope-reorder" in pytestconfig.getini("addopts")   # else xdist sorts by test count
+
+
+def test_float32_tolerance_ignores_masked_logits_and_still_catches_a_difference():
+  """tests/numerics.py scales its tolerance by the reference's largest *finite* magnitude: a
+  reduced draft vocabulary's -inf logits once made it infinite, and the comparison of
+  test_heads_draft_in_the_cpu_execution_layout[eagle3-reduced] asserted nothing."""
+  import numpy as np
+
+  from .numerics import EPS32, MODEL_ULPS, assert_f32_close, f32_atol
+  want = np.array([[-np.inf, 2.0, -3.0, -np.inf]], np.float32)
+  assert f32_atol(want, MODEL_ULPS) == MODEL_ULPS * EPS32 * 3.0
+  assert f32_atol(np.full(3, -np.inf)) == f32_atol(np.zeros(3))     # nothing finite: scale 1
+  assert_f32_close(want + np.float32(1e-6) * np.isfinite(want), want, MODEL_ULPS)
+  with pytest.raises(AssertionError):
+    assert_f32_close(np.where(np.isfinite(want), want + 0.01, want), want, MODEL_ULPS)
+  with pytest.raises(AssertionError):     # a masked entry must stay masked
+    assert_f32_close(np.nan_to_num(want, neginf=-1e9), want, MODEL_ULPS)
