@@ -276,6 +276,10 @@ def test_bf16_greedy_check_accepts_only_near_ties(monkeypatch):
   with pytest.raises(LossyOutputError, match="beyond a near-tie"):
     greedy.check_greedy(unit, configs, {"none": [[4, 5, 7]], "ngram": [[4, 9, 7]]},
                         reference=lambda: None)
+  logits[0] = -np.inf            # a masked entry leaves the tolerance at the finite scale
+  with pytest.raises(LossyOutputError, match="beyond a near-tie"):
+    greedy.check_greedy(unit, configs, {"none": [[4, 5, 7]], "ngram": [[4, 9, 7]]},
+                        reference=lambda: None)
   with pytest.raises(LossyOutputError, match="must reproduce plain decoding exactly"):
     greedy.check_greedy(unit, configs, tie, reference=None)        # float32: no tolerance
   assert greedy.check_greedy(unit, configs, {"none": [[4, 5]], "ngram": [[4, 5]]}) == []

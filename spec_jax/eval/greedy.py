@@ -47,7 +47,9 @@ def reference_logits(model32, ids: list) -> np.ndarray:
 def near_tie(logits: np.ndarray, a: int, b: int) -> dict:
   """Both tokens' distance to the maximum logit and the tolerance there."""
   top = float(np.max(logits))
-  tol = BF16_ARGMAX_TOL * float(np.max(np.abs(logits)))
+  # scaled by the largest finite logit: a masked (-inf) entry would make every gap a tie
+  finite = np.abs(logits[np.isfinite(logits)])
+  tol = BF16_ARGMAX_TOL * (float(np.max(finite)) if finite.size else 0.0)
   gaps = (top - float(logits[a]), top - float(logits[b]))
   return {"gap_plain": gaps[0], "gap_drafter": gaps[1], "tol": tol,
           "near_tie": max(gaps) <= tol}
