@@ -4,9 +4,10 @@ A float32 result differs from the exact value by a few units in the last place (
 magnitudes it sums, and which XLA:CPU kernel a dot or a reduction lowers to (their order of
 summation, their vector width) moves it by a few more. A fixed `atol=1e-5` therefore passes or
 fails with the machine: a logit of size 2 has ulp 2.4e-7, and 70 of them are 1.7e-5. Here the
-tolerance is `ulps` ulps of the reference's largest magnitude (at least 1):
+tolerance is `ulps` ulps of the reference's largest finite magnitude (at least 1; a
+masked -inf logit must match exactly):
 
-    atol = ulps * eps32 * max(1, max |want|)
+    atol = ulps * eps32 * max(1, max |want| over the finite entries)
 
 with `ulps` set per comparison by its depth: 64 for one dot, one attention or one softmax, 256
 for a whole model forward (its error grows with the layers and the residual stream). Measured
