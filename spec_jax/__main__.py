@@ -60,7 +60,8 @@ def _generate(args) -> int:
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
     if args.chat:
-      system = [{"role": "system", "content": args.system}] if args.system else []
+      # --system "" is an empty system message (the template's default one is left out).
+      system = [] if args.system is None else [{"role": "system", "content": args.system}]
       inputs = dict(messages=[system + [{"role": "user", "content": p}] for p in mine])
       ids = [chat_ids(model, m) for m in inputs["messages"]]
     else:

@@ -407,6 +407,24 @@ def sample_layout(vocab: int) -> tuple[int, int, int]:
   return parts, -(-(vocab // parts) // block), block
 
 
+def first_positive_above(weights, cdf, u):
+  """Inverse-transform sampling's index: the first i with weights[i] > 0 and u < cdf[i]
+  (weights, cdf [..., n], u [..., 1]) -> int32 [...].
+
+  With exact sums the filter changes nothing: a zero weight leaves the cdf flat, so the first
+  cdf above u never sits at one. But XLA computes a long cumsum as a blocked tree whose sums
+  are not monotone: at 512 or more blocks (Llama 3's 128,256 tokens) an empty block's cdf came
+  out above its predecessor's, and `sample` drew a token of weight 0 (cut by top-k, banned,
+  outside a grammar, outside a rejection's residual) about once in 10^7 draws. Where no
+  positive weight's cdf exceeds u (rounding again) the index is the last positive one.
+  """
+  positive = weights > 0
+  above = (cdf > u) & positive
+  last_positive = weights.shape[-1] - 1 - jnp.argmax(positive[..., ::-1], axis=-1)
+  return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1),
+                   last_positive).astype(jnp.int32)
+
+
 def sample(key, probabilities):
   """Draws one token per row from probabilities [..., V] -> int32 [...].
 
@@ -432,14 +450,13 @@ def sample(key, probabilities):
   blocks = jnp.pad(p, pad).reshape(lead + (parts * blocks_per_part, block))   # [..., G, b]
   key_block, key_token = jax.random.split(key)
 
-  def invert(cdf, k):
-    # the index i with cdf[i - 1] <= u < cdf[i], u uniform on [0, cdf[-1]): a token whose
-    # weight is zero has cdf[i] == cdf[i - 1] and is never picked
+  def invert(weights, k):
+    cdf = jnp.cumsum(weights, axis=-1)
     u = jax.random.uniform(k, lead + (1,), jnp.float32) * cdf[..., -1:]
-    return jnp.minimum(jnp.sum(cdf <= u, axis=-1), cdf.shape[-1] - 1)
+    return first_positive_above(weights, cdf, u)
 
-  g = invert(jnp.cumsum(jnp.sum(blocks, axis=-1), axis=-1), key_block)           # [...]
+  g = invert(jnp.sum(blocks, axis=-1), key_block)                                 # [...]
   inside = jnp.take_along_axis(blocks, g[..., None, None], axis=-2)[..., 0, :]    # [..., b]
-  i = invert(jnp.cumsum(inside, axis=-1), key_token)
+  i = invert(inside, key_token)
   part, within = g // blocks_per_part, (g % blocks_per_part) * block + i
   return (part * per_part + jnp.minimum(within, per_part - 1)).astype(jnp.int32)

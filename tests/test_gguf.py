@@ -198,7 +198,8 @@ def test_smollm2_chat_template_ids_equal_transformers(smol):
 def test_smollm2_tokenizer_from_the_metadata_equals_transformers_gguf_tokenizer(smol):
   """gguf_file builds the tokenizer from the metadata with ggml-org's reader (no torch, which
   transformers' own GGUF reader imports): the same ids, text and special tokens as
-  transformers' AutoTokenizer(gguf_file=...)."""
+  transformers' AutoTokenizer(gguf_file=...) on text with no whitespace before a numeral
+  (there transformers splits as GPT-2 does, not as the file says: the next test)."""
   model, _, ref = smol
   ours = model.tokenizer.hf
   texts = ["Hello world <|im_end|>", "  two spaces\n\nand\ttabs 12345 \u00fcn\u00efc\u00f6d\u00e9 \U0001f600",
@@ -211,6 +212,32 @@ def test_smollm2_tokenizer_from_the_metadata_equals_transformers_gguf_tokenizer(
     assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
   assert ours.all_special_tokens == ref.all_special_tokens
   assert ours.get_vocab() == ref.get_vocab()
+
+
+# llama.cpp's "smollm" pre-tokenizer (the file's tokenizer.ggml.pre): every numeral split off,
+# then GPT-2's regex (llama-vocab.cpp; SmolLM2's own tokenizer.json: Digits, then ByteLevel).
+# transformers' GGUF conversion keeps GPT-2's regex alone, so whitespace before a numeral came
+# out one piece per space, or a newline short: the old pieces are in the comments.
+DIGIT_SPLITS = [
+    ("\n\n1. First", ["ĊĊ", "1", ".", "ĠFirst"]),              # Ċ Ċ 1 . ĠFirst
+    ("x =  5", ["x", "Ġ=", "ĠĠ", "5"]),                          # x Ġ= Ġ Ġ 5
+    ("[\n    1,\n    2\n]", ["[", "ĊĠĠĠĠ", "1", ",", "ĊĠĠĠĠ", "2", "Ċ", "]"]),  # ĊĠĠĠ Ġ 1
+    ("Total:    100", ["Total", ":", "ĠĠĠĠ", "1", "0", "0"]),    # ĠĠĠ Ġ 1 0 0
+    (" \u00bd cup", ["Ġ", "Â½", "Ġcup"]),                        # ĠÂ ½ Ġcup
+    ("12345 and 3.14", ["1", "2", "3", "4", "5", "Ġand", "Ġ", "3", ".", "1", "4"]),  # unchanged
+]
+
+
+def test_smollm2_tokenizer_splits_numerals_as_llama_cpp_smollm_does(smol):
+  """Both the tokenizer read from the file and the one sj.load reads back from its cached
+  folder split text as the file's pre-tokenizer type says (gguf_file.DIGIT_SPLIT_PRE_TOKENIZERS)."""
+  model, _, _ = smol
+  direct = gguf_file.read_tokenizer(need_shared(*SMOL))
+  for tok in (model.tokenizer, direct):
+    for text, pieces in DIGIT_SPLITS:
+      ids = tok.encode(text, add_bos=False)
+      assert tok.hf.convert_ids_to_tokens(ids) == pieces, text
+      assert tok.decode(ids) == text
 
 
 def test_a_gguf_tokenizer_needs_no_torch():
@@ -371,3 +398,33 @@ def test_the_reader_refuses_what_it_cannot_decode(tmp_path):
   assert bad.fields["llama.block_count"].contents() == 2
   # ... and a key that is not UTF-8 is refused.
   refused(data.replace(key, b"general.architectur\xe9", 1), "not UTF-8")
+
+
+def test_smollm2_tokenizer_refuses_ids_outside_the_vocabulary(smol):
+  model, _, _ = smol
+  assert model.tokenizer.decode([19556]) == "Hello"
+  for bad in (49152, -1):           # past the end (was dropped), the engine's pad (overflowed)
+    with pytest.raises(ValueError, match=rf"token id {bad} is outside the vocabulary \[0, 49152\)"):
+      model.tokenizer.decode([19556, bad])
+
+
+@pytest.mark.parametrize("system, first", [(None, "You are a helpful AI assistant named SmolLM"),
+                                           ("", None), ("Be brief.", "Be brief.")])
+def test_cli_chat_sends_the_system_message_asked_for(smol, monkeypatch, system, first):
+  """`--system ""` is an empty system message, not none (the template's default one)."""
+  import spec_jax.__main__ as cli
+  model, _, _ = smol
+  sent = []
+
+  def stop_before_decoding(target, messages=None, **kw):
+    sent.extend(messages)
+    raise ValueError("stopped by the test")
+  monkeypatch.setattr(sj, "load", lambda *a, **kw: model)
+  monkeypatch.setattr(cli, "_check_memory", lambda m, d, *a, **kw: (m, d))
+  monkeypatch.setattr(sj, "generate", stop_before_decoding)
+  argv = ["generate", "--model", str(need_shared(*SMOL)), "--chat", "--prompt", "Hi"]
+  assert cli.main(argv + ([] if system is None else ["--system", system])) == 2
+  text = model.tokenizer.hf.decode(chat.chat_ids(model, sent[0]))
+  head = "<|im_start|>system\n" + (first or "") + ("" if first else "<|im_end|>")
+  assert text.startswith(head), text
+  assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), text

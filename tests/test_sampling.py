@@ -302,6 +302,56 @@ def test_sample_draws_the_normalised_weights_and_never_a_zero(vocab):
   assert_same_distribution(counts_of(draws, vocab), w / w.sum(), alpha=1e-3)
 
 
+def test_sample_never_draws_a_zero_weight_token_where_the_blocks_cumsum_is_not_monotone():
+  """Llama 3's 128,256 tokens are 512 blocks. XLA computes their cumsum as a blocked tree, not
+  in sequence, and an empty block's cdf can come out one ulp above its predecessor's: a uniform
+  landing in that gap chose the empty block, and its last token (weight 0) was drawn. Half the
+  blocks empty here; keys are scanned for one whose block-level uniform lands in such a gap
+  (~2M on jaxlib 0.10: 1.3 s), and `sample` must still draw a token of positive weight."""
+  vocab = 128_256
+  parts, blocks_per_part, block = sj.sampling.sample_layout(vocab)
+  rng = np.random.default_rng(253)
+  masses = (rng.random(parts * blocks_per_part) ** 2 * 0.01).astype(np.float32)
+  masses[::2] = 0.0
+  masses[0] = 1.0
+  w = np.zeros((parts, blocks_per_part, block), np.float32)
+  w[..., 0] = masses.reshape(parts, blocks_per_part)          # one token carries each block
+  w = w.reshape(parts, -1)[:, :vocab // parts].reshape(vocab)
+  cdf = np.asarray(jax.jit(lambda x: jnp.cumsum(x, axis=-1))(jnp.asarray(masses[None])))[0]
+  before = np.concatenate([[0.0], cdf[:-1]]).astype(np.float32)
+  rising = (masses == 0) & (cdf > before)
+  if not rising.any():
+    pytest.skip("this XLA's cumsum of these masses is monotone: no gap to land in")
+  lo, hi = before[rising], cdf[rising]
+  block_uniform = jax.jit(jax.vmap(lambda k: jax.random.uniform(jax.random.split(k)[0], (1,))[0]))
+  chunk, key = 1 << 20, None
+  for start in range(0, 32 * chunk, chunk):
+    keys = jax.vmap(jax.random.key)(jnp.arange(start, start + chunk, dtype=jnp.uint32))
+    u = (np.asarray(block_uniform(keys)) * cdf[-1]).astype(np.float32)
+    j = np.maximum(np.searchsorted(lo, u, side="right") - 1, 0)
+    hit = (u >= lo[j]) & (u < hi[j])
+    if hit.any():
+      key = start + int(np.argmax(hit))
+      break
+  assert key is not None, "no key in 32M landed in a gap: the test needs other masses"
+  for draw in (sj.sampling.sample(jax.random.key(key), jnp.asarray(w)),
+               jax.jit(sj.sampling.sample)(jax.random.key(key), jnp.asarray(w)[None])[0]):
+    assert w[int(draw)] > 0, f"key {key} drew token {int(draw)} of weight 0"
+
+
+def test_sample_inverts_the_cdf_among_positive_weights_only():
+  """The rule itself, on a cdf rounded upwards across two zero weights: the first positive
+  weight whose cdf exceeds u, else the last positive one (u beyond every positive cdf can only
+  come from rounding)."""
+  first = sj.sampling.first_positive_above
+  w = jnp.asarray([1.0, 0.0, 0.0, 1.0, 0.0])
+  up = np.nextafter(np.float32(1.0), np.float32(2.0))
+  cdf = jnp.asarray([1.0, up, up, 2.0, 2.0])
+  assert int(first(w, cdf, jnp.asarray([1.0]))) == 3      # u in the rounding gap: not 1
+  assert int(first(w, cdf, jnp.asarray([0.5]))) == 0
+  assert int(first(w, cdf, jnp.asarray([2.0]))) == 3      # beyond the positive cdfs: the last
+
+
 def test_sample_rows_are_independent_draws_from_their_own_weights():
   """Row 0 one-hot, row 1 uniform over two tokens far apart (different blocks): the batched
   draw respects each row's weights."""

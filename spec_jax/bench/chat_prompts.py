@@ -4,7 +4,8 @@ Each question's first turn becomes one user message, encoded with the model's ow
 by transformers (`apply_chat_template([{"role": "user", "content": q}],
 add_generation_prompt=True)`): exactly the token ids a chat user sends, ending with the
 template's assistant header. The tokenizer comes from the model spec: a HF folder's tokenizer
-files, or a GGUF file's metadata (`AutoTokenizer.from_pretrained(folder, gguf_file=name)`).
+files, or a GGUF file's metadata as `sj.load` reads it (`gguf_file.read_tokenizer`: it splits text
+as the file's pre-tokenizer type says, where transformers' own GGUF conversion may not).
 
 Prompts are never cut (a cut chat prompt loses its assistant header): questions whose encoding
 is longer than max_prompt_tokens are left out, and the n prompts are taken evenly spread over
@@ -18,6 +19,7 @@ import functools
 
 from spec_jax.bench.prompts import read_prompt_records
 from spec_jax.bench.specs import resolve_path
+from spec_jax.models import gguf_file
 
 CHAT_PREFIX = "chat:"
 
@@ -35,7 +37,7 @@ def hf_tokenizer(spec: str):
     raise ValueError(f"chat prompts need a real model's chat template; {spec!r} has none")
   path = resolve_path(spec)
   if path.is_file() and path.suffix == ".gguf":
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = gguf_file.read_tokenizer(path).hf
   elif path.is_dir():
     tok = transformers.AutoTokenizer.from_pretrained(path)
   else:

@@ -316,4 +316,11 @@ class HFTokenizer:
     return ids
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self.hf.decode([int(t) for t in ids], skip_special_tokens=True)
+    """Special tokens are dropped. An id outside the vocabulary is a ValueError, as in
+    Llama2cTokenizer (the backend would drop one past the end and overflow on a negative one)."""
+    ids = [int(t) for t in ids]
+    size = len(self.hf)
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:
+      raise ValueError(f"token id {bad} is outside the vocabulary [0, {size})")
+    return self.hf.decode(ids, skip_special_tokens=True)
