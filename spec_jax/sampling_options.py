@@ -62,8 +62,12 @@ class Option:
     if isinstance(value, numbers.Real):      # generate() checks per call: no numpy here
       if not self.valid(float(value)):
         raise ValueError(f"Sampling.{name} must be {self.rule}, got {value}")
+      if abs(float(value)) > self._limit:
+        raise ValueError(f"Sampling.{name} = {value} does not fit its {np.dtype(self.dtype)}")
       return
     arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+      raise ValueError(f"Sampling.{name} must be {self.rule}, got {value!r}")
     if arr.ndim > 1:
       raise ValueError(f"Sampling.{name} must be a scalar or a [batch] vector, got shape "
                        f"{arr.shape}")
@@ -72,6 +76,16 @@ class Option:
                        f"{batch_size} rows; pass a scalar or one value per row")
     if not np.all(self.valid(arr.astype(np.float64))):
       raise ValueError(f"Sampling.{name} must be {self.rule}, got {arr.tolist()}")
+    if np.any(np.abs(arr.astype(np.float64)) > self._limit):
+      raise ValueError(f"Sampling.{name} = {arr.tolist()} does not fit its "
+                       f"{np.dtype(self.dtype)}")
+
+  @property
+  def _limit(self) -> float:
+    """The largest magnitude the option's dtype holds: a top_k of 2**31 overflowed int32, a
+    temperature of 1e39 became inf in float32 (NaN is `valid`'s to refuse)."""
+    info = np.iinfo if np.issubdtype(self.dtype, np.integer) else np.finfo
+    return float(info(self.dtype).max)
 
   def rows(self, value, batch_size: int, xp=jnp):
     """value broadcast to the option's per-row array [batch_size] (xp: jnp, or np on the host;

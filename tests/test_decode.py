@@ -129,6 +129,39 @@ def test_decode_bad_static_arguments_raise_at_trace_time(models, kwargs, message
                                                          jax.random.key(0))
 
 
+@pytest.mark.parametrize("change, message", [
+    ("other_vocabulary", "vocabulary of 80 tokens but the target has 64"),
+    ("empty_prompt", r"prompt_lens must lie in \[1, P=16\], got values from 0"),
+    ("long_prompt", r"prompt_lens must lie in \[1, P=16\], got values from 4 to 17"),
+    ("token_outside", r"prompt token ids outside the vocabulary \[0, 64\): \[64\]"),
+    ("stop_outside", r"stop_tokens outside the vocabulary \[0, 64\): \[70\]"),
+    ("int_key", "key must be a jax PRNG key"),
+])
+def test_decode_refuses_what_generate_refuses_when_it_can_see_the_values(models, change,
+                                                                         message):
+  """sj.decode is the layer under generate(): a draft model of another vocabulary ran (and
+  drafted garbage) and bad concrete prompts, stops or keys reached the program; now each is a
+  ValueError before anything runs. (Padding past a row's length may hold anything.)"""
+  target, draft = models
+  prompts, lens, capacity = _batch(target)
+  key, stops = jax.random.key(0), ()
+  if change == "other_vocabulary":
+    draft = sj.drafters.DraftModel(sj.init_model(DRAFT_CFG.replace(vocab_size=80),
+                                                 jax.random.key(2)))
+  elif change in ("empty_prompt", "long_prompt"):
+    lens = lens.at[1].set(0 if change == "empty_prompt" else prompts.shape[1] + 1)
+  elif change == "token_outside":
+    prompts = prompts.at[1, 0].set(CFG.vocab_size).at[1, -1].set(-5)   # the second: padding
+  elif change == "stop_outside":
+    stops = (2, 70)
+  else:
+    key = 0
+  with pytest.raises(ValueError, match=message):
+    sj.decode(target.params, prompts, lens, key, config=CFG, drafter=draft, num_draft=K,
+              max_new_tokens=MAX_NEW, capacity=capacity, sampling=sj.Sampling(),
+              stop_tokens=stops)
+
+
 def test_decode_and_generate_share_messages(models):
   target, draft = models
   with pytest.raises(ValueError) as from_generate:

@@ -329,6 +329,11 @@ def test_bad_arguments_raise_value_error():
     sj.drafters.NGram(max_ngram=0)
   with pytest.raises(ValueError, match="min_ngram"):
     sj.drafters.NGram(max_ngram=2, min_ngram=3)
+  with pytest.raises(ValueError, match="max_ngram must be <= 32"):
+    sj.drafters.NGram(max_ngram=33)                 # its program grows as max_ngram squared
+  for not_a_model in ("../shared/models/salty279K", None, draft.params):
+    with pytest.raises(ValueError, match="DraftModel takes a model loaded with sj.load"):
+      sj.drafters.DraftModel(not_a_model)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -342,6 +347,12 @@ def test_bad_arguments_raise_value_error():
     (dict(sampling=None), "sampling must be a spec_jax.Sampling"),
     (dict(prompts=[[1.7, 2.2]]), "prompt 0 .*non-integral"),
     (dict(prompts=[[1, 2], [True, False]]), "prompt 1 .*integer"),
+    # a flat list of ids was a batch of one-token prompts
+    (dict(prompts=[1, 3, 5]), r"prompt 0 must be a flat list .*one prompt of token ids is \[\["),
+    (dict(prompts=[[[1, 3]]]), "prompt 0 must be a flat list of token ids, got .*2 dimensions"),
+    (dict(stop_tokens=[[2]]), "stop_tokens must be a flat list"),
+    (dict(capacity=2**31), r"below 2\*\*31"),
+    (dict(sampling=sj.Sampling(temperature="1")), "temperature must be finite"),  # checked here
 ])
 def test_more_bad_arguments_raise_value_error_before_compiling(kwargs, match, monkeypatch):
   """Each is refused with a ValueError (not a TypeError / AttributeError, not a silent

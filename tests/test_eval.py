@@ -146,7 +146,7 @@ def test_greedy_mismatch_is_an_error(tmp_path, prompt_file, monkeypatch, capsys)
   assert "error: greedy outputs differ" in capsys.readouterr().err
 
 
-def test_strict_and_bad_input(tmp_path, prompt_file, capsys):
+def test_strict_and_bad_input(tmp_path, prompt_file, capsys, monkeypatch):
   model = need_shared("models", TINY)
   assert cli.main(_argv(model, prompt_file, tmp_path / "s", "--strict")) == 2
   assert "--strict: 1 turn-1 prompt(s) do not fit the context" in capsys.readouterr().err
@@ -174,6 +174,15 @@ def test_strict_and_bad_input(tmp_path, prompt_file, capsys):
   assert "error: --batch sizes must be integers >= 1" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     cli.main(["--drafter", "ngram", "--out", str(tmp_path)])          # no --target
+  # A draft model of another vocabulary (stories260K: 512 tokens, this target 2,048) is refused
+  # before plain decoding is compiled and measured, not after.
+  other = need_shared("models", "stories260K")
+  argv = _argv(model, prompt_file, tmp_path / "v", "--drafter", f"draft:{other}")
+  monkeypatch.setattr(runner.sj, "generate", lambda *a, **kw: pytest.fail("decoded before refusing"))
+  assert cli.main(argv) == 2
+  assert "the draft model has a vocabulary of 512 tokens but the target has 2048" in (
+      capsys.readouterr().err)
+  assert not list((tmp_path / "v").glob("units/*.json"))
 
 
 def test_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):

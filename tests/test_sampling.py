@@ -77,6 +77,11 @@ def test_probs_is_jittable_with_traced_settings():
     (dict(top_k=-1), "top_k"),
     (dict(top_k=2.5), "top_k"),
     (dict(temperature=np.ones((2, 2))), "scalar or a"),
+    # values the checks passed, then the cast broke: OverflowError, or an infinite temperature
+    (dict(top_k=2**31), "top_k = 2147483648 does not fit its int32"),
+    (dict(top_k=[5, 2**33]), r"top_k = \[5, 8589934592\] does not fit its int32"),
+    (dict(temperature=1e39), "temperature = 1e.39 does not fit its float32"),
+    (dict(temperature=1 + 1j), "temperature must be finite"),
 ])
 def test_bad_sampling_values_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -186,14 +186,22 @@ def check_drafter_spec(spec: str) -> None:
 def make_drafter(spec: str, target, seed: int = 0):
   """A drafter spec (see the module docstring) -> a drafter, or None for plain decoding. A draft
   model takes the target's dtype; trained heads keep their own float32 layer and read the
-  target's embedding and LM head in its dtype."""
+  target's embedding and LM head in its dtype. A drafter that cannot draft for `target` (another
+  vocabulary) is a ValueError here, before a CLI compiles or times anything."""
+  drafter = _make_drafter(spec, target, seed)
+  if drafter is not None:
+    drafter.check_compatible(target)
+  return drafter
+
+
+def _make_drafter(spec: str, target, seed: int = 0):
   check_drafter_spec(spec)
   if spec in (None, "", "none"):
     return None
   if "+" in spec:                          # checked above: ngram...+MODEL
     lookup, _, model = spec.partition("+")
-    return sj.drafters.LookupFirst(make_drafter(model, target, seed),
-                                   make_drafter(lookup, target, seed))
+    return sj.drafters.LookupFirst(_make_drafter(model, target, seed),
+                                   _make_drafter(lookup, target, seed))
   kind, _, arg = spec.partition(":")
   if kind == "ngram":
     return sj.drafters.NGram(*[int(x) for x in arg.split(":") if x])

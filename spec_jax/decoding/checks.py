@@ -6,18 +6,32 @@ from __future__ import annotations
 
 import numbers
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+INT32_MAX = 2**31 - 1
 
 
 def is_static_int(x) -> bool:
   return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, bool)
 
 
+def check_key(key) -> None:
+  """Raises ValueError unless `key` is one typed jax PRNG key (jax.random.key(seed)), traced
+  or not."""
+  if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+          and key.shape == ()):
+    raise ValueError(f"key must be a jax PRNG key (one jax.random.key(seed)), got "
+                     f"{getattr(key, 'dtype', type(key).__name__)} of shape "
+                     f"{getattr(key, 'shape', None)}")
+
+
 def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -> None:
   """Raises ValueError unless the KV cache holds prompt + max_new_tokens + a K+1 verify block."""
-  if not is_static_int(capacity) or capacity < 1:
-    raise ValueError(f"capacity must be a positive integer (the KV-cache length S), got "
-                     f"{capacity!r}")
+  if not is_static_int(capacity) or not 1 <= capacity <= INT32_MAX:
+    raise ValueError(f"capacity must be a positive integer below 2**31 (the KV-cache length "
+                     f"S), got {capacity!r}")
   needed = longest_prompt + max_new_tokens + k + 1
   if capacity < needed:
     raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "

@@ -14,13 +14,12 @@ import time
 from typing import Any, NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import constraints as constraints_lib, global_batch, processors as processors_lib
 from spec_jax import sharding as sharding_lib
 from spec_jax.decoding import calibration
-from spec_jax.decoding.checks import is_static_int
+from spec_jax.decoding.checks import INT32_MAX, check_key, is_static_int
 from spec_jax.decoding.compiled import compiled_decode_call
 from spec_jax.decoding.prompts import pad_batch, prompt_ids, stop_array
 from spec_jax.decoding.strategies import strategy_for
@@ -168,11 +167,11 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     processors += (constraint.compile(target.tokenizer, vocab_size=vocab_size, end_ids=ends),)
   if key is None:
     key = _default_key()
-  elif not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-            and key.shape == ()):
-    raise ValueError(f"key must be a jax PRNG key (jax.random.key(seed)), got {key!r}")
-  if capacity is not None and (not is_static_int(capacity) or capacity < 1):
-    raise ValueError(f"capacity must be None or a positive integer, got {capacity!r}")
+  else:
+    check_key(key)
+  if capacity is not None and (not is_static_int(capacity) or not 1 <= capacity <= INT32_MAX):
+    raise ValueError(f"capacity must be None or a positive integer below 2**31, got "
+                     f"{capacity!r}")
   sharding_lib.check_mesh(mesh, 0)
   spans = sharding_lib.spans_processes(mesh)
   if not spans:

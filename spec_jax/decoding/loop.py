@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Optional
 
 import jax
@@ -16,11 +17,11 @@ import numpy as np
 from kernels_pallas import platform as kernel_platform
 from spec_jax import processors as processors_lib, sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
-from spec_jax.decoding.checks import check_capacity, is_static_int
+from spec_jax.decoding.checks import check_capacity, check_key, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
 from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv, RowCounts
 from spec_jax.decoding.strategies import Strategy, strategy_for
-from spec_jax.decoding.target import as_target
+from spec_jax.decoding.target import as_target, model_config
 from spec_jax.drafters.base import Drafter, PrefillInfo
 from spec_jax.models.prefill import PREFILL_CHUNK, chunked_prefill
 from spec_jax.sampling import Sampling
@@ -112,6 +113,9 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
                      f"{type(drafter).__name__}")
   target = as_target(config)
   strategy = strategy_for(strategy, drafter, num_draft, tree, governor, target)
+  if drafter is not None and model_config(target) is not None:
+    # generate() checks against the Model (tokenizers too); here only the config is known
+    drafter.check_compatible(types.SimpleNamespace(config=model_config(target), tokenizer=None))
   processors = processors_lib.check_processors(processors)
   if processor_params is None:
     processor_params = tuple(p.params for p in processors)
@@ -142,7 +146,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
   if not isinstance(sampling, Sampling):
     raise ValueError(f"sampling must be a spec_jax.Sampling, got {type(sampling).__name__}")
   if all(opt.is_concrete(getattr(sampling, n)) for n, opt in sampling_lib.OPTIONS.items()):
-    sampling.check(vocab_size=target.vocab_size)                 # logit_bias ids
+    sampling.check(batch_size=prompt_tokens.shape[0], vocab_size=target.vocab_size)
+  check_concrete_inputs(prompt_tokens, prompt_lens, key, stop_tokens, target.vocab_size)
   costs = strategy.round_costs(drafter, round_costs)          # ValueError on a bad table
   # Under a mesh the verify-attention kernels run per device (kernels_pallas.platform).
   with contextlib.nullcontext() if mesh is None else kernel_platform.kernel_mesh(mesh):
@@ -156,6 +161,37 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
     final = strategy.run(env, state.replace(strategy=strategy.init(env, state)))
   return DecodeResult.of(final, prompt_lens, strategy.k_rounds(final),
                          strategy.position_acceptance(final), strategy.row_acceptance(final))
+
+
+def _on_host(x) -> bool:
+  """Whether this process can read x's values: not traced, not spread over other processes."""
+  return not isinstance(x, jax.core.Tracer) and getattr(x, "is_fully_addressable", True)
+
+
+def check_concrete_inputs(prompt_tokens, prompt_lens, key, stop_tokens, vocab_size: int):
+  """decode's checks of the values it can see (ValueError); traced values are the caller's:
+  the key is one jax.random.key; where this process holds them, every prompt length in
+  [1, P], every prompt id and stop id in [0, V) (stop ids may be -1: padding)."""
+  check_key(key)
+  p = prompt_tokens.shape[1]
+  if _on_host(prompt_lens):
+    lens = np.asarray(prompt_lens)
+    if lens.size and (lens.min() < 1 or lens.max() > p):
+      raise ValueError(f"prompt_lens must lie in [1, P={p}], got values from {lens.min()} to "
+                       f"{lens.max()}")
+    if _on_host(prompt_tokens):
+      ids = np.asarray(prompt_tokens)
+      real = np.arange(p)[None, :] < lens[:, None]          # the padding may hold anything
+      bad = ids[real & ((ids < 0) | (ids >= vocab_size))]
+      if bad.size:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): "
+                         f"{bad[:5].tolist()}")
+  if _on_host(stop_tokens):
+    stops = np.asarray(stop_tokens).reshape(-1)
+    bad = stops[(stops >= vocab_size) | (stops < -1)]    # -1 pads (prompts.padded_stops)
+    if bad.size:
+      raise ValueError(f"stop_tokens outside the vocabulary [0, {vocab_size}): "
+                       f"{bad[:5].tolist()}")
 
 
 def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,

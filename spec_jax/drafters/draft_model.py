@@ -142,6 +142,9 @@ class DraftModel(FrozenDrafter):
       raise ValueError(f"DraftModel catch_up_chunk must be an integer >= 1, got {chunk!r}")
     object.__setattr__(self, "greedy_drafts", bool(self.greedy_drafts))
     object.__setattr__(self, "rolls_steps_on", _platforms(self.rolls_steps_on))
+    if not (hasattr(self.model, "config") and hasattr(self.model, "params")):
+      raise ValueError(f"DraftModel takes a model loaded with sj.load(path), got "
+                       f"{type(self.model).__name__}")
     object.__setattr__(self, "config", self.model.config)
     object.__setattr__(self, "params", self.model.params)
     if self.model.config.family.commit_cache is not None:

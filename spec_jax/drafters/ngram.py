@@ -22,10 +22,15 @@ from spec_jax import tree as tree_lib
 from spec_jax.drafters.base import DraftContext, FrozenDrafter, frozen_drafter
 
 
+MAX_NGRAM = 32
+
+
 @frozen_drafter
 class NGram(FrozenDrafter):
   """Deterministic drafts (draft_probs None): lossless through the rejection sampler.
-  No params; static configuration max_ngram >= min_ngram >= 1."""
+  No params; static configuration MAX_NGRAM >= max_ngram >= min_ngram >= 1 (the program holds
+  max_ngram (max_ngram + 1) / 2 shifted comparisons of the [B, S] buffer: at 64 it compiled in
+  14 s on this CPU, at 1000 it ran out of memory compiling; lookup decoding uses 2-5)."""
 
   params = None
   supports_tree = True
@@ -39,6 +44,9 @@ class NGram(FrozenDrafter):
     for name, v in (("max_ngram", self.max_ngram), ("min_ngram", self.min_ngram)):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"NGram {name} must be an integer >= 1, got {v!r}")
+    if self.max_ngram > MAX_NGRAM:
+      raise ValueError(f"NGram max_ngram must be <= {MAX_NGRAM} (its program grows with "
+                       f"max_ngram squared), got {self.max_ngram}")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"NGram min_ngram ({self.min_ngram}) must be <= max_ngram "
                        f"({self.max_ngram})")
