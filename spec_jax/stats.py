@@ -24,7 +24,10 @@ class SpecStats:
   alpha_token: the per-token acceptance alpha of the i.i.d. model, the root in [0, 1] of
     tau = (1 - alpha^(K+1)) / (1 - alpha) for the measured tau (acceptance_rate also counts
     the drafts after a round's first rejection, which were never judged, so it falls with K;
-    alpha_token does not). 0.0 when K = 0 or there were no rounds.
+    alpha_token does not). 0.0 when K = 0 or there were no rounds. The model assumes K drafts
+    in every round; the last round of a row that max_new_tokens cuts drafts fewer, so on short
+    generations alpha_token reads low (a draft identical to the target: 0.82 at 8 new tokens
+    and K = 4, 0.98 at 64, where acceptance_rate reads 1.0).
   mean_accepted_length: tokens emitted per target forward, bonus included: emitted / rounds,
     the tau of the papers (= (accepted + rounds) / rounds when no round was cut). 1.0 when
     there were no rounds (max_new_tokens = 1: the prefill's forward emitted the one token) and
