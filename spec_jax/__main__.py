@@ -44,6 +44,8 @@ def _generate(args) -> int:
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
                             else ["Once upon a time"])
   try:
+    if args.system is not None and not args.chat:
+      raise ValueError("--system is a chat template's system message: give --chat too")
     if jax.process_count() > 1 and args.mesh is None:
       raise ValueError(f"this run has {jax.process_count()} processes: give --mesh "
                        f"data=N,model=M over their {jax.device_count()} devices")

@@ -202,6 +202,7 @@ def test_breakdown_suite_tiny(tmp_path):
   # below zero: only that a time was measured is checked here, never its value.
   assert 1.0 <= r["tau"] <= 2.0 and r["iterations"] >= 1 and math.isfinite(r["t_round_ms"])
   assert {"speedup_loop", "bound", "efficiency_loop", "t_other_ms"} <= set(r)
+  assert r["tau_loop"] == rows[0]["iterations"] / r["iterations"]
 
 
 def test_alpha_per_verified_token():
@@ -264,6 +265,11 @@ def test_breakdown_row_from_known_inputs():
   assert math.isclose(r["eff_spec_overhead_factor"], 0.75)
   assert math.isclose(r["eff_plain_overhead_factor"], 2.0)
   assert math.isclose(r["t_round_ms"], 2.0) and math.isclose(r["t_prefill_ms"], 5.0)
+  # At B > 1 the loop runs until its slowest row is done: plain took 2 iterations per
+  # speculative one although the pooled tau is 3; the loop's speedup and bound follow the 2.
+  r = breakdown_row({"drafter": "ngram"}, 2, 3.0, t, plain_round=1 * ms, tau_loop=2.0)
+  assert r["tau"] == 3.0 and r["tau_loop"] == 2.0
+  assert math.isclose(r["speedup_loop"], 1.0) and math.isclose(r["bound"], 2 / 3)
 
 
 def test_timing_helpers():
@@ -481,3 +487,26 @@ def test_tuned_draft_temperature_runs_the_sampled_chains_tuned():
   out = targets.run_generate(target, [[1, 2, 3]], sj.drafters.DraftModel(draft),
                              targets.cell_config(2, 1.0, drafter, opts), 8, 1.0, 0)
   assert out.stats.strategy == "K=2,tuned-draft-T" and len(out.tokens[0]) == 8
+
+
+def test_verdicts_and_the_loss_flag_judge_the_fastest_plain():
+  """A bf16 drafter row at 1.08x of plain bf16, where plain float32 was 1.12x faster: 0.96x of
+  the fastest plain decoding is a loss, flagged and judged so (it read "beats plain")."""
+  from spec_jax.bench.report import format_spec
+  from spec_jax.bench.suites.spec import governor_verdicts, make_verdicts
+  cell = dict(target="t", temperature=0.0, batch=4)
+  tps = dict(median=108.0, min=100.0, max=110.0)
+  row = dict(cell, drafter="draft:x", drafter_spec="draft:x", K=2, tokens_per_s=tps,
+             speedup=1.08, speedup_vs_fastest_plain=0.96, fastest_plain_dtype="float32",
+             alpha=0.5, alpha_token=0.5, tau=1.5, c_draft=0.1, c_verify=1.1, bound=1.2,
+             efficiency=0.9)
+  verdict = make_verdicts([row], [dict(cell, noise_pct=2.0)])[0]["per_batch"][0]
+  assert verdict["speedup"] == 0.96 and not verdict["beats_plain"]
+  assert verdict["judgement"] == "LOSES to plain"
+  result = {"rows": [row], "notes": [], "verdicts": [], "baselines": [
+      dict(cell, noise_pct=2.0, tokens_per_s=dict(tps, median=112.5, n=3))]}
+  line = next(ln for ln in format_spec(result).splitlines() if "draft:x" in ln)
+  assert "LOSS" in line
+  auto = dict(row, K="auto", batch=16, k_histogram={0: 10}, noise_pct=2.0,
+              speedup=1.0, speedup_vs_fastest_plain=0.9)
+  assert governor_verdicts([auto])[0]["goals"] == {"vs_plain>=0.97": False}

@@ -334,3 +334,39 @@ def test_eval_trees_run_beside_the_chains(tmp_path, prompt_file, monkeypatch):
   with pytest.raises(ValueError, match="--tree needs a drafter that builds trees"):
     evaluate_module.make_configs(sj.load(model),
                                  EvalOptions(**dict(base, trees=("3,2,6",))).validate())
+
+
+def test_tau_counts_emitted_tokens_and_noise_is_a_true_median():
+  """tau: a round cut by max_new_tokens counts its emitted drafts as accepted but emits no
+  correction or bonus, so (accepted + rounds) / rounds overstated it by one token per cut
+  request. plain_noise: the median over repeats and over batches is statistics.median's, not
+  the upper middle value (2 repeats [1, 2]: 1 / 1.5, not 1 / 2)."""
+  from spec_jax.eval import aggregate
+  row = {"rounds": 3, "drafted": 12, "accepted": 11, "new_tokens": 14, "e2e_s": 1.0,
+         "accepted_at": [3, 3, 3, 2]}          # 4 + 4 + 3 emitted (the last round cut)
+  assert aggregate.group_stats([row], 4)["tau"] == 13 / 3
+  plain = {"none": {"rounds": 13, "drafted": 0, "accepted": 0, "new_tokens": 14,
+                    "e2e_s": 1.0, "accepted_at": []}}
+  assert aggregate.group_stats([plain["none"]], 0)["tau"] == 1.0
+  unit = lambda secs: {"batch": 4, "configs": {runner.PLAIN: {"seconds": secs}}}
+  assert aggregate.plain_noise([unit([1.0, 2.0])], 4) == pytest.approx(1 / 1.5)
+  assert aggregate.plain_noise([unit([1.0, 2.0]), unit([1.0, 1.1]), unit([1.0, 1.2]),
+                                unit([1.0, 3.0])], 4) == pytest.approx(
+      (0.2 / 1.1 + 1 / 1.5) / 2)
+
+
+def test_terminal_summary_compares_with_the_fastest_plain_and_states_its_noise():
+  res = {"throughput": [
+      {"drafter": "plain", "batch": 4, "tokens_per_s": 100.0, "speedup": 1.0,
+       "speedup_vs_fastest_plain": 0.58, "plain_noise": 0.12},
+      {"drafter": "plain bfloat16", "batch": 4, "tokens_per_s": 173.0, "speedup": 1.73,
+       "speedup_vs_fastest_plain": 1.0, "plain_noise": 0.12},
+      {"drafter": "draft:x", "batch": 4, "tokens_per_s": 51.0, "speedup": 0.51,
+       "speedup_vs_fastest_plain": 0.29, "plain_noise": 0.12}],
+      "summary": [], "latency": [], "skipped": [], "plots": ["x.png"],
+      "greedy_check": {"checked": True},
+      "run": {"units": 1, "units_measured": 1, "units_reused": 0, "out": "o"}}
+  text = cli.summary_text(res)
+  line = next(ln for ln in text.splitlines() if ln.strip().startswith("draft:x"))
+  assert "0.29x" in line and "0.51x" not in line and "12%" in line
+  assert "vs fastest plain" in text and "plain noise" in text

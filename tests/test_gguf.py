@@ -410,7 +410,7 @@ def test_smollm2_tokenizer_refuses_ids_outside_the_vocabulary(smol):
 
 @pytest.mark.parametrize("system, first", [(None, "You are a helpful AI assistant named SmolLM"),
                                            ("", None), ("Be brief.", "Be brief.")])
-def test_cli_chat_sends_the_system_message_asked_for(smol, monkeypatch, system, first):
+def test_cli_chat_sends_the_system_message_asked_for(smol, monkeypatch, capsys, system, first):
   """`--system ""` is an empty system message, not none (the template's default one)."""
   import spec_jax.__main__ as cli
   model, _, _ = smol
@@ -428,3 +428,7 @@ def test_cli_chat_sends_the_system_message_asked_for(smol, monkeypatch, system, 
   head = "<|im_start|>system\n" + (first or "") + ("" if first else "<|im_end|>")
   assert text.startswith(head), text
   assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), text
+  if system is not None:                 # without --chat there is no template to put it in
+    capsys.readouterr()
+    assert cli.main([a for a in argv if a != "--chat"] + ["--system", system]) == 2
+    assert "--system is a chat template's system message: give --chat" in capsys.readouterr().err

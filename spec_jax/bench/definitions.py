@@ -76,8 +76,12 @@ PLAIN_DEFINITIONS = {
 
 BREAKDOWN_DEFINITIONS = {
     "t_round_ms": "engine time per loop iteration, prefill excluded",
-    "speedup_loop": "tau * t_round(plain) / t_round(spec): the decode-loop speedup, prefill "
-                    "excluded",
+    "tau_loop": "tokens each row gains per loop iteration: iterations(plain) / iterations(spec) "
+                "(every row decodes max_new_tokens; the loop runs until its slowest row is "
+                "done, so at B > 1 this is below the pooled tau)",
+    "speedup_loop": "tau_loop * t_round(plain) / t_round(spec) = the plain loop's time / the "
+                    "speculative loop's: the decode-loop speedup, prefill excluded",
+    "bound": "tau_loop / ((K t_draft_fwd + t_fwd_k1) / t_fwd_1): the analytic loop speedup",
     "efficiency_loop": "speedup_loop / bound = eff_spec_overhead_factor * "
                        "eff_plain_overhead_factor",
     "t_other_ms": "t_round - t_propose - t_verify_step - t_accept",

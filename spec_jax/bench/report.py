@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 
 from spec_jax.bench.suites.peer_report import format_peer
+from spec_jax.bench.suites.spec import vs_fastest_plain
 from spec_jax.bench.tables import fmt, table
 
 DTYPE_TAG = {"bfloat16": "bf16", "float32": "f32"}
@@ -20,7 +21,7 @@ def format_spec(result: dict) -> str:
   cells_rows = []
   for r in rows:
     t = r["tokens_per_s"]
-    flag = "" if r["K"] == 0 else ("LOSS" if r["speedup"] < 1 else "")
+    flag = "" if r["K"] == 0 else ("LOSS" if vs_fastest_plain(r) < 1 else "")
     cells_rows.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"],
                        f"tree {r['tree']}" if r.get("tree") else r["K"],
                        f"{t['median']:.0f}", f"{t['min']:.0f}-{t['max']:.0f}",
@@ -39,9 +40,10 @@ def format_spec(result: dict) -> str:
              "decode, compile excluded), median of repeats; min-max over repeats. Every row "
              "generates exactly max_new_tokens per prompt (stop_tokens=[]), same prompts and key.")
   out.append("  speedup = tok/s / tok/s of plain decoding (K=0, drafter none) of the SAME target, "
-             "dtype, batch B and temperature T in this run (LOSS = slower than plain); vs best = "
-             "tok/s / the fastest plain decoding of any dtype timed in the same cell (none@DTYPE "
-             "rows: plain in another dtype; --plain-dtypes), and which dtype that was. alpha = accepted/"
+             "dtype, batch B and temperature T in this run; vs best = tok/s / the fastest plain "
+             "decoding of any dtype timed in the same cell (none@DTYPE rows: plain in another "
+             "dtype; --plain-dtypes), and which dtype that was (LOSS = slower than it; the "
+             "verdicts judge it too). alpha = accepted/"
              "drafted (SpecStats.acceptance_rate = (tau-1)/K); a_tok = accepted/(accepted + "
              "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) (draft models "
              "only); tau = tokens per target forward (bonus included).")
@@ -99,7 +101,9 @@ def format_spec(result: dict) -> str:
       goals = ", ".join(f"{name} {'met' if ok else 'MISSED'}" for name, ok in
                         g["goals"].items()) or "-"
       out.append(f"governor {g['target']} + {g['drafter']} T={g['temperature']:g} "
-                 f"B={g['batch']}: {g['speedup']:.2f}x plain; {share}; K {hist}; goals: "
+                 f"B={g['batch']}: {g['speedup']:.2f}x plain, "
+                 f"{g.get('speedup_vs_fastest_plain', g['speedup']):.2f}x the fastest plain; "
+                 f"{share}; K {hist}; goals: "
                  f"{goals} (noise {g['noise_pct']:.0f}%)")
   return "\n".join(out)
 

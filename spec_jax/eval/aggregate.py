@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from spec_jax.bench.metrics import alpha_per_verified_token
 from spec_jax.timing import percentiles
 from spec_jax.eval.latency import request_latencies
@@ -11,8 +13,9 @@ from spec_jax.stats import SpecStats
 ALL = "all"
 
 EVAL_DEFINITIONS = {
-    "tau": "tokens emitted per target forward, bonus included: (accepted + rounds) / rounds "
-           "over the group's requests; 1 for plain decoding",
+    "tau": "tokens emitted per target forward, bonus included: the rounds' tokens (each "
+           "request's new tokens but the prefill's first) / rounds over the group's "
+           "requests; 1 for plain decoding",
     "alpha": "accepted draft tokens / drafted tokens over the group's requests",
     "alpha_token": "accepted / (accepted + rounds with a rejection): the per-token acceptance a "
                    "of tau = (1 - a^(K+1)) / (1 - a); null unless every round drafted K tokens "
@@ -82,8 +85,12 @@ def group_stats(rows, k) -> dict:
   width = len(rows[0]["accepted_at"]) if rows else 0
   accepted_at = [sum(r["accepted_at"][i] for r in rows) / rounds for i in range(width)] \
       if rounds else []
+  # The rounds emitted every new token but the first (the prefill's). Not accepted + rounds:
+  # a round cut by max_new_tokens or a stop token counts its emitted drafts as accepted but
+  # emits no correction or bonus after them.
+  emitted = sum(max(r["new_tokens"] - 1, 0) for r in rows)
   return {"requests": len(rows), "new_tokens": tokens, "e2e_s": e2e,
-          "tau": (accepted + rounds) / rounds if rounds else None, "accepted_at": accepted_at,
+          "tau": emitted / rounds if rounds else None, "accepted_at": accepted_at,
           "alpha": accepted / drafted if drafted else None, "alpha_token": alpha_token,
           "tokens_per_s": tokens / e2e if e2e > 0 else None}
 
@@ -130,9 +137,8 @@ def plain_noise(units, batch: int):
   for u in units:
     secs = u["configs"][PLAIN]["seconds"] if u["batch"] == batch else []
     if len(secs) > 1:
-      mid = sorted(secs)[len(secs) // 2]
-      spreads.append((max(secs) - min(secs)) / mid)
-  return sorted(spreads)[len(spreads) // 2] if spreads else None
+      spreads.append((max(secs) - min(secs)) / statistics.median(secs))
+  return statistics.median(spreads) if spreads else None
 
 
 def compile_summary(units) -> dict:

@@ -86,9 +86,12 @@ def sampling_from(args) -> tuple:
 
 
 def summary_text(res: dict) -> str:
-  """What the terminal shows at the end: overall speedups, latency, where the files are."""
+  """What the terminal shows at the end: overall speedups over the fastest plain decoding (with
+  its noise), latency, where the files are."""
   rows = [[r["drafter"], r["batch"], fmt(r["tokens_per_s"], 1),
-           f"{r['speedup']:.2f}x" if r["speedup"] else "-"] for r in res["throughput"]]
+           f"{r['speedup_vs_fastest_plain']:.2f}x" if r["speedup_vs_fastest_plain"] else "-",
+           f"{r['plain_noise']:.0%}" if r.get("plain_noise") is not None else "-"]
+          for r in res["throughput"]]
   taus = {(r["drafter"], r["batch"]): r for r in res["summary"] if r["category"] == "all"}
   for row in rows:
     s = taus.get((row[0], row[1]), {})
@@ -97,8 +100,8 @@ def summary_text(res: dict) -> str:
   for row in rows:
     t = lat.get((row[0], row[1]), {}).get("tpot_ms") or {}
     row += [fmt(t.get("p50"), 2), fmt(t.get("p99"), 2)]
-  out = [table(["drafter", "B", "tok/s", "speedup", "tau", "alpha", "TPOT p50 ms",
-                "TPOT p99 ms"], rows)]
+  out = [table(["drafter", "B", "tok/s", "vs fastest plain", "plain noise", "tau", "alpha",
+                "TPOT p50 ms", "TPOT p99 ms"], rows)]
   run = res["run"]
   out.append(f"\n{run['units']} batches ({run['units_measured']} measured, "
              f"{run['units_reused']} reused), {len(res['skipped'])} prompts skipped; "
