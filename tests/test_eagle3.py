@@ -304,6 +304,14 @@ def _mutate(tensors, config, what):
     config["attention_bias"] = True
   elif what == "two-layers":
     config["num_hidden_layers"] = 2
+  elif what == "duplicate":                # two spellings of one tensor: which won was undefined
+    tensors["model.fc.weight"] = np.zeros_like(tensors["fc.weight"])
+  elif what == "string-field":             # int() raised without naming the file or field
+    config["intermediate_size"] = "abc"
+  elif what == "null-required":            # int(None): a TypeError
+    config["num_attention_heads"] = None
+  elif what == "depth":                    # exported for a 9-layer target (ours has 7)
+    config["num_target_layers"] = 9
 
 
 MALFORMED = {
@@ -323,6 +331,10 @@ MALFORMED = {
     "layers": r"eagle_aux_hidden_state_layer_ids \[2, 4, 9\] name boundaries \[9\] outside",
     "bias": r"attention_bias=true is not supported",
     "two-layers": r"num_hidden_layers=2",
+    "duplicate": r"tensors fc.weight and model.fc.weight are both fc.weight",
+    "string-field": r"config.json: intermediate_size='abc'; allowed: a positive integer",
+    "null-required": r"config.json lacks 'num_attention_heads'",
+    "depth": r"num_target_layers=9 but the target has 7 layers",
 }
 
 
@@ -333,6 +345,16 @@ def test_malformed_folders_are_refused(tmp_path, target, what):
   folder = write_folder(tmp_path / what, config=config, tensors=tensors)
   with pytest.raises(ValueError, match=MALFORMED[what]):
     sj.drafters.load(folder, target)
+
+
+def test_null_optional_fields_take_their_defaults(tmp_path, target, public_folder):
+  """A null num_hidden_layers / rms_norm_eps / num_key_value_heads is absent (int(None) and
+  float(None) raised TypeErrors)."""
+  config = public_config(num_hidden_layers=None, rms_norm_eps=None)
+  folder = write_folder(tmp_path / "nulls", config=config, tensors=public_tensors())
+  head, ref = sj.drafters.load(folder, target), sj.drafters.load(public_folder, target)
+  assert head.layer_config.rms_norm_eps == 1e-6
+  assert head.layer_config.num_kv_heads == ref.layer_config.num_kv_heads
 
 
 def test_shallow_target_without_layer_ids_is_refused(tmp_path):
@@ -353,6 +375,7 @@ def test_export_round_trip_drafts_identically(tmp_path, target):
   assert config["draft_vocab_size"] == 40 and config["vocab_size"] == V
   # Non-default layers travel as vLLM's boundary ids (input of layer id).
   assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
+  assert config["num_target_layers"] == L     # ours: checked on load (the "depth" case above)
   back = sj.drafters.load(out, target)
   assert back == head
   for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
@@ -430,3 +453,13 @@ def test_export_cli(tmp_path, capsys):
   assert export_eagle3.main([str(path), str(tmp_path / "mtp"), str(tmp_path / "o2")]) == 2
   assert "writes EAGLE-3 heads; got a MTP" in capsys.readouterr().err
   assert not (tmp_path / "o2").exists()
+
+
+def test_an_own_embedding_survives_export_unless_it_is_the_targets(tmp_path, target):
+  """A head's own embedding table 0.5 % away from the target's is its own (rtol 1e-2 dropped
+  it on load); a bf16 copy of the target's (2^-9 relative) is the target's and is not kept."""
+  head = EAGLE3.init(target, key=jax.random.key(2), init_std=0.3, own_embedding=True)
+  for scale, kept in ((1.005, True), (1.0 + 2**-9, False)):
+    params = dict(head.params, embed=head.params["embed"] * scale)
+    out = sj.drafters.export(head.replace(params=params), tmp_path / f"e{scale}")
+    assert ("embed" in sj.drafters.load(out, target).params) == kept, scale

@@ -482,6 +482,24 @@ def test_saved_heads_reload_and_refuse_another_target(tmp_path):
     sj.drafters.load(tmp_path / "heads", bigger)
   with pytest.raises(ValueError, match="not a folder saved by train.distill_heads"):
     sj.drafters.load(tmp_path / "nothing", target)
+  # A damaged folder is a ValueError naming what is wrong (KeyError, AttributeError and
+  # orbax's FileNotFoundError before), and weights of other shapes than heads.json says (an
+  # edited file, or a save killed between params/ and heads.json) are refused, not loaded.
+  import shutil
+  good = json.loads((tmp_path / "heads" / "heads.json").read_text())
+  for change, message in [(lambda m: [m], "must be a JSON object, got list"),
+                          (lambda m: {k: v for k, v in m.items() if k != "target"},
+                           "head metadata lacks target"),
+                          (lambda m: dict(m, hyper_params=dict(m["hyper_params"], num_heads=2)),
+                           r"stored weights do not match heads.json's hyper-parameters: "
+                           r"\['b'\] \(3, 1, 32\) \(expected \(2, 1, 32\)\)")]:
+    (tmp_path / "heads" / "heads.json").write_text(json.dumps(change(good)))
+    with pytest.raises(ValueError, match=message):
+      sj.drafters.load(tmp_path / "heads", target)
+  (tmp_path / "heads" / "heads.json").write_text(json.dumps(good))
+  shutil.rmtree(tmp_path / "heads" / "params")
+  with pytest.raises(ValueError, match="params: the heads' weights could not be read"):
+    sj.drafters.load(tmp_path / "heads", target)
 
 
 

@@ -79,6 +79,9 @@ def test_killed_run_resumes_to_the_same_params(tmp_path):
   assert first["stopped"] and first["end_step"] == 4
   caches = list((tmp_path / "b" / "cache").glob("generated_*.npz"))
   assert len(caches) == 1
+  # Other captured layers keep every shape: the checkpoint restored and trained on before.
+  with pytest.raises(ValueError, match="written by a run with another hyper_params.target_layers"):
+    distill_heads.main(["--config", str(path_b), "--set", "head.target_layers=[1,2,3]"])
   resumed = distill_heads.main(["--config", str(path_b)])
   assert resumed["start_step"] == 4 and resumed["end_step"] == 8
   for a, b in zip(jax.tree.leaves(straight["params"]), jax.tree.leaves(resumed["params"])):

@@ -142,6 +142,35 @@ def make_loss_fn(head, target_config, tcfg: dict):
   return loss_fn
 
 
+RESUME_IDENTITY = "checkpoints.json"   # what the checkpoints in checkpoints/ were trained as
+
+
+def _resume_identity(head, target_fingerprint: dict) -> dict:
+  """The head's kind and hyper-parameters and the target's fingerprint, as JSON stores them: a
+  resumed run must match all three (shapes alone do not show a changed head.target_layers, a
+  draft vocabulary of the same size but other tokens, or another target of the same config)."""
+  return json.loads(json.dumps({"kind": head.kind, "hyper_params": head.hyper_params(),
+                                "target": {k: target_fingerprint[k] for k in ("config",
+                                                                               "sha256")}}))
+
+
+def _check_resume_identity(path: pathlib.Path, identity: dict) -> None:
+  """ValueError naming what differs from the run that wrote the checkpoints (runs written
+  before this file existed resume as before, on the shape check alone)."""
+  if not path.exists():
+    return
+  saved = json.loads(path.read_text())
+  diff = [f"{part}.{key}" for part in ("hyper_params", "target")
+          for key in sorted(set(saved[part]) | set(identity[part]))
+          if saved[part].get(key) != identity[part].get(key)]
+  if saved["kind"] != identity["kind"]:
+    diff.insert(0, "kind")
+  if diff:
+    raise ValueError(f"{path.parent / 'checkpoints'} was written by a run with another "
+                     f"{', '.join(diff)}; resume with the config and target that wrote it, or "
+                     f"use a fresh out_dir")
+
+
 def run(cfg: dict) -> dict:
   """Trains per `cfg` (train.config schema). Returns a summary dict (also used by tests)."""
   started = time.perf_counter()
@@ -198,7 +227,9 @@ def run(cfg: dict) -> dict:
   ckpts = ckpt_lib.TrainCheckpoints(out_dir / "checkpoints", tcfg["checkpoint_every"])
   start = 0
   latest = ckpts.latest_step()
+  identity = _resume_identity(head, fp)
   if latest is not None:
+    _check_resume_identity(out_dir / RESUME_IDENTITY, identity)
     try:
       state = ckpts.restore(latest, state)
     except Exception as e:  # noqa: BLE001 - orbax raises many types on a structure mismatch
@@ -207,6 +238,8 @@ def run(cfg: dict) -> dict:
                        "with the config that wrote it, or use a fresh out_dir") from e
     start = latest
     log(f"resuming from {out_dir / 'checkpoints'} at step {start}")
+  elif main:
+    heads_folder.write_json_atomic(out_dir / RESUME_IDENTITY, identity)
 
   probe = batch_of(data_lib.batch_indices(len(windows), tcfg["batch_size"], cfg["seed"] + 1, 0))
   probe_key = sharding.replicate(mesh, jax.random.key(0))

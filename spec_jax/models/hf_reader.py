@@ -284,6 +284,9 @@ def match_tensors(stored: dict, shapes: dict, optional: dict, canonical: Callabl
       hint = (hints or {}).get(public, "")
       raise ValueError(f"{fobj.path}: tensor {name} has shape {got}; config.json and the target "
                        f"imply {tuple(want)}{hint}")
+    if public in found:
+      raise ValueError(f"{folder}: tensors {found[public][0]} and {name} are both {public}; "
+                       f"keep one (which would be read was undefined)")
     found[public] = (name, fobj)
   if unknown:
     raise ValueError(f"{folder}: {len(unknown)} tensor(s) that {model} does not have: "

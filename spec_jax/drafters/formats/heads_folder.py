@@ -173,8 +173,14 @@ def load(path, target, greedy_drafts: bool = False):
     meta = json.loads((path / META).read_text())
   except (OSError, json.JSONDecodeError) as e:
     raise ValueError(f"{path / META}: unreadable head metadata: {e}") from e
+  if not isinstance(meta, dict):
+    raise ValueError(f"{path / META}: head metadata must be a JSON object, got "
+                     f"{type(meta).__name__}")
   if meta.get("format") != FORMAT:
     raise ValueError(f"{path / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
+  missing = [k for k in ("kind", "hyper_params", "target") if k not in meta]
+  if missing:
+    raise ValueError(f"{path / META}: head metadata lacks {', '.join(missing)}")
   check_fingerprint(meta["target"], target, what=f"the {meta['kind']} heads at {path}")
   kind = meta["kind"]
   if kind == "eagle3" and "draft_tokens" not in meta["hyper_params"]:
@@ -184,8 +190,21 @@ def load(path, target, greedy_drafts: bool = False):
   skeleton = registry.build(kind, target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
-  with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
-    params = ckpt.restore(path / PARAMS, abstract)
+  try:
+    with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
+      params = ckpt.restore(path / PARAMS, abstract)
+  except Exception as e:  # noqa: BLE001 - orbax raises many types for a missing or torn folder
+    raise ValueError(f"{path / PARAMS}: the heads' weights could not be read "
+                     f"({e.__class__.__name__}: {e})") from e
+  # orbax returns what is stored whatever shape the template says: weights saved with other
+  # hyper-parameters (an edited heads.json, or a save killed between params/ and heads.json)
+  # would otherwise load and decode.
+  wrong = [f"{jax.tree_util.keystr(k)} {np.shape(got)} (expected {want.shape})"
+           for (k, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                     jax.tree.leaves(abstract)) if np.shape(got) != want.shape]
+  if wrong:
+    raise ValueError(f"{path}: the stored weights do not match {META}'s hyper-parameters: "
+                     + "; ".join(wrong[:4]))
   params = jax.tree.map(jax.numpy.asarray, params)
   drafter = skeleton.replace(params=params, greedy_drafts=bool(greedy_drafts),
                              trained_num_draft=int(meta.get("num_draft", 0)), source=str(path))
