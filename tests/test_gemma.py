@@ -373,3 +373,22 @@ def test_generate_on_a_mesh_equals_one_device():
   res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=900, cwd=root)
   assert "MESH OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_gemma4_vision_only_bidirectional_attention_loads_as_causal_text(tmp_path):
+  """use_bidirectional_attention="vision" (Gemma 4 31B, 26B-A4B): only image-token blocks
+  attend both ways, text stays causal (transformers: is_causal = value != "all"); it was
+  refused. "all" is bidirectional text and stays refused."""
+  torch_model = gh.causal_lm(gh.gemma4_dense_config(use_bidirectional_attention="vision"))
+  torch_model.save_pretrained(tmp_path / "vision")
+  model = sj.load(tmp_path / "vision")
+  toks = tokens()
+  out = _forward(model.params, model.config, jnp.asarray(toks), sj.KVCache.zeros(
+      model.config, 2, 16), jnp.zeros(2, jnp.int32))
+  assert float(np.abs(np.asarray(out.logits) - torch_logits(torch_model, toks)).max()) <= ATOL
+  raw = json.loads((tmp_path / "vision" / "config.json").read_text())
+  text = raw.get("text_config", raw)
+  text["use_bidirectional_attention"] = "all"
+  (tmp_path / "vision" / "config.json").write_text(json.dumps(raw))
+  with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
+    sj.load(tmp_path / "vision")

@@ -193,3 +193,34 @@ def test_sliding_window_cached_prefill_verify_and_decode_match_transformers(tmp_
                        err_msg=f"row {b} at offset {lengths[b]}")
     cache, lengths = out.cache, lengths + step
   assert lengths.min() > 2 * cfg.sliding_window
+
+
+def test_a_tied_head_stored_with_other_values_is_refused_and_an_equal_one_loads(tmp_path):
+  """tie_word_embeddings with lm_head.weight stored beside the embedding: the loader reads the
+  embedding for both, transformers unties a head that differs; so a differing head is a
+  ValueError (it gave other logits silently), an equal copy loads as before."""
+  from safetensors.numpy import load_file, save_file
+  torch_model = make_torch_model("LlamaConfig", tie_word_embeddings=True)
+  torch_model.save_pretrained(tmp_path, safe_serialization=True)
+  path = tmp_path / "model.safetensors"
+  tensors = load_file(str(path))
+  embed = tensors["model.embed_tokens.weight"]
+  save_file(dict(tensors, **{"lm_head.weight": embed.copy()}), str(path),
+            metadata={"format": "pt"})
+  assert sj.load(tmp_path).config.tie_embeddings
+  save_file(dict(tensors, **{"lm_head.weight": embed + 0.01}), str(path),
+            metadata={"format": "pt"})
+  with pytest.raises(ValueError, match="the stored lm_head.weight differs from "
+                                       "model.embed_tokens.weight"):
+    sj.load(tmp_path)
+
+
+def test_a_mistral_config_with_an_attention_bias_key_has_no_biases(tmp_path):
+  """transformers' MistralAttention has no q/k/v biases whatever attention_bias says; the
+  loader asked for bias tensors the checkpoint does not have."""
+  torch_model = make_torch_model("MistralConfig", attention_bias=True, tie_word_embeddings=False)
+  torch_model.save_pretrained(tmp_path, safe_serialization=True)
+  model = sj.load(tmp_path)
+  assert not model.config.qkv_bias
+  tokens = np.random.default_rng(0).integers(0, TINY["vocab_size"], size=(2, 12))
+  assert_f32_close(jax_logits(model, tokens), float64_logits(torch_model, tokens), MODEL_ULPS)

@@ -298,6 +298,20 @@ def match_tensors(stored: dict, shapes: dict, optional: dict, canonical: Callabl
   return found
 
 
+def check_tied_head(where: dict, embed: str, head: str) -> None:
+  """A config that ties the LM head to the embedding while the checkpoint stores both: they
+  must be equal, since the loaders read the embedding for both. transformers unties a head
+  stored with other values ("we will NOT tie them"), so a different head gave other logits
+  there and no error here. ValueError naming both tensors."""
+  if head not in where or embed not in where:
+    return
+  same = np.array_equal(where[embed].read(embed), where[head].read(head))
+  if not same:
+    raise ValueError(f"{where[head].path}: config.json ties the LM head to the embedding "
+                     f"(tie_word_embeddings), but the stored {head} differs from {embed}; set "
+                     f"tie_word_embeddings to false to use the stored head")
+
+
 def np_dtype(dtype: str):
   import ml_dtypes
   return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)

@@ -105,9 +105,12 @@ def config_fields(cfg, source: str = "config.json",
   if getattr(t, "enable_moe_block", False):
     raise ValueError(f"{source}: enable_moe_block is true (the Gemma 4 MoE models, e.g. "
                      "26B-A4B): spec_jax supports the dense and E2B/E4B Gemma 4 models only")
-  if getattr(t, "use_bidirectional_attention", None):
+  # Gemma 4: None, "vision" (31B, 26B-A4B: only image-token blocks attend both ways; text
+  # stays causal, transformers' is_causal = value != "all") or "all"; Gemma 3: a bool.
+  if getattr(t, "use_bidirectional_attention", None) not in (None, False, "vision"):
     raise ValueError(f"{source}: use_bidirectional_attention="
-                     f"{t.use_bidirectional_attention!r}: spec_jax decodes causal models only")
+                     f"{t.use_bidirectional_attention!r}: spec_jax decodes causal models only "
+                     f"(allowed: null or \"vision\", which leaves text causal)")
   if getattr(t, "attention_bias", False):
     raise ValueError(f"{source}: attention_bias is true; Gemma models in spec_jax have no "
                      "attention biases")
@@ -181,6 +184,8 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
     if name in _HEADS:
       if not config.tie_embeddings:
         plan.append(Tensor(name, f, ("lm_head",), True))
+      else:
+        hf_reader.check_tied_head(where, embed, name)
       continue
     rel = name[len(prefix):] if name.startswith(prefix) else None
     m = _LAYER_RE.match(rel or "")

@@ -116,7 +116,9 @@ def config_fields(cfg, source: str = "config.json") -> dict:
   hidden = int(cfg.hidden_size)
   num_layers = int(cfg.num_hidden_layers)
   theta, scaling = rope_from_hf(cfg)
-  qkv_bias = True if model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
+  # Mistral has no attention biases (transformers' MistralAttention ignores the key).
+  qkv_bias = True if model_type == "qwen2" else (
+      model_type != "mistral" and bool(getattr(cfg, "attention_bias", False)))
   num_mtp = int(get(cfg, "num_nextn_predict_layers", 0) or get(cfg, "mtp_num_hidden_layers", 0))
   bos = getattr(cfg, "bos_token_id", None)
   return dict(
@@ -179,6 +181,7 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
       leaf, transpose = TOP_NAMES[name]
       if name == "lm_head.weight" and config.tie_embeddings:
         if "model.embed_tokens.weight" in where:
+          hf_reader.check_tied_head(where, "model.embed_tokens.weight", name)
           continue  # tied: the stored head is the embedding again
         leaf, transpose = "embed", False  # tied, stored only as lm_head (tinystories656K)
       plan.append(Tensor(name, f, (leaf,), transpose))

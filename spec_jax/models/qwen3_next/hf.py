@@ -176,6 +176,8 @@ def read_params(config, where: dict, folder, dtype: Optional[str] = None) -> tup
     if name == "lm_head.weight":
       if not c.tie_embeddings:
         plain.append((name, None, "lm_head", True))
+      else:
+        hf_reader.check_tied_head(where, prefix + "embed_tokens.weight", name)
       continue
     if rel in top:
       plain.append((name, None) + top[rel])
