@@ -420,7 +420,10 @@ def first_positive_above(weights, cdf, u):
   """
   positive = weights > 0
   above = (cdf > u) & positive
-  last_positive = weights.shape[-1] - 1 - jnp.argmax(positive[..., ::-1], axis=-1)
+  index = jnp.arange(weights.shape[-1], dtype=jnp.int32)
+  # a max, not argmax of a reversal: XLA:TPU turns a reverse along a sharded axis into a
+  # collective permute (tests/test_accelerators.py forbids reverses in the verify)
+  last_positive = jnp.max(jnp.where(positive, index, -1), axis=-1)
   return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1),
                    last_positive).astype(jnp.int32)
 
