@@ -423,7 +423,7 @@ def first_positive_above(weights, cdf, u):
   index = jnp.arange(weights.shape[-1], dtype=jnp.int32)
   # a max, not argmax of a reversal: XLA:TPU turns a reverse along a sharded axis into a
   # collective permute (tests/test_accelerators.py forbids reverses in the verify)
-  last_positive = jnp.max(jnp.where(positive, index, -1), axis=-1)
+  last_positive = jnp.max(jnp.where(positive, index, 0), axis=-1)   # 0: all zero (undefined)
   return jnp.where(jnp.any(above, axis=-1), jnp.argmax(above, axis=-1),
                    last_positive).astype(jnp.int32)
 
