@@ -79,10 +79,104 @@ class Constraint:
 
 def regex(pattern: str) -> Constraint:
   """Output constrained to match `pattern` in full (outlines-core's regex syntax: Rust's
-  `regex` crate, anchored at both ends)."""
+  `regex` crate, anchored at both ends: ^, $, \\A and \\z are refused, as is verbose mode)."""
   if not isinstance(pattern, str) or not pattern:
     raise ValueError(f"regex: the pattern must be a non-empty string, got {pattern!r}")
+  check_pattern(pattern)
   return Constraint(kind="regex", source=pattern, pattern=pattern)
+
+
+def check_pattern(pattern: str, what: str = "regex") -> None:
+  """ValueError for what the compiler's wrapper `(?:pattern)<sentinel>` would misread: groups
+  that do not balance (`a)|(b` closed the wrapper's group and compiled into another language),
+  anchors (`$` can never precede the sentinel: `ab$` read as unsatisfiable, `(?m)a$` lost
+  matches; the match is anchored at both ends anyway) and verbose mode (a comment swallowed
+  the wrapper's `)`). Scans Rust regex syntax: escapes, nested classes."""
+  depth, i, n = 0, 0, len(pattern)
+  while i < n:
+    c = pattern[i]
+    if c == "\\":
+      if pattern[i + 1:i + 2] in ("A", "z"):
+        raise ValueError(f"{what}: the anchor \\{pattern[i + 1]} in {pattern!r} is not "
+                         f"supported; the pattern is matched in full already, drop it")
+      i += 2
+      continue
+    if c == "[":                                  # a class, maybe nested: skip it whole
+      i += 1
+      if pattern[i:i + 1] == "^":
+        i += 1
+      if pattern[i:i + 1] == "]":                 # a leading ] is a literal
+        i += 1
+      nest = 1
+      while i < n and nest:
+        if pattern[i] == "\\":
+          i += 2
+          continue
+        nest += {"[": 1, "]": -1}.get(pattern[i], 0)
+        i += 1
+      continue
+    if c == "(":
+      if pattern.startswith("(?", i) and "x" in pattern[i + 2:].split(")")[0].split(":")[0]:
+        raise ValueError(f"{what}: verbose mode (?x) in {pattern!r} is not supported")
+      depth += 1
+    elif c == ")":
+      depth -= 1
+      if depth < 0:
+        raise ValueError(f"{what}: unbalanced ')' at position {i} of {pattern!r}")
+    elif c in "^$":
+      raise ValueError(f"{what}: the anchor {c!r} in {pattern!r} is not supported; the "
+                       f"pattern is matched in full already, drop it")
+    i += 1
+  if depth:
+    raise ValueError(f"{what}: {depth} unclosed '(' in {pattern!r}")
+
+
+# JSON-schema keywords outlines-core's regex builder enforces (or narrows to a valid subset:
+# extra properties and extra prefixItems never allowed), and annotations that constrain
+# nothing. Anything else it ignores (minimum, maximum, multipleOf, uniqueItems, contains,
+# maxProperties, not, if/then, dependentRequired, ...), so the output could break the schema:
+# refused. `pattern` is refused too: outlines-core pastes it between the quotes unguarded (a
+# '.' emitted '"' and control characters: not JSON). `oneOf` compiles as anyOf: refused with
+# more than one branch.
+_SCHEMA_KEYWORDS = {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "minProperties", "format", "enum",
+    "const", "anyOf", "allOf", "oneOf", "$ref", "$defs", "definitions",
+    "title", "description", "$schema", "$id", "id", "default", "examples", "$comment",
+    "nullable", "readOnly", "writeOnly", "deprecated"}
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "allOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def check_schema(node, where: str = "#") -> None:
+  """ValueError for a keyword (anywhere in the schema) that the grammar would not enforce."""
+  if isinstance(node, bool):
+    return
+  if not isinstance(node, dict):
+    raise ValueError(f"json_schema: {where} must be a schema object, got {node!r}")
+  unknown = sorted(set(node) - _SCHEMA_KEYWORDS)
+  if unknown:
+    raise ValueError(f"json_schema: {where} uses {', '.join(unknown)}, which the grammar would "
+                     f"not enforce (outlines-core ignores or mis-compiles them), so outputs "
+                     f"could break the schema; supported: "
+                     f"{', '.join(sorted(_SCHEMA_KEYWORDS))}")
+  if len(node.get("oneOf") or ()) > 1:
+    raise ValueError(f"json_schema: {where}/oneOf compiles as anyOf (a value matching two "
+                     f"branches would pass); write anyOf if the branches cannot overlap")
+  required = node.get("required") or []
+  missing = [r for r in required if r not in (node.get("properties") or {})]
+  if missing:
+    raise ValueError(f"json_schema: {where}/required names {missing}, which are not in its "
+                     f"properties: the grammar would not require them")
+  for key in _SUBSCHEMA_MAPS:
+    for name, sub in (node.get(key) or {}).items():
+      check_schema(sub, f"{where}/{key}/{name}")
+  for key in _SUBSCHEMA_LISTS:
+    for j, sub in enumerate(node.get(key) or ()):
+      check_schema(sub, f"{where}/{key}/{j}")
+  for key in ("items", "additionalProperties"):
+    if isinstance(node.get(key), dict):
+      check_schema(node[key], f"{where}/{key}")
 
 
 def json_schema(schema, whitespace: Optional[str] = None) -> Constraint:
@@ -91,9 +185,10 @@ def json_schema(schema, whitespace: Optional[str] = None) -> Constraint:
   when None)."""
   text = schema if isinstance(schema, str) else json.dumps(schema)
   try:
-    json.loads(text)
+    parsed = json.loads(text)
   except (TypeError, ValueError) as e:
     raise ValueError(f"json_schema: the schema is not valid JSON: {e}") from e
+  check_schema(parsed)
   from outlines_core.json_schema import build_regex_from_schema
   try:
     pattern = build_regex_from_schema(text, whitespace)
@@ -247,7 +342,11 @@ def _token_automaton(constraint, vocabulary, end_ids):
   # The pattern's accepting states: those with a move on the sentinel token. The states after
   # the sentinel (and inside a spelling of it by byte tokens) are pruned later: they reach no
   # accepting state once the moves into the sentinel's final state are gone.
-  accepting = set(trans[trans[:, 1] == sentinel_id, 0].tolist())
+  # Only a sentinel move INTO a final state ends the pattern: where the pattern itself can
+  # read U+E000 ('.', '[^"]' in every JSON string), a sentinel move inside it is the pattern
+  # going on, and counting its source as accepting let rows end mid-string.
+  accepting = set(trans[(trans[:, 1] == sentinel_id) &
+                        np.isin(trans[:, 2], list(finals)), 0].tolist())
   trans = trans[~np.isin(trans[:, 1], list(ends) + [sentinel_id]) &
                 ~np.isin(trans[:, 2], list(finals))]
   initial = int(index.get_initial_state())

@@ -53,6 +53,26 @@ def grammar(pattern=PATTERN):
     (lambda: sj.constraints.json_schema("{not json"), "json_schema"),
     (lambda: sj.constraints.json_schema({"type": "object", "properties": {"a": {"$ref": "#/x"}}}),
      "json_schema"),
+    # The compiler wraps the pattern as (?:P)<sentinel>: a ')' closed the wrapper's group and
+    # 'a)|(b' compiled to another language; '$' never precedes the sentinel ('ab$' read as
+    # unsatisfiable); a verbose-mode comment swallowed the ')'.
+    (lambda: sj.constraints.regex("a)|(b"), r"unbalanced '\)' at position 1"),
+    (lambda: sj.constraints.regex("(a|b"), r"1 unclosed '\('"),
+    (lambda: sj.constraints.regex("ab$"), r"the anchor '\$'"),
+    (lambda: sj.constraints.regex("^ab"), r"the anchor '\^'"),
+    (lambda: sj.constraints.regex(r"\Aab"), r"the anchor \\A"),
+    (lambda: sj.constraints.regex("(?x)a b # c"), "verbose mode"),
+    # Keywords outlines-core ignores: outputs broke the schema (integers past the maximum).
+    (lambda: sj.constraints.json_schema({"type": "integer", "maximum": 5}),
+     "# uses maximum, which the grammar would not enforce"),
+    (lambda: sj.constraints.json_schema({"type": "object", "properties": {"a": {
+        "type": "array", "items": {"type": "integer", "multipleOf": 2}}}}),
+     "#/properties/a/items uses multipleOf"),
+    (lambda: sj.constraints.json_schema({"type": "string", "pattern": "^a|b$"}), "uses pattern"),
+    (lambda: sj.constraints.json_schema({"oneOf": [{"type": "number"}, {"type": "integer"}]}),
+     "oneOf compiles as anyOf"),
+    (lambda: sj.constraints.json_schema({"type": "object", "required": ["x"]}),
+     r"required names \['x'\], which are not in its properties"),
     (lambda: sj.constraints.regex("a").compile(vocabulary=LETTERS, vocab_size=V, end_ids=()),
      "end token"),
     (lambda: sj.constraints.regex("a").compile(vocab_size=V, end_ids=(END,)), "tokenizer"),
@@ -80,11 +100,12 @@ def test_bad_input_is_refused_before_any_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("pattern", [PATTERN, "(ab)*", "a(b|c)*d?", "(g|ab)+e", "x?ab",
-                                     "a{2,3}(bc)*"])
+                                     "a{2,3}(bc)*", "a.c?", "[^a]b*", "(a.)*"])
 def test_the_automaton_accepts_exactly_the_language(pattern):
   """Every word of up to 5 letters: the token automaton accepts it iff Python's re matches it
   in full (outlines-core 0.2.14 alone drops the moves out of accepting states: "(ab)*" would
-  allow no "a" at all; constraints.py works around it)."""
+  allow no "a" at all; constraints.py works around it with a sentinel, and '.' / '[^a]', which
+  read the sentinel too, made "a" a complete "a.c?")."""
   import itertools
   import re
   g = grammar(pattern)
@@ -267,7 +288,7 @@ def test_example_processors_match_transformers():
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6},
     "kind": {"enum": ["cat", "dog", "fox"]},
-    "tags": {"type": "array", "items": {"type": "integer", "maximum": 99}, "maxItems": 2},
+    "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
     "size": {"type": "number"},
     "home": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 5}},
              "required": ["town"]}},
