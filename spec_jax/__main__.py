@@ -39,7 +39,7 @@ def _generate(args) -> int:
     return 2
   from spec_jax import compile_cache
   from spec_jax.bench.specs import constraint_of, make_drafter
-  from spec_jax.models.chat import chat_ids
+  from spec_jax.models.chat import chat_ids, default_stop_ids
   compile_cache.enable()
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
                             else ["Once upon a time"])
@@ -86,6 +86,15 @@ def _generate(args) -> int:
     shown = text if text is not None else " " + " ".join(map(str, toks))
     print(f"> {prompt}\n{shown}" if args.chat else prompt + shown)
     print()
+  if constraint_of(args) is not None:
+    # A constrained row ends with a stop token once its grammar is complete; one that ran out
+    # of tokens first holds a prefix of a match only (e.g. JSON cut inside a string).
+    stops = set(default_stop_ids(model))
+    cut = [i for i, t in enumerate(every) if not (t and t[-1] in stops)]
+    if cut:
+      print(f"warning: row(s) {cut} reached --max-new-tokens {args.max_new_tokens} before "
+            f"their grammar was complete: their text is a prefix of a match, not a match",
+            file=sys.stderr)
   s = out.stats
   over = f" (all {s.processes} processes)" if s.processes > 1 else ""
   print(f"{s.new_tokens} new tokens{over} in {s.seconds:.3f} s: {s.tokens_per_second:.1f} "

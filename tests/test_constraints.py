@@ -369,8 +369,15 @@ def test_generate_command_line_takes_a_regex_and_a_schema_file(tmp_path, capsys)
                                 "required": ["n"]}))
   assert main(["generate", "--model", model, "--prompt", "Once", "--max-new-tokens", "24",
                "--json-schema", str(schema), "--drafter", "ngram"]) == 0
-  text = capsys.readouterr().out.splitlines()[0][len("Once"):]
+  out = capsys.readouterr()
+  text = out.out.splitlines()[0][len("Once"):]
   assert isinstance(json.loads(text)["n"], int), text
+  assert "warning" not in out.err
+  # Cut by --max-new-tokens inside the object: printed as it is, and said to be unfinished.
+  assert main(["generate", "--model", model, "--prompt", "Once", "--max-new-tokens", "3",
+               "--json-schema", str(schema)]) == 0
+  assert "row(s) [0] reached --max-new-tokens 3 before their grammar was complete" in (
+      capsys.readouterr().err)
   for argv, match in ((["--regex", "a", "--json-schema", str(schema)], "not both"),
                       (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
                       (["--regex", "(a"], "regex")):
