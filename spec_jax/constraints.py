@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -86,6 +87,9 @@ def regex(pattern: str) -> Constraint:
   return Constraint(kind="regex", source=pattern, pattern=pattern)
 
 
+_FLAGS = re.compile(r"\(\?([a-zA-Z]*)(?:-[a-zA-Z]*)?[:)]")    # a group's flags, set before any '-'
+
+
 def check_pattern(pattern: str, what: str = "regex") -> None:
   """ValueError for what the compiler's wrapper `(?:pattern)<sentinel>` would misread: groups
   that do not balance (`a)|(b` closed the wrapper's group and compiled into another language),
@@ -116,7 +120,8 @@ def check_pattern(pattern: str, what: str = "regex") -> None:
         i += 1
       continue
     if c == "(":
-      if pattern.startswith("(?", i) and "x" in pattern[i + 2:].split(")")[0].split(":")[0]:
+      flags = _FLAGS.match(pattern, i)               # (?x) (?ix: ...), not (?P<x>...)
+      if flags and "x" in flags.group(1):
         raise ValueError(f"{what}: verbose mode (?x) in {pattern!r} is not supported")
       depth += 1
     elif c == ")":

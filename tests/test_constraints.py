@@ -100,7 +100,7 @@ def test_bad_input_is_refused_before_any_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("pattern", [PATTERN, "(ab)*", "a(b|c)*d?", "(g|ab)+e", "x?ab",
-                                     "a{2,3}(bc)*", "a.c?", "[^a]b*", "(a.)*"])
+                                     "a{2,3}(bc)*", "a.c?", "[^a]b*", "(a.)*", "(?P<x>a)[)(]?"])
 def test_the_automaton_accepts_exactly_the_language(pattern):
   """Every word of up to 5 letters: the token automaton accepts it iff Python's re matches it
   in full (outlines-core 0.2.14 alone drops the moves out of accepting states: "(ab)*" would
