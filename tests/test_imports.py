@@ -29,7 +29,7 @@ LAYERS = (
     ("infrastructure", ("spec_jax.files", "spec_jax.distributed", "spec_jax.sharding",
                         "spec_jax.compile_cache", "spec_jax.timing")),
     ("models", ("spec_jax.models",)),                 # transformers, caches, checkpoints
-    ("round math", ("spec_jax.sampling", "spec_jax.sampling_options",
+    ("round math", ("spec_jax.sampling", "spec_jax.sampling_options", "spec_jax.sampling_draw",
                     "spec_jax.sampling_history", "spec_jax.processors",
                     "spec_jax.constraints", "spec_jax.rejection",
                     "spec_jax.stats", "spec_jax.governor")),    # pure functions of arrays
@@ -49,7 +49,8 @@ LAYERS = (
 
 # Modules whose imports of PACKAGES all stand at the module's top (third-party imports may be
 # lazy: optional dependencies).
-EAGER = ("spec_jax.sampling", "spec_jax.sampling_options", "spec_jax.sampling_history",
+EAGER = ("spec_jax.sampling", "spec_jax.sampling_options", "spec_jax.sampling_draw",
+         "spec_jax.sampling_history",
          "spec_jax.processors",
          "spec_jax.rejection", "spec_jax.stats",
          "spec_jax.governor", "spec_jax.tree", "spec_jax.decoding", "spec_jax.global_batch", "spec_jax.memory")
