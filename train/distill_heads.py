@@ -146,25 +146,26 @@ RESUME_IDENTITY = "checkpoints.json"   # what the checkpoints in checkpoints/ we
 
 
 def _resume_identity(head, target_fingerprint: dict) -> dict:
-  """The head's kind and hyper-parameters and the target's fingerprint, as JSON stores them: a
-  resumed run must match all three (shapes alone do not show a changed head.target_layers, a
-  draft vocabulary of the same size but other tokens, or another target of the same config)."""
+  """The head's kind and hyper-parameters (as JSON stores them) and the target's fingerprint
+  (heads_folder's, what a saved heads folder carries): a resumed run must match all three
+  (shapes alone do not show a changed head.target_layers, a draft vocabulary of the same size
+  but other tokens, or another target of the same config)."""
   return json.loads(json.dumps({"kind": head.kind, "hyper_params": head.hyper_params(),
-                                "target": {k: target_fingerprint[k] for k in ("config",
-                                                                               "sha256")}}))
+                                "target": target_fingerprint}))
 
 
-def _check_resume_identity(path: pathlib.Path, identity: dict) -> None:
+def _check_resume_identity(path: pathlib.Path, identity: dict, target) -> None:
   """ValueError naming what differs from the run that wrote the checkpoints (runs written
   before this file existed resume as before, on the shape check alone)."""
   if not path.exists():
     return
   saved = json.loads(path.read_text())
-  diff = [f"{part}.{key}" for part in ("hyper_params", "target")
-          for key in sorted(set(saved[part]) | set(identity[part]))
-          if saved[part].get(key) != identity[part].get(key)]
-  if saved["kind"] != identity["kind"]:
-    diff.insert(0, "kind")
+  heads_folder.check_fingerprint(saved["target"], target,
+                                 what=f"the checkpoints in {path.parent / 'checkpoints'}")
+  diff = ([] if saved["kind"] == identity["kind"] else ["kind"]) + [
+      f"hyper_params.{key}" for key in sorted(set(saved["hyper_params"]) |
+                                              set(identity["hyper_params"]))
+      if saved["hyper_params"].get(key) != identity["hyper_params"].get(key)]
   if diff:
     raise ValueError(f"{path.parent / 'checkpoints'} was written by a run with another "
                      f"{', '.join(diff)}; resume with the config and target that wrote it, or "
@@ -229,7 +230,7 @@ def run(cfg: dict) -> dict:
   latest = ckpts.latest_step()
   identity = _resume_identity(head, fp)
   if latest is not None:
-    _check_resume_identity(out_dir / RESUME_IDENTITY, identity)
+    _check_resume_identity(out_dir / RESUME_IDENTITY, identity, target)
     try:
       state = ckpts.restore(latest, state)
     except Exception as e:  # noqa: BLE001 - orbax raises many types on a structure mismatch
