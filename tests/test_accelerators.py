@@ -419,6 +419,7 @@ def test_a_vocabulary_sharded_four_ways_is_drawn_without_gathering_it():
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import spec_jax as sj
+    from spec_jax import sampling_draw
     from spec_jax.aot.program import vocab_sized_gathers
     V = 128_256
     mesh = Mesh(np.array(jax.devices()), ("model",))
@@ -427,7 +428,7 @@ def test_a_vocabulary_sharded_four_ways_is_drawn_without_gathering_it():
     sharded = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
 
     def draw(parts):
-      sj.sampling.SAMPLE_PARTS = parts
+      sampling_draw.SAMPLE_PARTS = parts           # where sample_layout reads it
       fn = jax.jit(jax.vmap(sj.sampling.sample))
       gathers = vocab_sized_gathers(fn.lower(keys, sharded).compile().as_text(), V)
       return gathers, np.asarray(fn(keys, sharded)), np.asarray(fn(keys, w))

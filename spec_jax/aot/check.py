@@ -37,7 +37,7 @@ import jax
 # Importing these makes no backend (spec_jax's package has imported jax already); the
 # environment setup_environment sets is read when the first backend is made, in main.
 from kernels_pallas import dispatch, lanes, platform, reference
-from spec_jax import sampling
+from spec_jax import sampling_draw
 from spec_jax.aot import program, shapes
 from spec_jax.aot.cli import describe, parse_tree, setup_environment
 from spec_jax.decoding import target as target_lib
@@ -100,7 +100,7 @@ def put_back(defect: str) -> None:
   elif defect == "lanes":
     cache_lib.default_lane_pack = lambda config: False
   elif defect == "parts":
-    sampling.SAMPLE_PARTS = 1
+    sampling_draw.SAMPLE_PARTS = 1           # where sample_layout reads it
   elif defect == "platform":
     platform.current = lambda: platform.normalize(jax.default_backend())
     platform.is_cpu = lambda: platform.current() == "cpu"
