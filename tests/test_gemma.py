@@ -26,6 +26,7 @@ import spec_jax as sj
 from spec_jax.models import hf, hf_export
 from spec_jax.models.gemma import plan as gemma_layout
 from tests import gemma_helpers as gh
+from tests.test_tree import assert_tree_nodes_match_their_paths
 
 T = 12                   # > sliding_window (4)
 ATOL = 1e-4
@@ -164,36 +165,7 @@ def test_tree_forward_past_the_window_equals_each_path_alone(models, case):
   draft model's next frontier): [d, e] (d <- c, e <- b) at the following slots, with a wide
   mask over the last 6 cache entries. Every node's logits == its path forwarded alone."""
   _, model, _ = models[case]
-  cfg = model.config
-  prefix = tokens(1, 9, seed=8)[0].tolist()
-  tree = [11, 12, 13, 14, 15, 16]
-  parent = [-1, 0, 0, 1, 3, 2]
-  depth = np.asarray([0, 1, 1, 2, 3, 2], np.int32)
-  mask = np.zeros((6, 6), bool)
-  for i in range(6):
-    j = i
-    while j >= 0:
-      mask[i, j], j = True, parent[j]
-  fwd = jax.jit(sj.forward, static_argnums=1)
-  n = len(prefix)
-  pre = _forward(model.params, cfg, jnp.asarray([prefix], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
-                 jnp.zeros(1, jnp.int32))
-  first = fwd(model.params, cfg, jnp.asarray([tree[:4]], jnp.int32), pre.cache,
-              jnp.asarray([n], jnp.int32), positions=jnp.asarray([n + depth[:4]]),
-              tree_mask=jnp.asarray(mask[None, :4, :4]))
-  second = fwd(model.params, cfg, jnp.asarray([tree[4:]], jnp.int32), first.cache,
-               jnp.asarray([n + 4], jnp.int32), positions=jnp.asarray([n + depth[4:]]),
-               tree_mask=jnp.asarray(mask[None, 4:, :]))
-  got = np.concatenate([np.asarray(first.logits[0]), np.asarray(second.logits[0])])
-  for node in range(6):
-    path, j = [], node
-    while j >= 0:
-      path.insert(0, tree[j])
-      j = parent[j]
-    seq = prefix + path
-    full = _forward(model.params, cfg, jnp.asarray([seq], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
-                    jnp.zeros(1, jnp.int32)).logits[0, len(seq) - 1]
-    np.testing.assert_allclose(got[node], np.asarray(full), atol=1e-5, err_msg=f"node {node}")
+  assert_tree_nodes_match_their_paths(model.params, model.config, tokens(1, 9, seed=8)[0].tolist())
 
 
 def test_pallas_attention_matches_the_reference():
@@ -340,6 +312,7 @@ MESH_SCRIPT = textwrap.dedent("""
     import sys, tempfile, jax
     import spec_jax as sj
     from tests import gemma_helpers as gh
+from tests.test_tree import assert_tree_nodes_match_their_paths
     assert jax.device_count() == 8
     root = tempfile.mkdtemp()
     torch_target = gh.causal_lm(gh.gemma4_e2b_config(), seed=2)

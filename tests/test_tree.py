@@ -493,6 +493,55 @@ def test_head_tree_expansion_matches_chain_drafting(monkeypatch):
 
 # ----------------------------------------------------------------------------- the KV move
 
+def assert_tree_nodes_match_their_paths(params, cfg, prefix, atol=1e-5):
+  """Tree nodes sit at cache slots past their RoPE positions; a sliding window must count
+  positions (a node at depth 2 and index 3 sees one prefix key more than its slot says).
+  Stage 1: tokens [r, a, b, c] (a, b <- r; c <- a) with the square ancestor mask; stage 2 (a
+  draft model's next frontier): [d, e] (d <- c, e <- b) at the following slots, with a wide
+  mask over the last 6 cache entries. Every node's logits == its path forwarded alone."""
+  tree = [11, 12, 13, 14, 15, 16]
+  parent = [-1, 0, 0, 1, 3, 2]
+  depth = np.asarray([0, 1, 1, 2, 3, 2], np.int32)
+  mask = np.zeros((6, 6), bool)
+  for i in range(6):
+    j = i
+    while j >= 0:
+      mask[i, j], j = True, parent[j]
+  fwd = jax.jit(sj.forward, static_argnums=1)
+  n = len(prefix)
+  pre = fwd(params, cfg, jnp.asarray([prefix], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
+            jnp.zeros(1, jnp.int32))
+  first = fwd(params, cfg, jnp.asarray([tree[:4]], jnp.int32), pre.cache,
+              jnp.asarray([n], jnp.int32), positions=jnp.asarray([n + depth[:4]]),
+              tree_mask=jnp.asarray(mask[None, :4, :4]))
+  second = fwd(params, cfg, jnp.asarray([tree[4:]], jnp.int32), first.cache,
+               jnp.asarray([n + 4], jnp.int32), positions=jnp.asarray([n + depth[4:]]),
+               tree_mask=jnp.asarray(mask[None, 4:, :]))
+  got = np.concatenate([np.asarray(first.logits[0]), np.asarray(second.logits[0])])
+  for node in range(6):
+    path, j = [], node
+    while j >= 0:
+      path.insert(0, tree[j])
+      j = parent[j]
+    seq = prefix + path
+    full = fwd(params, cfg, jnp.asarray([seq], jnp.int32), sj.KVCache.zeros(cfg, 1, 32),
+               jnp.zeros(1, jnp.int32)).logits[0, len(seq) - 1]
+    np.testing.assert_allclose(got[node], np.asarray(full), atol=atol, err_msg=f"node {node}")
+
+
+def test_tree_forward_past_a_mistral_window_equals_each_path_alone():
+  """The llama family's sliding window (Mistral, Qwen2 with use_sliding_window) under tree
+  positions: before the fix the window counted slots, and a node at depth 1 in slot 2 lost a
+  prefix key (its logits were 5.9 off and the greedy tree decoding left plain greedy's)."""
+  cfg = sj.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=4,
+                       model_type="mistral")
+  params = jax.tree.map(lambda w: w * 8 if w.ndim >= 2 else w,
+                        sj.init_model(cfg, jax.random.key(1)).params)
+  prefix = np.random.RandomState(8).randint(3, 32, 9).tolist()
+  assert_tree_nodes_match_their_paths(params, cfg, prefix, atol=1e-4)
+
+
 @pytest.mark.parametrize("head_major", [False, True], ids=["seq-major", "head-major"])
 def test_kv_move_matches_a_full_forward(head_major):
   """Verify a tree over a prompt, move the accepted path's KV entries: the cache then equals

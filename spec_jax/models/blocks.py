@@ -19,7 +19,7 @@ import kernels_pallas
 from kernels_pallas import lanes, platform
 from kernels_pallas.blocked import BLOCK, verify_attention_blocked
 from kernels_pallas.layout import MAX_NEW_TOKENS
-from kernels_pallas.reference import verify_attention_reference
+from kernels_pallas.reference import verify_attention_reference, visibility
 from spec_jax.models import matmul
 
 
@@ -139,6 +139,21 @@ def attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bo
     return _kernel_attention(config, q, *stacked, kv_lengths, tree_mask, head_major,
                              layer=layer)
   return _kernel_attention(config, q, k_layer, v_layer, kv_lengths, tree_mask, head_major)
+
+
+def windowed_tree_mask(kv_lengths, t: int, s: int, tree_mask, positions, window: int):
+  """bool [B, T, S]: which cache slots each new query sees, with the sliding window applied on
+  RoPE positions (key slot > query position - window), in verify_attention_reference's
+  full-width tree-mask encoding (entry j = cache slot kv_lengths - S + j).
+
+  Tree nodes sit at slots past their positions; the reference's own window counts slots, which
+  would hide prefix keys a node at depth d < its index must see."""
+  vis = visibility(kv_lengths, t, s, tree_mask)                         # [B, T, S] by slot
+  slot = jnp.arange(s, dtype=jnp.int32)[None, None, :]
+  vis = vis & (slot > positions[:, :, None] - window)
+  src = slot - (s - kv_lengths)[:, None, None]                          # slot of entry j
+  wide = jnp.take_along_axis(vis, jnp.broadcast_to(jnp.clip(src, 0, s - 1), vis.shape), axis=2)
+  return wide & (src >= 0)
 
 
 def _jnp_attention(q, k_layer, v_layer, kv_lengths, tree_mask, window, head_major: bool,

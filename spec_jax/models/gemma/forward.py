@@ -41,9 +41,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.reference import visibility
 from spec_jax.models.blocks import (AttentionSpec, ForwardOutput, apply_rope, attention, lm_head,
-                                    residual_boundary, rope_tables, select_rows)
+                                    residual_boundary, rope_tables, select_rows,
+                                    windowed_tree_mask)
 from spec_jax.models.cache import KVCache, write_rows
 from spec_jax.models.gemma import plan as gemma_plan
 from spec_jax.models.gemma.plan import SLIDING
@@ -97,21 +97,6 @@ def per_layer_inputs(params, config, tokens, x):
   proj = proj.reshape(b, t, config.num_layers, size)
   proj = norm(proj, params["per_layer_proj_norm"], config.rms_norm_eps).astype(dtype)
   return ((proj + ids) * (2.0 ** -0.5)).astype(dtype)
-
-
-def windowed_tree_mask(kv_lengths, t: int, s: int, tree_mask, positions, window: int):
-  """bool [B, T, S]: which cache slots each new query sees, with the sliding window applied on
-  RoPE positions (key slot > query position - window), in verify_attention_reference's
-  full-width tree-mask encoding (entry j = cache slot kv_lengths - S + j).
-
-  Tree nodes sit at slots past their positions; the reference's own window counts slots, which
-  would hide prefix keys a node at depth d < its index must see."""
-  vis = visibility(kv_lengths, t, s, tree_mask)                         # [B, T, S] by slot
-  slot = jnp.arange(s, dtype=jnp.int32)[None, None, :]
-  vis = vis & (slot > positions[:, :, None] - window)
-  src = slot - (s - kv_lengths)[:, None, None]                          # slot of entry j
-  wide = jnp.take_along_axis(vis, jnp.broadcast_to(jnp.clip(src, 0, s - 1), vis.shape), axis=2)
-  return wide & (src >= 0)
 
 
 def attend(config, plan, q, k_layer, v_layer, kv_lengths, tree_mask, head_major: bool,

@@ -29,16 +29,17 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from spec_jax.models.blocks import (ForwardOutput, apply_rope, attention, embed, lm_head,
-                                    out_projection, qkv_projections, residual_boundary, rms_norm,
-                                    rope_inv_freq, rope_tables, select_rows, swiglu_mlp)
+from spec_jax.models.blocks import (AttentionSpec, ForwardOutput, apply_rope, attention, embed,
+                                    lm_head, out_projection, qkv_projections, residual_boundary,
+                                    rms_norm, rope_inv_freq, rope_tables, select_rows, swiglu_mlp,
+                                    windowed_tree_mask)
 from spec_jax.models.cache import KVCache, write_rows
 from spec_jax.models.matmul import activation_dtype
 
 
 def decoder_layer(config, lp, x, positions, k_cache, v_cache, offsets, tree_mask,
                   inv_freq, layer: Optional[int] = None, rope: Optional[tuple] = None,
-                  head_major: bool = False):
+                  head_major: bool = False, attention_spec=None):
   """One pre-norm block. lp: this layer's params (no [L] axis), canonical or execution layout
   (see prepare_params).
 
@@ -46,11 +47,13 @@ def decoder_layer(config, lp, x, positions, k_cache, v_cache, offsets, tree_mask
   [L,B,Hkv,S,Dh]; see KVCache), of which slab `layer` is written and read; with layer None, one
   layer's [B,S,Hkv,Dh] (or [B,Hkv,S,Dh]) cache (drafter heads).
   rope: optional (cos, sin) tables from rope_tables(positions, inv_freq), shared by all layers.
+  attention_spec: what the attention reads instead of config (an AttentionSpec without the
+  window when tree_mask is windowed_tree_mask's full-width mask, which applies it).
   Returns (x, k_cache, v_cache)."""
   if layer is None:
     x, k_cache, v_cache = decoder_layer(config, lp, x, positions, k_cache[None], v_cache[None],
                                         offsets, tree_mask, inv_freq, layer=0, rope=rope,
-                                        head_major=head_major)
+                                        head_major=head_major, attention_spec=attention_spec)
     return x, k_cache[0], v_cache[0]
   b, t, _ = x.shape
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
@@ -68,8 +71,8 @@ def decoder_layer(config, lp, x, positions, k_cache, v_cache, offsets, tree_mask
   k = apply_rope(k, positions, tables=rope)
   k_cache = write_rows(k_cache, layer, k, offsets, head_major)
   v_cache = write_rows(v_cache, layer, v, offsets, head_major)
-  attn = attention(config, q, k_cache, v_cache, offsets + t, tree_mask, head_major,
-                   layer=layer)
+  attn = attention(config if attention_spec is None else attention_spec, q, k_cache, v_cache,
+                   offsets + t, tree_mask, head_major, layer=layer)
   x = x + out_projection(lp, attn.reshape(b, t, hq * dh))
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   x = x + swiglu_mlp(lp, h)
@@ -84,8 +87,16 @@ def forward(params, config, tokens, cache: KVCache, offsets, *,
   cache: init_cache's KVCache [L, B, S, Hkv, Dh] (either layout), S >= offsets + T."""
   b, t = tokens.shape
   offsets = offsets.astype(jnp.int32)
+  attention_spec = None
   if positions is None:
     positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  elif config.sliding_window is not None and config.sliding_window < cache.capacity:
+    # Tree nodes sit at cache slots past their RoPE positions: the window is applied on
+    # positions here (the attention's own window counts slots and would hide prefix keys a node
+    # at depth d < its slot index must see), as the Gemma family does.
+    tree_mask = windowed_tree_mask(offsets + t, t, cache.capacity, tree_mask, positions,
+                                   config.sliding_window)
+    attention_spec = AttentionSpec(config.attention_impl)
   inv_freq = rope_inv_freq(config)
   rope = rope_tables(positions, inv_freq)
   x = embed(params, tokens).astype(activation_dtype(config))
@@ -101,7 +112,8 @@ def forward(params, config, tokens, cache: KVCache, offsets, *,
     else:
       lp = jax.tree.map(lambda w: w[layer], layers)
     x, k_all, v_all = decoder_layer(config, lp, x, positions, k_all, v_all, offsets, tree_mask,
-                                    inv_freq, layer=layer, rope=rope, head_major=cache.head_major)
+                                    inv_freq, layer=layer, rope=rope, head_major=cache.head_major,
+                                    attention_spec=attention_spec)
     x = residual_boundary(x)
     if layer in wanted:
       layer_hidden[layer] = x
