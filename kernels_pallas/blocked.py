@@ -84,6 +84,9 @@ def verify_attention_blocked(q, k_cache, v_cache, kv_lengths, tree_mask=None,
     elif packed > 1:                                   # [B,Hkv/p,blk,p*D] -> [B,Hkv,blk,D]
       keys, vals = lanes.unpack(keys, packed), lanes.unpack(vals, packed)
     pos = start + jnp.arange(block, dtype=jnp.int32)
+    # Slots past a row's length may hold anything; 0 * inf would be NaN in the second product.
+    filled = pos[None, :] < lengths[:, None]                                # [B,blk]
+    vals = jnp.where(filled[:, None, :, None], vals, jnp.zeros((), vals.dtype))
     vis = visibility(lengths, t, block, tree_mask, sliding_window, key_positions=pos)
     vis = vis & (pos >= i * block)[None, None, :]                           # [B,T,blk]
     vis = jnp.broadcast_to(vis[:, None, None], (b, 1, group, t, block)).reshape(

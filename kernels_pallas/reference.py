@@ -74,9 +74,14 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
     s, hkv = k_cache.shape[1], k_cache.shape[2]
   group = hq // hkv
   visible = visibility(kv_lengths, t, s, tree_mask, sliding_window)          # [B,T,S]
+  # Slots past a row's length may hold anything (a rejected draft's non-finite K/V): their
+  # weight is 0, and 0 * inf would still be NaN in the second product, so V is zeroed there
+  # too, as the kernels do.
+  filled = jnp.arange(s, dtype=jnp.int32)[None, :] < kv_lengths.astype(jnp.int32)[:, None]
   if head_major:
-    return _head_major_attention(q, k_cache, v_cache, visible, group)
+    return _head_major_attention(q, k_cache, v_cache, visible, group, filled)
   qc, kc, vc, acc = _products(q, k_cache, v_cache)
+  vc = jnp.where(filled[:, :, None, None], vc, jnp.zeros((), vc.dtype))
   qg = qc.reshape(b, t, hkv, group, d)
   scores = jnp.einsum("bthgd,bshd->bhgts", qg, kc, preferred_element_type=acc)
   scores = scores.astype(jnp.float32) * (d ** -0.5)
@@ -87,7 +92,7 @@ def verify_attention_reference(q, k_cache, v_cache, kv_lengths, tree_mask=None,
   return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def _head_major_attention(q, k_cache, v_cache, visible, group: int):
+def _head_major_attention(q, k_cache, v_cache, visible, group: int, filled):
   """The same attention over k_cache, v_cache [B, Hkv, S, D]. Each kv head's G query heads and
   T queries are folded into one M = G*T axis, so both products are plain batched matmuls over
   (B, Hkv) with no operand relaid out (an einsum keeping g and t apart was 2x slower on
@@ -95,6 +100,7 @@ def _head_major_attention(q, k_cache, v_cache, visible, group: int):
   b, t, hq, d = q.shape
   hkv, s = k_cache.shape[1], k_cache.shape[2]
   qc, kc, vc, acc = _products(q, k_cache, v_cache)
+  vc = jnp.where(filled[:, None, :, None], vc, jnp.zeros((), vc.dtype))     # [B,S] -> [B,1,S,1]
   qm = (qc.reshape(b, t, hkv, group, d)
         .transpose(0, 2, 3, 1, 4).reshape(b, hkv, group * t, d))           # [B,Hkv,G*T,D]
   scores = jnp.einsum("bhmd,bhsd->bhms", qm, kc, preferred_element_type=acc)

@@ -52,3 +52,26 @@ def test_blocked_never_builds_full_width_scores():
   assert f"x{block}xf32>" in text
   full = jax.jit(verify_attention_reference).lower(*args).as_text()
   assert f"x{s}xf32>" in full           # the witness: the reference does build them
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_stale_non_finite_slots_change_nothing(bad):
+  """Slots past a row's length are invisible, whatever they hold: a non-finite K/V left there
+  (a rejected draft's) must not turn 0 * inf into NaN. The Pallas kernels zeroed such V; the
+  reference (both layouts) and the blocked path returned all NaN before."""
+  rng = np.random.default_rng(0)
+  b, t, hq, hkv, d, s = 2, 2, 2, 1, 16, 32
+  q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+  k = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+  v = rng.standard_normal((b, s, hkv, d)).astype(np.float32)
+  lengths = jnp.asarray([10, 20], jnp.int32)
+  clean = np.asarray(verify_attention_reference(q, jnp.asarray(k), jnp.asarray(v), lengths))
+  k[0, 12:], v[0, 12:], k[1, 20:], v[1, 20:] = bad, bad, bad, bad
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  hm = lambda c: jnp.swapaxes(c, 1, 2)
+  for name, got in [
+      ("reference", verify_attention_reference(q, k, v, lengths)),
+      ("head-major reference", verify_attention_reference(q, hm(k), hm(v), lengths,
+                                                          head_major=True)),
+      ("blocked", verify_attention_blocked(q, k, v, lengths, block=8))]:
+    np.testing.assert_allclose(np.asarray(got), clean, atol=1e-6, err_msg=name)
