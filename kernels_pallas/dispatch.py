@@ -108,6 +108,23 @@ def resolve(impl: str, kernel: str | None = None, platform: str | None = None):
   return chosen, platform != chosen
 
 
+def _head_major_packing(q, k_cache, layer) -> int:
+  """p of a head-major cache (lanes.py), after the checks the packing needs: the cache's rank
+  (4, or 5 with `layer`) and a minor dim that is q's head_dim or a packed 128 = p x head_dim
+  (the only packing lanes.lane_pack makes); anything else is a head_dim mismatch."""
+  want = 4 + (layer is not None)
+  if getattr(k_cache, "ndim", None) != want or getattr(q, "ndim", None) != 4:
+    raise ValueError(f"head_major wants q [B, T, Hq, D] and a cache of rank {want} "
+                     f"([{'L, ' if layer is not None else ''}B, Hkv, S, D]), got q of shape "
+                     f"{getattr(q, 'shape', None)} and k_cache of shape "
+                     f"{getattr(k_cache, 'shape', None)}")
+  minor, head_dim = k_cache.shape[-1], q.shape[-1]
+  if minor == head_dim or (minor == lanes.LANES and minor % head_dim == 0):
+    return minor // head_dim
+  raise ValueError(f"head_dim mismatch: q has head_dim {head_dim}, the head-major cache's minor "
+                   f"dim is {minor} (allowed: {head_dim}, or {lanes.LANES} lane-packed)")
+
+
 def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto", *,
                      kernel: str | None = None, layer: int | None = None,
                      head_major: bool = False, **kernel_kwargs):
@@ -133,8 +150,7 @@ def verify_attention(q, k_cache, v_cache, kv_lengths, tree_mask=None, impl="auto
                      f"got layer={layer!r} for k_cache of shape {getattr(k_cache, 'shape', None)}")
   # A head-major cache may pack p heads along its lanes, [.., Hkv / p, S, p * D] (lanes.py):
   # the TPU kernel reads it so; every other path gets the layer's slab unpacked (a copy).
-  packed = (lanes.packing(k_cache.shape[-1], q.shape[-1])
-            if head_major and getattr(q, "ndim", 0) == 4 and hasattr(k_cache, "shape") else 1)
+  packed = _head_major_packing(q, k_cache, layer) if head_major else 1
 
   def view(c):           # the [B, S, Hkv, D] shape of one layer, for the checks
     shape = c.shape[1:] if layer is not None else c.shape

@@ -76,6 +76,27 @@ def test_bad_inputs_raise_value_error(match, args, impl):
     kernels_pallas.verify_attention(**args, impl=impl)
 
 
+HEAD_MAJOR_BAD = [
+    ("a cache of rank 4", dict(k_cache=jnp.zeros((B, S, HKV * D)))),
+    ("a cache of rank 4", dict(k_cache=jnp.zeros((S, D)))),
+    # q's D = 32 against a cache of minor dim 64: not a lane packing (that is 128 = p x D).
+    ("head_dim mismatch", dict(q=jnp.zeros((B, T, HQ, 32)), k_cache=jnp.zeros((B, HKV, S, 64)))),
+]
+
+
+@pytest.mark.parametrize("match,args", HEAD_MAJOR_BAD, ids=[m for m, _ in HEAD_MAJOR_BAD])
+def test_bad_head_major_inputs_raise_value_error(match, args):
+  """head_major reads the cache's packing before the shared checks: a wrong rank was an
+  IndexError there, and a head_dim mismatch was taken as a packing and attended."""
+  q, k, v, lengths = inputs()
+  hm = jnp.swapaxes(k, 1, 2)
+  kw = dict(q=q, k_cache=hm, v_cache=hm, kv_lengths=lengths)
+  kw.update(args)
+  kw["v_cache"] = kw["k_cache"]
+  with pytest.raises(ValueError, match=match):
+    kernels_pallas.verify_attention(**kw, head_major=True)
+
+
 def test_bad_inputs_raise_before_compiling_under_jit():
   q, k, v, lengths = inputs()
   f = jax.jit(lambda q, k, v, n: kernels_pallas.verify_attention(q, k, v, n))
