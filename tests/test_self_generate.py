@@ -118,3 +118,33 @@ def test_shipped_smollm2_configs_validate():
   for name in ("distill_smollm2_eagle3", "distill_smollm2_dflash"):
     cfg = train_config.load_config(ROOT / "configs" / f"{name}.yaml")
     assert cfg["data"]["sources"] == ["self_generated"] and cfg["target_dtype"] == "bfloat16"
+
+
+def test_a_run_killed_inside_a_shard_write_resumes_without_a_gap(tmp_path, monkeypatch):
+  """A kill inside np.savez leaves shard_0000N.npz.tmpPID.npz. The resume counted it as a
+  shard (glob shard_*.npz) and wrote shard N + 1, leaving a gap at N that load_conversations
+  stops at: every later shard was lost, and each resume trained on other data. The target and
+  sj.generate are stand-ins: only the shard bookkeeping is under test."""
+  import itertools
+  import types
+  from train import self_generate as sg
+  ids = itertools.count(100)
+
+  class Out:
+    def __init__(self, rows, users: bool):
+      self.tokens = [[next(ids), 2] for _ in rows]              # distinct, ended by stop id 2
+      self.text = [f"question number {t[0]}" for t in self.tokens] if users else [""] * len(rows)
+
+  fake = lambda target, prompts=None, messages=None, **kw: Out(prompts or messages, prompts)
+  monkeypatch.setattr(sg, "sj", types.SimpleNamespace(generate=fake, Sampling=lambda **k: None))
+  monkeypatch.setattr(sg, "user_turn_prefix", lambda target, system="": [1, 7])
+  monkeypatch.setattr(sg, "stop_array", lambda target, stops: np.array([2]))
+  monkeypatch.setattr(sg, "chat_ids", lambda target, conv: [1, 7, 9])
+  kw = dict(batch=4, user_batch=4, log=lambda m: None)
+  out = tmp_path / "sg"
+  sg.self_generate(None, 8, out, **kw)
+  (out / "shard_00002.npz.tmp12345.npz").write_bytes(b"partial")
+  second = sg.self_generate(None, 16, out, **kw)
+  assert sorted(p.name for p in out.iterdir()) == [f"shard_{i:05d}.npz" for i in range(4)]
+  assert load_conversations(out)[0] == second and len(second) == 16
+  assert sg.self_generate(None, 16, out, **kw) == second         # nothing regenerated

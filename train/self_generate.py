@@ -141,7 +141,11 @@ def self_generate(target, conversations: int, out, *, batch: int = 32,
   answer_sampling = sj.Sampling(temperature=answer_temperature, top_p=top_p)
   if max_batches is None:
     max_batches = 4 * -(-conversations // batch) + 4
-  shard = len(list(out.glob("shard_*.npz")))
+  shard = 0                        # the next shard: after the finished ones load_conversations read
+  while _shard(out, shard).is_file():
+    shard += 1
+  for stale in out.glob("shard_*.npz.tmp*.npz"):   # a run killed inside np.savez left these
+    stale.unlink()
   resumed = sum(len(s) for s in seqs)
   stops = set(stop_array(target, None).tolist())
   start = time.perf_counter()
