@@ -160,6 +160,41 @@ def test_config_errors(tmp_path):
     load_config(path, ["head.draft_vocab_size=64"])
   with pytest.raises(ValueError, match="draft_vocab_size must be None or an integer >= 1"):
     load_config(path, ["head.kind=eagle3", "head.draft_vocab_size=0"])
+  # Evaluation data as training text, by name, by content or as the evaluation's own file.
+  heldout = SHARED / "data" / "tinystories" / "heldout.txt"
+  (tmp_path / "split.txt").write_bytes(heldout.read_bytes())
+  dev = SHARED / "data" / "tinystories" / "dev.txt"
+  for sets in ([f"data.dev_path={tmp_path / 'split.txt'}"],
+               [f"data.dev_path={dev}", f"eval.path={dev}", "eval.enabled=true"]):
+    with pytest.raises(ValueError, match="is the evaluation text"):
+      load_config(path, sets)
+  with pytest.raises(ValueError, match="looks like evaluation data"):
+    load_config(path, [f"data.dev_path={SHARED / 'data' / 'prompts' / 'mt_bench.jsonl'}"])
+  with pytest.raises(ValueError, match="data.dev_path .* is not a file"):
+    load_config(path, [f"data.dev_path={tmp_path / 'dev.tx'}"])
+  with pytest.raises(ValueError, match="eval.path .* is not a file"):
+    load_config(path, ["eval.enabled=true", f"eval.path={tmp_path / 'heldout.tx'}"])
+  # Another kind's head options (ignored before: an EAGLE head built with one layer anyway).
+  with pytest.raises(ValueError, match="head.num_layers applies to DFlash / DSpark heads, not EAGLE"):
+    load_config(path, ["head.kind=eagle", "head.num_layers=3"])
+  with pytest.raises(ValueError, match="head.medusa_layers applies to Medusa heads, not EAGLE"):
+    load_config(path, ["head.kind=eagle", "head.medusa_layers=3"])
+  # Evaluation settings checked before training (they failed after it, losing the table).
+  with pytest.raises(ValueError, match="Medusa heads cannot build draft trees"):
+    load_config(path, ['eval.trees=["2,2,4"]'])
+  with pytest.raises(ValueError, match="2 Medusa heads draft at most 2 tokens"):
+    load_config(path, ["eval.num_draft=6"])
+  with pytest.raises(ValueError, match="eval.num_draft must be an integer >= 1"):
+    load_config(path, ["eval.num_draft=0"])
+  # Numbers: checked, and YAML 1.1's text "1e-3" read as the number it spells.
+  assert load_config(path, ["train.lr=1e-3"])["train"]["lr"] == 1e-3
+  assert load_config(path, ["data.temperatures=0.7"])["data"]["temperatures"] == [0.7]
+  with pytest.raises(ValueError, match="train.lr must be a number > 0"):
+    load_config(path, ["train.lr=-1"])
+  with pytest.raises(ValueError, match="train.warmup_steps must be an integer >= 0"):
+    load_config(path, ["train.warmup_steps=-5"])
+  with pytest.raises(ValueError, match="eval.temperatures.0 must be a number >= 0"):
+    load_config(path, ["eval.temperatures=[hot]"])
   with pytest.raises(SystemExit):
     distill_heads.main([])                     # argparse: --config is required
   assert parse_set("eval.temperatures=[0, 1]") == (["eval", "temperatures"], [0, 1])
@@ -207,3 +242,25 @@ def test_a_config_states_only_what_it_changes_over_its_base(tmp_path):
   (tmp_path / "d.yaml").write_text("base: 3\n")
   with pytest.raises(ValueError, match="base must be a config's path"):
     load_config(tmp_path / "d.yaml")
+
+
+def test_a_killed_run_keeps_its_losses_up_to_the_last_checkpoint(tmp_path, monkeypatch):
+  """losses.json was written only after the loop: a run killed (not stop_after) past a
+  checkpoint lost those steps' losses, and the resumed run's file began at the checkpoint."""
+  from train import data as data_lib
+  path = write_config(tmp_path, train={"steps": 6, "checkpoint_every": 2})
+  real = data_lib.batch_indices
+
+  def killed_at_step_5(n, batch, seed, step):
+    if step == 4:
+      raise KeyboardInterrupt("killed")
+    return real(n, batch, seed, step)
+
+  monkeypatch.setattr(data_lib, "batch_indices", killed_at_step_5)
+  with pytest.raises(KeyboardInterrupt):
+    distill_heads.main(["--config", str(path)])
+  losses = tmp_path / "run" / "losses.json"
+  assert list(json.loads(losses.read_text())["losses"]) == ["1", "2", "3", "4"]
+  monkeypatch.setattr(data_lib, "batch_indices", real)
+  assert distill_heads.main(["--config", str(path)])["start_step"] == 4
+  assert list(json.loads(losses.read_text())["losses"]) == [str(s) for s in range(1, 7)]

@@ -35,11 +35,14 @@ import jax
 import numpy as np
 
 import spec_jax as sj
+from spec_jax.bench.specs import resolve_path
 from train.self_generate import self_generate
 
 
 def read_paragraphs(path) -> list[str]:
-  text = pathlib.Path(path).read_text()
+  """The blank-line-separated paragraphs of a text file ('../shared/...' found from any cwd,
+  as the config check finds it: spec_jax.bench.specs.resolve_path)."""
+  text = resolve_path(str(path)).read_text()
   return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 

@@ -268,6 +268,8 @@ def run(cfg: dict) -> dict:
       agree = " ".join(f"{a:.2f}" for a in np.asarray(metrics["agree"]))
       bar.update(done, f"loss {float(loss):.3f} top1 [{agree}]")
     if done % tcfg["checkpoint_every"] == 0 or done == steps:
+      if main:      # with each checkpoint, so a killed run's resume still has the losses before it
+        _write_losses(out_dir / "losses.json", {s: float(v) for s, v in losses.items()})
       ckpts.save(done, {"params": params, "opt_state": opt_state})
     if stop_after is not None and done >= stop_after:
       stopped = True
