@@ -161,3 +161,22 @@ def test_tuned_draft_temperature_is_checked_and_leaves_greedy_rows_alone():
   # Greedy: temperature 0 at any scale, so the tokens are plain greedy's.
   out = run(strategy=tuned(2))
   assert out.tokens == plain(), out.stats.summary()
+
+
+def test_a_targets_max_verify_bounds_a_trees_nodes_not_its_depth():
+  """A tree round verifies num_nodes + 1 tokens; the check compared the depth + 1 (a Tree of
+  16 nodes passed a target whose cache holds 5 verify positions)."""
+  from spec_jax.decoding.strategies import Chain, Tree
+  from spec_jax.decoding.target import ModelTarget
+
+  @dataclasses.dataclass(frozen=True)
+  class FiveWide(ModelTarget):
+    max_verify = property(lambda self: 5)
+    tree_capable = property(lambda self: True)
+
+  target, ngram = FiveWide(CFG), sj.drafters.NGram()
+  assert strategy_for(Chain(4), ngram, target=target).verify_tokens == 5
+  assert strategy_for(Tree(sj.TreeSpec(2, 2, 4)), ngram, target=target).verify_tokens == 5
+  for strategy in (Chain(5), Tree(sj.TreeSpec(4, 4, 16))):
+    with pytest.raises(ValueError, match="verifies at most 5 tokens per round"):
+      strategy_for(strategy, ngram, target=target)

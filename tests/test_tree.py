@@ -39,7 +39,8 @@ GREEDY = sj.Sampling(temperature=0.0)
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(depth=4, top_k=2, num_nodes=3), "num_nodes .3. must be >= depth .4."),
-    (dict(depth=2, top_k=0, num_nodes=4), "top_k must be >= 1"),
+    (dict(depth=2, top_k=0, num_nodes=4), "top_k must be in 1 .. 63"),
+    (dict(depth=3, top_k=2 ** 31, num_nodes=8), "top_k must be in 1 .. 63"),
     (dict(depth=0, top_k=2, num_nodes=4), "depth must be >= 1"),
     (dict(depth=2, top_k=2, num_nodes=64), "num_nodes <= 63"),
     (dict(depth=2, top_k=2, num_nodes=4, candidates="beam"), "candidates must be one of"),

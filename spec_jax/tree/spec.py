@@ -46,8 +46,12 @@ class TreeSpec:
       object.__setattr__(self, name, int(v))
     if self.depth < 1:
       raise ValueError(f"TreeSpec.depth must be >= 1, got {self.depth}")
-    if self.top_k < 1:
-      raise ValueError(f"TreeSpec.top_k must be >= 1, got {self.top_k}")
+    if not 1 <= self.top_k < MAX_TREE_TOKENS:
+      # A verify holds at most MAX_TREE_TOKENS - 1 nodes, so a larger k caps nothing more; it
+      # only sized the drafter's frontier (top_k per depth) into the cache: 2**31 was a 32 GiB
+      # allocation instead of this error.
+      raise ValueError(f"TreeSpec.top_k must be in 1 .. {MAX_TREE_TOKENS - 1} (k >= num_nodes "
+                       f"already caps nothing), got {self.top_k}")
     if self.num_nodes < self.depth:
       raise ValueError(f"TreeSpec.num_nodes ({self.num_nodes}) must be >= depth ({self.depth}): "
                        "a tree of depth D needs at least D nodes")

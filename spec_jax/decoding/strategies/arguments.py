@@ -38,10 +38,10 @@ def strategy_for(strategy=None, drafter=None, num_draft=DEFAULT_NUM_DRAFT, tree=
                        f"Tree(spec), Governed(...)), got {strategy!r}")
   bound = strategy.bind(drafter, target)
   limit = getattr(target, "max_verify", None)
-  if limit is not None and bound.width + 1 > limit:
+  if limit is not None and bound.verify_tokens > limit:
     raise ValueError(f"this target verifies at most {limit} tokens per round (K <= {limit - 1}, "
-                     f"its cache's per-position buffers); {bound.label} drafts up to "
-                     f"{bound.width}")
+                     f"its cache's per-position buffers); {bound.label} verifies "
+                     f"{bound.verify_tokens} (its drafts and the last committed token)")
   return bound
 
 

@@ -40,10 +40,13 @@ class Strategy:
     width: accepted_at columns, the most drafts a round can accept (K; a tree's depth D).
     extent: cache slots past the last committed token a round may write (default: the width;
       a tree's cache_extent); capacity must hold the prompt + max_new_tokens + extent + 1.
+    verify_tokens: tokens the target verifies in one round, the last committed one included
+      (default: width + 1; a tree's num_nodes + 1): what a Target's max_verify bounds.
     lazy_drafter: the drafter may skip plain rounds and catch up later (PrefillInfo.lazy).
   """
   width: int = 0
   extent = property(lambda self: self.width)
+  verify_tokens = property(lambda self: self.width + 1)
   lazy_drafter: bool = False
 
   def bind(self, drafter, target) -> "Strategy":

@@ -77,6 +77,7 @@ class Tree(Strategy):
   """Tree drafting: every round verifies a draft tree of spec.num_nodes nodes (tree_round)."""
   spec: TreeSpec
   width = property(lambda self: self.spec.depth)
+  verify_tokens = property(lambda self: self.spec.num_nodes + 1)
   extent = property(lambda self: self.spec.cache_extent)
   label = property(lambda self: self.spec.label())
 
