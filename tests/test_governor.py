@@ -620,6 +620,32 @@ def test_calibrate_caches_on_disk_and_generate_uses_it(tmp_path):
   assert len(list((tmp_path / "xdg" / "spec_jax" / "governor").glob("*.json"))) == 2
 
 
+def test_penalties_and_processors_get_their_own_cost_table(monkeypatch):
+  """A penalty's history (a row per verify position) and a processor change the round's
+  program: the table was keyed and timed without them, so a repetition_penalty call reused
+  the table of plain sampling."""
+  timed = []
+
+  def fake(target, drafter, batch, capacity, greedy, ks, repeats=3, **kw):
+    timed.append((kw["history"], kw["processors"]))
+    return {**{k: {"per_iter_s": 1.0 + 0.1 * k, "spread_pct": 0.0, "samples": [1.0],
+                   "per_call_s": 0.0} for k in ks}, "entry_s": 0.0}
+
+  monkeypatch.setattr(calibration, "measure_round_costs", fake)
+  calibration.clear_memory()
+  target, drafter = greedy_target(), sj.drafters.NGram(2, 1)
+  kw = dict(drafter=drafter, num_draft="auto", governor=sj.Governor(ks=(0, 1, 2)),
+            max_new_tokens=8, stop_tokens=[], key=jax.random.key(0), capacity=64)
+  banned = sj.processors.BannedPhrases([[5, 6]])
+  for sampling, processors in ((sj.Sampling(1.0), None),
+                               (sj.Sampling(1.0, repetition_penalty=1.3), None),
+                               (sj.Sampling(1.0), banned)):
+    sj.generate(target, PROMPTS[:1], sampling=sampling, processors=processors, **kw)
+  assert timed == [(False, ()), (True, ()), (False, (banned,))]
+  sj.generate(target, PROMPTS[:1], sampling=sj.Sampling(1.0, repetition_penalty=1.1), **kw)
+  assert len(timed) == 3                     # the same program: the cached table
+
+
 def _count_dots(jaxpr) -> int:
   """dot_general equations in a jaxpr and every sub-jaxpr (loops, conds, calls)."""
   n = 0

@@ -107,10 +107,13 @@ def params_checksum(tree) -> str:
   return digest
 
 
-def fingerprint(target, drafter, batch: int, capacity: int, greedy: bool, ks) -> tuple:
+def fingerprint(target, drafter, batch: int, capacity: int, greedy: bool, ks,
+                history: bool = False, processors: tuple = ()) -> tuple:
   """-> (hex digest, key dict): what a cost table depends on — device kind, jax version, XLA
   flags, target config + weights checksum, drafter static key + params checksum, B, capacity
-  bucket, greedy, the candidate K set and the cost-model version."""
+  bucket, greedy, the candidate K set, the penalties' history and the logits processors (both
+  change the round's program: a history row per verify position, a mask per processor) and
+  the cost-model version."""
   dev = jax.devices()[0]
   key = {
       "version": COST_MODEL_VERSION,
@@ -121,6 +124,10 @@ def fingerprint(target, drafter, batch: int, capacity: int, greedy: bool, ks) ->
       "drafter": repr(drafter._static_key()), "drafter_params": params_checksum(drafter.params),
       "batch": int(batch), "capacity": int(capacity), "greedy": bool(greedy),
       "ks": [int(k) for k in ks]}
+  if history or processors:          # absent otherwise: the tables cached before stay valid
+    key["history"] = bool(history)
+    key["processors"] = [repr(p.shape_key() if hasattr(p, "shape_key") else p)
+                         for p in processors]
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
   return digest, key
 
@@ -138,7 +145,8 @@ CALIBRATION_PROMPT = 32          # real prompt tokens per row of the timed decod
 
 def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool, ks,
                         repeats: int = 3, *, strategy: Strategy, prompt_len: int = 16,
-                        stop_count: int = 0, mesh=None) -> dict:
+                        stop_count: int = 0, mesh=None, history: bool = False,
+                        processors: tuple = ()) -> dict:
   """Seconds per loop iteration at each candidate K, timed on the compiled decode that
   generate() runs with `strategy` (bound, e.g. Governed: num_draft="auto") for these shapes
   (the same executable: calibrating compiles nothing extra). K is forced through the cost
@@ -184,7 +192,7 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
     compiled, args, kwargs = compiled_decode_call(
         target, drafter, prompts, lens, key, max_new_tokens=n, sampling=sampling, stop=stop,
         capacity=capacity, greedy=greedy, mesh=mesh, strategy=strategy, round_costs=costs,
-        acceptance_prior=prior)
+        acceptance_prior=prior, history=history, processors=processors)
     t0 = time.perf_counter()
     packed = compiled(*args, **kwargs)
     jax.block_until_ready(packed)
@@ -231,7 +239,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
               greedy: bool = True, governor: Optional[Governor] = None, repeats: int = 3,
               cache: bool = True, refresh: bool = False, prompt_len: int = 16,
               stop_count: Optional[int] = None, mesh=None,
-              strategy: Optional[Strategy] = None) -> CostTable:
+              strategy: Optional[Strategy] = None, history: bool = False,
+              processors: tuple = ()) -> CostTable:
   """The governor's cost table for (this device, target, drafter, batch, capacity bucket,
   greedy): seconds per round at each candidate K, timed once and cached as JSON under
   cache_dir() (written atomically; keyed by `fingerprint`); a second call reads it (or this
@@ -249,6 +258,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
     prompt_len, stop_count, mesh: the padded prompt length, the number of stop tokens and the
       mesh of the generate() call to come, so that the timed executable is the one it runs
       (generate passes them; only the compile is shared, the table does not depend on them).
+    history, processors: the penalties' token history and the logits processors of the
+      generate() call (generate passes them): part of the timed program and of the key.
   """
   t0 = time.perf_counter()
   if strategy is None:
@@ -265,7 +276,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
                      f"{capacity!r}")
   if not is_int(repeats) or repeats < 1:
     raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-  digest, key = fingerprint(target, drafter, batch, capacity, greedy, ks)
+  processors = tuple(processors)
+  digest, key = fingerprint(target, drafter, batch, capacity, greedy, ks, history, processors)
   path = cache_dir() / f"{digest}.json"
   if not refresh:
     table = _TABLES.get(digest)
@@ -286,7 +298,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
     stop_count = len(default_stop_ids(target))
   timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats,
                               strategy=strategy, prompt_len=prompt_len,
-                              stop_count=stop_count, mesh=mesh)
+                              stop_count=stop_count, mesh=mesh, history=history,
+                              processors=processors)
   table = CostTable(ks=tuple(ks), seconds=tuple(timed[k]["per_iter_s"] for k in ks),
                     spread_pct=tuple(timed[k]["spread_pct"] for k in ks), key=key,
                     fingerprint=digest, path=str(path) if cache else None,
@@ -300,7 +313,7 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
 
 def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: int,
                     greedy: bool, max_new_tokens: int, prompt_len: int = 16, stop_count: int = 0,
-                    mesh=None):
+                    mesh=None, history: bool = False, processors: tuple = ()):
   """What generate() passes to decode for a bound strategy: None unless it needs a measured
   table (Strategy.calibration_ks: the governor without its own costs or schedule); ones when
   the loop cannot run (max_new_tokens == 1: the prefill's token is the only one); else
@@ -311,7 +324,8 @@ def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: i
   if max_new_tokens <= 1:
     return np.append(np.ones((len(ks),), np.float32), np.float32(0.0))
   return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, strategy=strategy,
-                   prompt_len=prompt_len, stop_count=stop_count, mesh=mesh).costs_for(ks)
+                   prompt_len=prompt_len, stop_count=stop_count, mesh=mesh, history=history,
+                   processors=processors).costs_for(ks)
 
 
 def clear_memory() -> None:

@@ -198,7 +198,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   # A cost table, for a strategy that reads one (calibrated on first use, then cached): not timed.
   costs = calibration.round_costs_for(strategy, target, drafter, batch, capacity, greedy,
                                       max_new_tokens, prompt_len=prompt_tokens.shape[1],
-                                      stop_count=len(stop), mesh=mesh)
+                                      stop_count=len(stop), mesh=mesh, history=history,
+                                      processors=processors)
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
