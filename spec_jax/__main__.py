@@ -33,6 +33,7 @@ def _generate(args) -> int:
   import jax
   import spec_jax as sj
   from spec_jax import distributed, sharding
+  from spec_jax.models.tokenizers import decode_generated
   if not os.path.exists(args.model):
     print(f"error: model path {args.model!r} does not exist (give --model a Hugging Face folder, "
           "a .gguf file or a llama2.c .bin)", file=sys.stderr)
@@ -80,7 +81,7 @@ def _generate(args) -> int:
   if jax.process_index() != 0:
     return 0
   every = sj.new_tokens(out.result)        # every process's rows, in prompt order
-  texts = ([model.tokenizer.decode(t) for t in every] if model.tokenizer is not None
+  texts = ([decode_generated(model.tokenizer, t) for t in every] if model.tokenizer is not None
            else [None] * len(every))
   for prompt, text, toks in zip(prompts, texts, every):
     shown = text if text is not None else " " + " ".join(map(str, toks))

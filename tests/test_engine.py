@@ -397,3 +397,19 @@ def test_cached_execution_layout_follows_weight_changes():
   changed = run(target).tokens
   assert changed == run(fresh).tokens
   assert changed != first
+
+
+def test_text_drops_ids_past_the_tokenizer(stories260k):
+  """A model whose embedding is padded past its tokenizer (Qwen2.5: 151,936 rows, 151,665
+  pieces) may emit a padding id: generate() raised after the whole decode (tokenizer.decode
+  refuses an unknown id) and the result was lost. The text drops it, as a special id."""
+  tok = stories260k.tokenizer
+  cfg = sj.ModelConfig(vocab_size=tok.vocab_size + 64, hidden_size=16, intermediate_size=32,
+                       num_layers=1, num_heads=2, num_kv_heads=1, max_position_embeddings=64)
+  model = dataclasses.replace(sj.init_model(cfg, jax.random.key(0)), tokenizer=tok)
+  padded = tok.vocab_size + 3
+  out = sj.generate(model, ["Once"], max_new_tokens=3, stop_tokens=[],
+                    sampling=sj.Sampling(temperature=0.0, logit_bias={padded: 1e4}))
+  assert out.tokens == [[padded] * 3] and out.text == [""]
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode([padded])                       # a caller's own id must still exist

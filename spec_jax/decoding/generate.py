@@ -26,6 +26,7 @@ from spec_jax.decoding.strategies import strategy_for
 from spec_jax.decoding.target import as_target
 from spec_jax.drafters.base import Drafter
 from spec_jax.models.chat import chat_ids, check_messages
+from spec_jax.models.tokenizers import decode_generated
 from spec_jax.sampling import OPTIONS, Sampling
 from spec_jax.stats import SpecStats
 
@@ -223,7 +224,7 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   new = new_tokens(result)[rows.start:rows.stop]
   text = None
   if target.tokenizer is not None:
-    text = [target.tokenizer.decode(t) for t in new]
+    text = [decode_generated(target.tokenizer, t) for t in new]
   stats = SpecStats.from_result(result, seconds=seconds, processes=processes,
                                 **strategy.stats_fields(greedy, drafter))
   if np.size(result.position_acceptance):   # for the next call's acceptance_prior

@@ -17,6 +17,7 @@ import spec_jax as sj
 from spec_jax import distributed, sharding
 from spec_jax.decoding.prompts import capacity_bucket
 from spec_jax.decoding.strategies import strategy_for
+from spec_jax.models.tokenizers import decode_generated
 
 
 
@@ -108,7 +109,7 @@ def every_row(out, tokenizer=None):
   if out.stats.processes == 1:
     return out.tokens, out.text
   tokens = sj.new_tokens(out.result)
-  return tokens, (None if tokenizer is None else [tokenizer.decode(t) for t in tokens])
+  return tokens, (None if tokenizer is None else [decode_generated(tokenizer, t) for t in tokens])
 
 
 class UnitRunner:

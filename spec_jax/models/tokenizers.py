@@ -36,6 +36,14 @@ class Tokenizer(Protocol):
   def pieces(self) -> list[str]: ...
 
 
+def decode_generated(tokenizer, ids: Sequence[int]) -> str:
+  """A model's generated ids as text: ids past the tokenizer's pieces (a model's padded
+  embedding rows: Qwen2.5 has 151,936 rows for 151,665 pieces) are dropped, as special ids
+  are, where tokenizer.decode refuses them (an id a caller hands it should exist)."""
+  size = tokenizer.vocab_size
+  return tokenizer.decode([t for t in ids if 0 <= int(t) < size])
+
+
 # ----------------------------------------------------------------------------- llama2.c
 
 _NUM_SPECIAL = 3  # llama2.c / sentencepiece: 0 <unk>, 1 <s>, 2 </s>; raw bytes follow at 3..258.
