@@ -135,6 +135,8 @@ def test_decode_bad_static_arguments_raise_at_trace_time(models, kwargs, message
     ("long_prompt", r"prompt_lens must lie in \[1, P=16\], got values from 4 to 17"),
     ("token_outside", r"prompt token ids outside the vocabulary \[0, 64\): \[64\]"),
     ("stop_outside", r"stop_tokens outside the vocabulary \[0, 64\): \[70\]"),
+    ("stop_none", r"None, the model's defaults, is generate\(\)'s"),       # a TypeError before
+    ("stop_fraction", r"stop_tokens must hold integer token ids, got \[21.5\]"),  # stopped at 21
     ("int_key", "key must be a jax PRNG key"),
 ])
 def test_decode_refuses_what_generate_refuses_when_it_can_see_the_values(models, change,
@@ -154,6 +156,10 @@ def test_decode_refuses_what_generate_refuses_when_it_can_see_the_values(models,
     prompts = prompts.at[1, 0].set(CFG.vocab_size).at[1, -1].set(-5)   # the second: padding
   elif change == "stop_outside":
     stops = (2, 70)
+  elif change == "stop_none":
+    stops = None
+  elif change == "stop_fraction":
+    stops = np.asarray([21.5])
   else:
     key = 0
   with pytest.raises(ValueError, match=message):

@@ -413,3 +413,16 @@ def test_text_drops_ids_past_the_tokenizer(stories260k):
   assert out.tokens == [[padded] * 3] and out.text == [""]
   with pytest.raises(ValueError, match="outside the vocabulary"):
     tok.decode([padded])                       # a caller's own id must still exist
+
+
+def test_stop_tokens_as_arrays():
+  """stop_tokens as decode takes them (a jax int32 [N] array) works in generate too; a 0-d
+  array is a ValueError (it was a TypeError from len())."""
+  target, _ = models()
+  prompts = [[1, 5, 9]]
+  kw = dict(max_new_tokens=6, sampling=sj.Sampling(temperature=0.0))
+  plain = sj.generate(target, prompts, stop_tokens=[21], **kw).tokens
+  assert sj.generate(target, prompts, stop_tokens=jnp.asarray([21]), **kw).tokens == plain
+  assert sj.generate(target, prompts, stop_tokens=np.asarray([21]), **kw).tokens == plain
+  with pytest.raises(ValueError, match="stop_tokens must be None .* or a list of token ids"):
+    sj.generate(target, prompts, stop_tokens=np.asarray(21), **kw)

@@ -186,8 +186,15 @@ def check_concrete_inputs(prompt_tokens, prompt_lens, key, stop_tokens, vocab_si
       if bad.size:
         raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): "
                          f"{bad[:5].tolist()}")
+  if stop_tokens is None:
+    raise ValueError("decode's stop_tokens is a tuple of ids or an int32 [N] array (() never "
+                     "stops early); None, the model's defaults, is generate()'s: pass "
+                     "spec_jax.models.chat.default_stop_ids(model)")
   if _on_host(stop_tokens):
     stops = np.asarray(stop_tokens).reshape(-1)
+    if stops.size and not np.issubdtype(stops.dtype, np.integer) and not (
+        np.issubdtype(stops.dtype, np.floating) and np.all(np.mod(stops, 1) == 0)):
+      raise ValueError(f"stop_tokens must hold integer token ids, got {stops[:5].tolist()}")
     bad = stops[(stops >= vocab_size) | (stops < -1)]    # -1 pads (prompts.padded_stops)
     if bad.size:
       raise ValueError(f"stop_tokens outside the vocabulary [0, {vocab_size}): "

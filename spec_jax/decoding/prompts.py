@@ -86,7 +86,10 @@ def stop_array(target, stop_tokens) -> np.ndarray:
   end-of-turn tokens: spec_jax.models.chat.default_stop_ids)."""
   if stop_tokens is None:
     stop_tokens = default_stop_ids(target)
-  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray)):
+  if hasattr(stop_tokens, "__array__") and not isinstance(stop_tokens, np.ndarray):
+    stop_tokens = np.asarray(stop_tokens)                   # a jax array: what decode takes
+  if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray)) \
+      or np.ndim(stop_tokens) == 0:
     raise ValueError(f"stop_tokens must be None (the model's end-of-text tokens) or a list of "
                      f"token ids ([] = never stop early), got {stop_tokens!r}")
   stop = as_token_ids(stop_tokens, "stop_tokens") if len(stop_tokens) else []
