@@ -88,10 +88,12 @@ def _generate(args) -> int:
     print(f"> {prompt}\n{shown}" if args.chat else prompt + shown)
     print()
   if constraint_of(args) is not None:
-    # A constrained row ends with a stop token once its grammar is complete; one that ran out
-    # of tokens first holds a prefix of a match only (e.g. JSON cut inside a string).
-    stops = set(default_stop_ids(model))
-    cut = [i for i, t in enumerate(every) if not (t and t[-1] in stops)]
+    # A row that ran out of tokens before its grammar was complete holds a prefix of a match
+    # only (e.g. JSON cut inside a string); one cut after a whole match is a match.
+    stops = default_stop_ids(model)
+    grammar = constraint_of(args).compile(model.tokenizer, vocab_size=model.config.vocab_size,
+                                          end_ids=stops)     # generate's (cached): no recompile
+    cut = [i for i, t in enumerate(every) if not grammar.complete(t, stops)]
     if cut:
       print(f"warning: row(s) {cut} reached --max-new-tokens {args.max_new_tokens} before "
             f"their grammar was complete: their text is a prefix of a match, not a match",
@@ -171,11 +173,10 @@ def main(argv=None) -> int:
   for name, opt in OPTIONS.items():            # one option per Sampling field
     g.add_argument("--" + name.replace("_", "-"), type=opt.parse,
                    default=SAMPLING_DEFAULTS.get(name, opt.default), help=opt.help)
-  from spec_jax.bench.specs import add_constraint_flags
+  from spec_jax.bench.specs import DRAFTER_SPECS, add_constraint_flags
   add_constraint_flags(g)
   g.add_argument("--seed", type=int, default=0)
-  g.add_argument("--drafter", default=None,
-                 help="none | ngram | ngram:MAX[:MIN] | draft:PATH | heads:PATH")
+  g.add_argument("--drafter", default=None, help=DRAFTER_SPECS)
   g.add_argument("--num-draft", type=int, default=4, help="K, draft tokens per round")
   g.add_argument("--attention-impl", default=None, choices=("auto", "pallas", "reference"),
                  help="verify attention: auto (the Pallas kernel on GPU / TPU, jnp on CPU), "

@@ -280,6 +280,14 @@ class Grammar(LogitsProcessor):
     state = self.walk(tokens)
     return state is not None and bool(self.accepting[state])
 
+  def complete(self, tokens: Sequence[int], end_ids: Sequence[int]) -> bool:
+    """Whether a generated row (one end token last, when one ended it) is a whole sentence of
+    the grammar: a row cut by max_new_tokens may be one, or only a prefix of one."""
+    tokens = list(tokens)
+    if tokens and tokens[-1] in set(int(t) for t in end_ids):
+      tokens = tokens[:-1]
+    return self.accepts(tokens)
+
   def admits(self, tokens: Sequence[int]) -> bool:
     """Whether the token sequence is a prefix of some sentence of the grammar (every state
     kept can still reach an accepting one)."""

@@ -10,6 +10,7 @@ the grammar along its drafted prefix allows tokens plain decoding never emits.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -378,6 +379,18 @@ def test_generate_command_line_takes_a_regex_and_a_schema_file(tmp_path, capsys)
                "--json-schema", str(schema)]) == 0
   assert "row(s) [0] reached --max-new-tokens 3 before their grammar was complete" in (
       capsys.readouterr().err)
+  # Cut after a whole match (any text of [a-z ]+ is one): a match, no warning (it said "not a
+  # match" of every cut row).
+  assert main(["generate", "--model", model, "--prompt", "Once", "--max-new-tokens", "6",
+               "--regex", "[a-z ]+"]) == 0
+  out = capsys.readouterr()
+  assert re.fullmatch("[a-z ]+", out.out.splitlines()[0][len("Once"):]) and "warning" not in out.err
+  cut = sj.generate(sj.load(model), ["Once", "Once"], max_new_tokens=6, constraint=(
+      sj.constraints.regex("[a-z ]+")), sampling=sj.Sampling(temperature=0.0))
+  assert cut.complete == [True, True] and all(len(t) == 6 for t in cut.tokens)
+  unfinished = sj.generate(sj.load(model), ["Once"], max_new_tokens=3, constraint=(
+      sj.constraints.json_schema(json.loads(schema.read_text()))))
+  assert unfinished.complete == [False]
   for argv, match in ((["--regex", "a", "--json-schema", str(schema)], "not both"),
                       (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),
                       (["--regex", "(a"], "regex")):

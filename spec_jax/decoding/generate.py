@@ -40,13 +40,16 @@ class GenerateOutput(NamedTuple):
   setup); 0.0 when the executable was already in memory (a persistent-cache hit,
   spec_jax.compile_cache, leaves the tracing and the setup run); never part of stats.seconds. With a mesh over several processes, tokens and text are
   this process's rows, result and stats cover every process's rows (new_tokens(result) is every
-  row's tokens, in global order)."""
+  row's tokens, in global order). complete: with a constraint, list[bool] per row of tokens:
+  whether the row is a whole match of the grammar (a row cut by max_new_tokens may hold only a
+  prefix of one); None without a constraint."""
   tokens: list
   text: Optional[list]
   stats: SpecStats
   result: Optional[Any] = None
   rows: Optional[range] = None
   compile_seconds: float = 0.0
+  complete: Optional[list] = None
 
 
 def new_tokens(result) -> list:
@@ -98,7 +101,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       end-of-turn tokens: <|im_end|>, <|endoftext|>, <|eot_id|>, <end_of_turn>, ...); [] = never
       stop early. Any list of up to 8 ids runs the same compiled decode (prompts.padded_stops).
     capacity: KV-cache capacity S (default: the longest prompt + max_new_tokens + K + 1, rounded
-      up to a power of two, at least 128: decode compiles once per such bucket).
+      up to a power of two, at least 512 or the model's context if shorter:
+      prompts.capacity_bucket; decode compiles once per such bucket).
     mesh: optional jax.sharding.Mesh with axes "data" (batch rows) and "model" (heads, MLP
       features, vocabulary): see spec_jax.sharding. The batch must divide the "data" size.
       A mesh over several processes (after spec_jax.distributed.initialize()): every process
@@ -159,13 +163,15 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   vocab_size = as_target(target.config).vocab_size
   sampling.check(vocab_size=vocab_size)   # logit_bias ids
   processors = processors_lib.check_processors(processors)
+  grammar = None
   if constraint is not None:
     if not isinstance(constraint, constraints_lib.Constraint):
       raise ValueError(f"constraint must be sj.constraints.regex(...) or "
                        f"sj.constraints.json_schema(...), got {type(constraint).__name__}")
     ends = stop_array(target, stop_tokens).tolist() or list(
         getattr(target.tokenizer, "eos_ids", ()) or ())
-    processors += (constraint.compile(target.tokenizer, vocab_size=vocab_size, end_ids=ends),)
+    grammar = constraint.compile(target.tokenizer, vocab_size=vocab_size, end_ids=ends)
+    processors += (grammar,)
   if key is None:
     key = _default_key()
   else:
@@ -232,8 +238,9 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
     stats = dataclasses.replace(
         stats, position_acceptance=tuple(float(a) for a in np.asarray(result.position_acceptance)),
         row_acceptance=tuple(tuple(float(a) for a in row) for row in per_row))
+  complete = None if grammar is None else [grammar.complete(t, ends) for t in new]
   return GenerateOutput(tokens=new, text=text, stats=stats, result=result, rows=rows,
-                        compile_seconds=compile_seconds)
+                        compile_seconds=compile_seconds, complete=complete)
 
 
 def _shared_bias(sampling):
