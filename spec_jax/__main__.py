@@ -62,14 +62,17 @@ def _generate(args) -> int:
     sampling = sj.Sampling(**{name: getattr(args, name) for name in sj.sampling.OPTIONS})
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
+    # The memory estimate is the global batch's, which every process decodes (a process's own
+    # share may even be empty: one prompt over two processes).
     if args.chat:
       # --system "" is an empty system message (the template's default one is left out).
       system = [] if args.system is None else [{"role": "system", "content": args.system}]
-      inputs = dict(messages=[system + [{"role": "user", "content": p}] for p in mine])
-      ids = [chat_ids(model, m) for m in inputs["messages"]]
+      conversation = lambda p: system + [{"role": "user", "content": p}]
+      inputs = dict(messages=[conversation(p) for p in mine])
+      ids = [chat_ids(model, conversation(p)) for p in prompts]
     else:
       inputs = dict(prompts=mine)
-      ids = mine
+      ids = prompts
     model, drafter = _check_memory(model, drafter, ids, args, mesh, sampling.needs_history)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,

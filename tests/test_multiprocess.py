@@ -134,6 +134,24 @@ def test_distributed_settings_and_mesh_specs():
     sharding.make_mesh(data=8, model=1)
 
 
+def test_cli_memory_estimate_is_the_global_batchs(monkeypatch, capsys):
+  """Under the launcher each process feeds its share of the prompts, but every process decodes
+  the global batch: the CLI estimated from its share (off both ways per device) and a process
+  with no share (one prompt over two processes) failed with "prompts must be a non-empty
+  list". Here a share of the second prompt only must print the whole batch's estimate."""
+  from spec_jax.__main__ import main
+  model = str(need_shared("models", "stories260K"))
+  argv = ["generate", "--model", model, "--max-new-tokens", "4",
+          "--prompt", "Once upon a time there was a little girl named Lily who loved to play",
+          "--prompt", "Hi"]
+  estimate = lambda err: [line for line in err.splitlines() if line.startswith("memory")]
+  assert main(argv) == 0
+  whole = estimate(capsys.readouterr().err)
+  monkeypatch.setattr(distributed, "share", lambda prompts: prompts[1:])
+  assert main(argv) == 0
+  assert estimate(capsys.readouterr().err) == whole and whole
+
+
 def test_single_layer_head_weights_get_shardings():
   """EAGLE / EAGLE-3 / MTP heads hold 2-D single-layer weights (wq [D, H*Dh], not [L, D, H*Dh]):
   the model axis is found from the end, so they shard like the target's layers (this raised
