@@ -101,7 +101,15 @@ def _axis_sizes(mesh) -> tuple:
 def cache_bytes(cache, mesh=None) -> int:
   """Bytes per device of a spec_jax KV cache (KVCache: buffers [L, B, S, Hkv,
   Dh], head-major [L, B, Hkv, S, Dh]) under models.cache.constrain_cache's partition: rows on
-  "data", kv heads on "model" where they divide."""
+  "data", kv heads on "model" where they divide. A family's own cache (the hybrid family's:
+  a KVCache plus recurrent buffers [L, B, ...]) counts its KVCaches so and its other buffers
+  with their rows (axis 1) on "data", replicated on "model" (its constrain_cache)."""
+  if not isinstance(cache, KVCache):
+    data, _ = _axis_sizes(mesh)
+    parts = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, KVCache))
+    return sum(cache_bytes(x, mesh) if isinstance(x, KVCache) else
+               leaf_bytes(x) // (data if x.ndim >= 2 and x.shape[1] % data == 0 else 1)
+               for x in parts)
   data, model = _axis_sizes(mesh)
   head_axis = 2 if getattr(cache, "head_major", False) else 3
   total = 0

@@ -319,6 +319,29 @@ def test_memory_estimate_splits_a_feature_heads_cache_by_heads_on_model():
     assert memory.state_bytes(state, 4, mesh, capacity=64) == cache // 4 + 4 * 32 * 4 // 2
 
 
+def test_memory_estimate_splits_a_hybrid_cache_as_its_family_does():
+  """The hybrid family's cache: its KV split like every KVCache, its recurrent buffers (state,
+  conv and their per-step copies, [L, B, ...]) by rows on "data" and replicated on "model"
+  (qwen3_next.cache.constrain_cache). Counted as KV buffers before, a data=8 estimate was 3.7x
+  the bytes a device holds."""
+  import types
+  cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                       num_heads=2, num_kv_heads=2, head_dim=16, model_type="qwen3_next",
+                       partial_rotary_factor=0.5, eos_token_ids=(),
+                       layer_types=("linear_attention",) * 3 + ("full_attention",),
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                       linear_value_head_dim=4, linear_conv_kernel_dim=4, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16)
+  cache = jax.eval_shape(lambda: sj.KVCache.zeros(cfg, 8, 64))
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+  kv, rest = nbytes(cache.kv), nbytes(cache) - nbytes(cache.kv)
+  assert kv and rest
+  for data, model in ((8, 1), (2, 2), (1, 2)):
+    mesh = types.SimpleNamespace(axis_names=("data", "model"), devices=np.empty((data, model)))
+    assert memory.cache_bytes(cache, mesh) == kv // (data * model) + rest // data, (data, model)
+
+
 _BUFFER_REPORT = """\
 allocation 0: size 1024, parameter 0, shape |f32[256]| at ShapeIndex {}:
 allocation 1: size 4096, maybe-live-out:
