@@ -4,11 +4,14 @@
     out = sj.generate(target, prompts, drafter=..., mesh=mesh)
 
 Megatron-style tensor parallelism expressed as GSPMD annotations: q/k/v and gate/up projections
-are split along their output features (whole heads), o and down projections along their input
-features, the KV cache along its kv heads, the vocabulary of the embedding and LM head along
-"model". Rows of the batch live on their "data" shard. XLA inserts the collectives; results are
-the same as on one device (tests/test_sharding.py checks greedy tokens on 8 CPU devices).
-A weight whose split axis does not divide evenly by the "model" size stays replicated.
+are split along their output features, o and down projections along their input features,
+the KV cache along its kv heads, the vocabulary of the embedding and LM head along "model".
+Rows of the batch live on their "data" shard. XLA inserts the collectives; results are the same
+as on one device (tests/test_sharding.py checks greedy tokens on 8 CPU devices).
+A weight whose split axis does not divide evenly by the "model" size stays replicated. The
+split is by features, so it keeps whole heads only where the heads divide by "model" (6 heads
+of 16 over model=4 put 1.5 heads on each device: still exact, XLA gathers what a head needs,
+but the KV cache of those 3 kv heads stays whole).
 
 A mesh may span several processes (a TPU pod slice, several GPU hosts, or
 `python -m spec_jax.launch`): build it after `spec_jax.distributed.initialize()` from all of
