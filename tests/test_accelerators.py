@@ -392,6 +392,16 @@ def test_aot_cli_refuses_bad_arguments(capsys):
   assert "not a config.json, a folder holding one, or one of" in capsys.readouterr().err
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--mesh", "rows=2"]) == 2
   assert main(["--model", "llama-3.2-1b", "--platform", "cuda", "--drafter", "medusa"]) == 2
+  capsys.readouterr()
+  # The command line's own checks (these reached libtpu or the compile before).
+  for argv, said in ((["--platform", "rocm"], "--platform 'rocm': use cuda, one of"),
+                     (["--platform", "cuda", "--batch", "0"], "--batch must be >= 1"),
+                     (["--platform", "cuda", "--capacity", "16", "--prompt-len", "64"],
+                      "--prompt-len 64 must be below --capacity 16")):
+    assert main(["--model", "llama-3.2-1b", *argv]) == 2
+    assert said in capsys.readouterr().err
+  from spec_jax.aot.cli import check_arguments, parser
+  check_arguments(parser().parse_args(["--model", "m", "--platform", "tpu:v6e:2x4"]))
 
 
 @pytest.mark.parametrize("kernel,head_major", [("gpu", False), ("tpu", False), ("tpu", True),

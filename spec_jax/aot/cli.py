@@ -68,10 +68,29 @@ def parse_tree(text):
   return TreeSpec(depth=depth, top_k=top_k, num_nodes=nodes)
 
 
+def check_arguments(args) -> None:
+  """The command line's own checks (ValueError), before anything is built: a platform name
+  (not read as a TPU topology: "rocm" asked for libtpu), and shapes a decode can have (a batch
+  of 0 or a prompt longer than the cache failed inside the compile)."""
+  import re
+  from spec_jax.aot.program import TPU_TOPOLOGIES
+  if not (args.platform == "cuda" or args.platform in TPU_TOPOLOGIES
+          or re.fullmatch(r"tpu:v\w+:\d+(x\d+)+", args.platform)):
+    raise ValueError(f"--platform {args.platform!r}: use cuda, one of "
+                     f"{', '.join(sorted(TPU_TOPOLOGIES))} or tpu:vXX:AxB (a topology)")
+  for name in ("batch", "prompt_len", "capacity", "num_draft"):
+    if getattr(args, name) < 1:
+      raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+  if args.prompt_len >= args.capacity:
+    raise ValueError(f"--prompt-len {args.prompt_len} must be below --capacity "
+                     f"{args.capacity} (the cache holds the prompt and the new tokens)")
+
+
 def run(args):
   """The compile of one command line -> its program.Report (ValueError on bad input)."""
   from spec_jax.aot import program, shapes
   from spec_jax.sharding import parse_mesh_spec
+  check_arguments(args)
   sizes = parse_mesh_spec(args.mesh) if args.mesh else {"data": 1, "model": 1}
   config = shapes.target_config(args.model, dtype=args.dtype).replace(
       attention_impl=args.attention_impl)
@@ -128,6 +147,7 @@ def main(argv=None) -> int:
   args = parser().parse_args(argv)
   try:
     from spec_jax.sharding import parse_mesh_spec
+    check_arguments(args)
     sizes = parse_mesh_spec(args.mesh) if args.mesh else {"data": 1, "model": 1}
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
