@@ -20,11 +20,14 @@ import numpy as np
 def _is_concrete(x) -> bool:
   """Whether x's values can be read on the host here (not a tracer, nor an array spread over
   other processes' devices, which was checked before it was placed there)."""
-  if isinstance(x, jax.core.Tracer):
-    return False
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return False
-  return isinstance(x, (numbers.Number, np.ndarray, jax.Array, list, tuple))
+  # Text and None are values too, checked so that check() refuses them (they were counted as
+  # unreadable, which switched off every field's checks in decode); abstract values
+  # (ShapeDtypeStruct, a lowering's argument info) are not.
+  def readable(leaf):
+    if isinstance(leaf, jax.Array):
+      return not isinstance(leaf, jax.core.Tracer) and leaf.is_fully_addressable
+    return isinstance(leaf, (numbers.Number, np.ndarray, np.generic, str, bytes))
+  return x is None or all(readable(leaf) for leaf in jax.tree.leaves(x))
 
 
 
@@ -131,6 +134,15 @@ def parse_logit_bias(text: str) -> dict:
   return out or None
 
 
+def _is_real(x) -> bool:
+  """A real number: a Python or numpy scalar, or a 0-d array of a numeric dtype (None, text and
+  bytes are not, though float() reads "1.0")."""
+  if isinstance(x, numbers.Real):
+    return True
+  kind = getattr(getattr(x, "dtype", None), "kind", None)
+  return kind in ("b", "i", "u", "f") and np.ndim(x) == 0
+
+
 def _is_pair(x) -> bool:
   return (isinstance(x, (tuple, list)) and len(x) == 2 and
           all(isinstance(v, (numbers.Real, np.generic)) or
@@ -160,7 +172,10 @@ class BiasOption(Option):
       if value and all(v is None or isinstance(v, dict) for v in value):
         return [dict(v or {}) for v in value], True
       if all(_is_pair(v) for v in value):
-        return [dict((k, b) for k, b in value)], False
+        summed: dict = {}
+        for k, b in value:                  # a repeated id adds up, as in a LogitBias
+          summed[k] = summed[k] + b if k in summed else b
+        return [summed], False
     raise ValueError(
         "Sampling.logit_bias must be None, a dict {token id: bias}, a list of (id, bias) pairs, "
         f"a list of one dict per row, or a sampling.LogitBias, got {type(value).__name__}")
@@ -190,8 +205,7 @@ class BiasOption(Option):
         allowed = ">= 0" if vocab_size is None else f"in [0, {vocab_size})"
         raise ValueError(f"Sampling.{name}: token id {tok} is outside the vocabulary: ids must "
                          f"be {allowed}")
-      if not (isinstance(bias, numbers.Real) or np.ndim(bias) == 0) or math.isnan(float(bias)) \
-          or float(bias) == math.inf:
+      if not _is_real(bias) or math.isnan(float(bias)) or float(bias) == math.inf:
         raise ValueError(f"Sampling.{name}: the bias of token {tok} must be a finite number "
                          f"or -inf (a ban), got {bias!r}")
 

@@ -42,6 +42,12 @@ ALL = dict(min_p=0.05, repetition_penalty=1.8, presence_penalty=0.7, frequency_p
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={3: float("nan")}), "logit_bias"),
     (dict(logit_bias="3:1"), "logit_bias"),
+    # Biases that are not numbers: a TypeError, a message without the field, or (text that
+    # float() reads) accepted before.
+    (dict(logit_bias={1: None}), "the bias of token 1 must be a finite number"),
+    (dict(logit_bias={1: "x"}), "the bias of token 1 must be a finite number"),
+    (dict(logit_bias={1: "1.0"}), "the bias of token 1 must be a finite number"),
+    (dict(logit_bias={1: b"1"}), "the bias of token 1 must be a finite number"),
 ])
 def test_bad_values_raise_naming_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -65,6 +71,26 @@ def test_bias_outside_the_vocabulary_raises_before_any_compile(monkeypatch):
               sampling=sj.Sampling(logit_bias={V: 1.0}))
   with pytest.raises(ValueError, match="2 entries but the batch has 3|3 rows"):
     sj.Sampling(logit_bias=[{1: 1.0}, None]).as_arrays(3)
+
+
+def test_repeated_ids_in_bias_pairs_add_up_as_in_a_logit_bias():
+  """[(3, 1.0), (3, 2.0)] kept the last pair (2.0) where LogitBias(ids=[3, 3]) adds (3.0)."""
+  logits = jnp.zeros((1, V))
+  pairs = sj.sampling.probs(logits, sj.Sampling(1.0, logit_bias=[(3, 1.0), (3, 2.0)]))
+  arrays = sj.sampling.probs(logits, sj.Sampling(1.0, logit_bias=sj.sampling.LogitBias(
+      ids=jnp.asarray([3, 3]), values=jnp.asarray([1.0, 2.0]))))
+  np.testing.assert_allclose(pairs, arrays, rtol=1e-6)
+  assert float(pairs[0, 3] / pairs[0, 0]) == pytest.approx(np.exp(3.0), rel=1e-5)
+
+
+def test_decode_checks_every_field_when_one_is_text():
+  """A text field made Sampling look unreadable, so decode skipped every check (a bias on id
+  99 of a 16-token vocabulary ran, dropped by the scatter): now the text is refused."""
+  target, _ = _models()
+  with pytest.raises(ValueError, match="Sampling.temperature must be"):
+    sj.decode(target.params, jnp.asarray([PROMPT]), jnp.asarray([3]), jax.random.key(0),
+              config=target.config, max_new_tokens=2, capacity=16,
+              sampling=sj.Sampling(temperature="0.7", logit_bias={99: 1.0}))
 
 
 def test_off_values_cost_nothing_and_change_nothing():
