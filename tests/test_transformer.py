@@ -169,3 +169,16 @@ def test_lane_packed_head_major_cache_gives_the_same_logits_and_entries():
     assert_f32_close(got[1], want[1], MODEL_ULPS)
     assert_f32_close(got[2].k, want[2].k, ONE_OP_ULPS)
     assert_f32_close(got[2].v, want[2].v, ONE_OP_ULPS)
+
+
+def test_a_forward_past_the_cache_is_refused_when_the_offsets_are_known():
+  """Writes past S were dropped and those positions attended without their own key and value
+  (logits off by up to 20 on a windowed Gemma): concrete offsets are checked; a jit's traced
+  ones are the caller's (decode checks its capacity itself)."""
+  params = sj.init_model(CFG, jax.random.key(0)).params
+  cache = sj.KVCache.zeros(CFG, 2, 16)
+  tokens = jnp.ones((2, 10), jnp.int32)
+  sj.forward(params, CFG, tokens, cache, jnp.asarray([6, 0]))          # fits exactly
+  for offsets in ([10, 0], [0, -1]):
+    with pytest.raises(ValueError, match="write outside the cache of 16 slots"):
+      sj.forward(params, CFG, tokens, cache, jnp.asarray(offsets))

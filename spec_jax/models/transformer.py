@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
+import numpy as np
+
 from spec_jax.models import hf_reader
 from spec_jax.models.blocks import ForwardOutput
 from spec_jax.models.cache import KVCache
@@ -41,9 +44,27 @@ def forward(params, config: ModelConfig, tokens, cache, offsets, *, positions=No
     ForwardOutput(logits [B,T,V] f32 ([B,1,V] with logits_index), hidden [B,T,D],
     layer_hidden, cache).
   """
+  _check_room(cache, tokens, offsets)
   return config.family.forward(params, config, tokens, cache, offsets, positions=positions,
                                tree_mask=tree_mask, return_layers=return_layers,
                                logits_index=logits_index)
+
+
+def _check_room(cache, tokens, offsets) -> None:
+  """ValueError when concrete offsets put new tokens outside the cache: writes past S are
+  dropped (the scatter's mode="drop") and those positions would attend without their own key
+  and value, silently. Traced offsets (inside a jit: decode's own) are the caller's."""
+  if isinstance(offsets, jax.core.Tracer) or not getattr(offsets, "is_fully_addressable", True):
+    return
+  caches = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, KVCache))
+  kv = next((c for c in caches if isinstance(c, KVCache)), None)
+  values = np.asarray(offsets)
+  if kv is None or values.size == 0:
+    return
+  t, s = tokens.shape[1], kv.capacity
+  if values.min() < 0 or values.max() + t > s:
+    raise ValueError(f"offsets {values.tolist()} with T = {t} new tokens write outside the "
+                     f"cache of {s} slots: every row needs 0 <= offset and offset + T <= {s}")
 
 
 def init_params(config: ModelConfig, key):
