@@ -19,9 +19,12 @@ def llama_cpp_permute(w, n_head):
 
 def write_tiny_gguf(path, arch="llama", qtype="Q4_1", tied=True, vocab=128, hidden=64,
                     ffn=96, layers=2, heads=4, kv_heads=2, head_dim=16, bias=False,
-                    qk_norm=False, extra_tensor=None, context=256, seed=0):
+                    qk_norm=False, extra_tensor=None, context=256, seed=0, floats=None,
+                    head_count=None):
   """A random model of `arch` with its projections stored as `qtype` (the embedding Q8_0, norms
-  F32) and no tokenizer. extra_tensor: (name, array, qtype name) added at the end."""
+  F32) and no tokenizer. extra_tensor: (name, array, qtype name) added at the end; floats:
+  {metadata key: float} added (or, for the keys written here, written instead); head_count:
+  the metadata's head count, when it should differ from the tensors' `heads`."""
   import gguf
   q = _q()
   qtype = q[qtype]
@@ -31,10 +34,13 @@ def write_tiny_gguf(path, arch="llama", qtype="Q4_1", tied=True, vocab=128, hidd
   w.add_context_length(context)
   w.add_embedding_length(hidden)
   w.add_feed_forward_length(ffn)
-  w.add_head_count(heads)
+  w.add_head_count(heads if head_count is None else head_count)
   w.add_head_count_kv(kv_heads)
-  w.add_rope_freq_base(10000.0)
-  w.add_layer_norm_rms_eps(1e-5)
+  floats = dict(floats or {})
+  w.add_rope_freq_base(floats.pop(f"{arch}.rope.freq_base", 10000.0))
+  w.add_layer_norm_rms_eps(floats.pop(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
+  for key, value in floats.items():
+    w.add_float32(key, value)
   w.add_key_length(head_dim)
   w.add_value_length(head_dim)
   w.add_vocab_size(vocab)
@@ -68,8 +74,11 @@ def write_tiny_gguf(path, arch="llama", qtype="Q4_1", tied=True, vocab=128, hidd
     put(p + "attn_v.weight", normal(kv_heads * head_dim, hidden), qtype)
     put(p + "attn_output.weight", normal(hidden, heads * head_dim), qtype)
     if bias:
-      put(p + "attn_q.bias", normal(heads * head_dim, std=0.1))
-      put(p + "attn_k.bias", normal(kv_heads * head_dim, std=0.1))
+      bq, bk = normal(heads * head_dim, std=0.1), normal(kv_heads * head_dim, std=0.1)
+      if arch == "llama":                       # permuted as the weights' rows are
+        bq, bk = llama_cpp_permute(bq, heads), llama_cpp_permute(bk, kv_heads)
+      put(p + "attn_q.bias", bq)
+      put(p + "attn_k.bias", bk)
       put(p + "attn_v.bias", normal(kv_heads * head_dim, std=0.1))
     if qk_norm:
       put(p + "attn_q_norm.weight", 1 + 0.1 * rng.normal(size=head_dim))

@@ -72,6 +72,42 @@ def test_llama_q_k_rows_are_unpermuted(tmp_path):
       gguf_file.reverse_permute(llama_cpp_permute(wq.T, 4), 4), wq.T)
 
 
+def test_llama_q_k_biases_are_unpermuted_as_llama_cpp_permutes_them(tmp_path):
+  """llama.cpp permutes q/k biases with their rows (a llama file with attn_q.bias, e.g. a
+  "llamafied" Qwen). The same random model written as qwen2 (never permuted) and as llama
+  (weights and biases permuted) must load to the same params and logits; the biases were left
+  permuted (logits off by 15 on a scale of 16; transformers' GGUF loader is off too, so the
+  reference here is the unpermuted qwen2 file)."""
+  write_tiny_gguf(tmp_path / "q.gguf", "qwen2", "F32", bias=True, tied=False)
+  write_tiny_gguf(tmp_path / "l.gguf", "llama", "F32", bias=True, tied=False)
+  qwen, llama = sj.load(tmp_path / "q.gguf"), sj.load(tmp_path / "l.gguf")
+  assert llama.config.qkv_bias
+  for name in ("bq", "bk", "wq", "wk"):
+    np.testing.assert_array_equal(np.asarray(llama.params["layers"][name]),
+                                  np.asarray(qwen.params["layers"][name]), err_msg=name)
+  np.testing.assert_allclose(_logits(llama, IDS), _logits(qwen, IDS), atol=1e-5)
+
+
+def test_rope_scaling_and_bad_numbers_as_llama_cpp_reads_them(tmp_path):
+  """llama.cpp takes the factor from rope.scaling.factor, else the older v2 key
+  rope.scale_linear, and a factor without a type as linear: both were ignored (logits off by
+  12 on 9 tokens). A head count of 0 was a ZeroDivisionError; a RoPE base or RMS epsilon <= 0
+  loaded into non-finite logits."""
+  for i, floats in enumerate(({"llama.rope.scale_linear": 4.0},
+                              {"llama.rope.scaling.factor": 4.0})):
+    path = write_tiny_gguf(tmp_path / f"s{i}.gguf", "llama", "F32", floats=floats)
+    assert dict(sj.load(path).config.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+  assert sj.load(write_tiny_gguf(tmp_path / "plain.gguf", "llama", "F32")).config.rope_scaling \
+      is None
+  for i, (kw, said) in enumerate((
+      (dict(head_count=0), "attention.head_count is 0; it must be >= 1"),
+      (dict(floats={"llama.rope.freq_base": 0.0}), "rope.freq_base is 0.0; it must be > 0"),
+      (dict(floats={"llama.attention.layer_norm_rms_epsilon": -1.0}),
+       "layer_norm_rms_epsilon is -1.0; it must be > 0"))):
+    with pytest.raises(ValueError, match=said):
+      sj.load(write_tiny_gguf(tmp_path / f"bad{i}.gguf", "llama", "F32", **kw))
+
+
 def test_bfloat16_load_rounds_the_dequantised_weights(tmp_path):
   write_tiny_gguf(tmp_path / "m.gguf", "llama", "Q4_1")
   f32 = sj.load(tmp_path / "m.gguf")

@@ -43,7 +43,7 @@ from spec_jax.models.hf_export import save_hf
 from spec_jax.models.model import Model
 from spec_jax.models.tokenizers import HFTokenizer
 
-FORMAT_VERSION = 2          # bump when the cached folder's content would change
+FORMAT_VERSION = 3          # bump when the cached folder's content would change
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 _PERMUTED_ARCHITECTURES = ("llama",)   # llama.cpp permutes q/k rows for these
@@ -139,17 +139,26 @@ def hf_config_dict(meta: dict, tensor_names, path) -> dict:
   k = lambda name, default=...: _get(meta, f"{arch}.{name}", path, default)
   heads = int(k("attention.head_count"))
   hidden = int(k("embedding_length"))
+  if heads < 1:
+    raise ValueError(f"{path}: {arch}.attention.head_count is {heads}; it must be >= 1")
   vocab = meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens")
   if not vocab:
     raise ValueError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or "
                      f"tokenizer.ggml.tokens)")
   theta = float(k("rope.freq_base", 10000.0))
-  scaling_type = k("rope.scaling.type", "none")
+  eps = float(k("attention.layer_norm_rms_epsilon"))
+  for name, value in (("rope.freq_base", theta), ("attention.layer_norm_rms_epsilon", eps)):
+    if not value > 0:
+      raise ValueError(f"{path}: {arch}.{name} is {value}; it must be > 0")
+  # llama.cpp's reading: the factor from rope.scaling.factor, else the older v2 key
+  # rope.scale_linear (SuperHOT-style long-context fine-tunes); no type with a factor means linear.
+  factor = k("rope.scaling.factor", None)
+  factor = float(k("rope.scale_linear", 1.0) if factor is None else factor)
+  scaling_type = k("rope.scaling.type", "linear" if factor != 1.0 else "none")
   rope_parameters = {"rope_type": "default", "rope_theta": theta}
-  if scaling_type == "linear":
-    rope_parameters = {"rope_type": "linear", "factor": float(k("rope.scaling.factor")),
-                       "rope_theta": theta}
-  elif scaling_type not in ("none", None):
+  if scaling_type == "linear" and factor != 1.0:
+    rope_parameters = {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+  elif scaling_type not in ("none", "linear", None):
     raise ValueError(f"{path}: RoPE scaling {scaling_type!r} is not supported; supported: "
                      f"none, linear")
   eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -163,7 +172,7 @@ def hf_config_dict(meta: dict, tensor_names, path) -> dict:
       "num_key_value_heads": int(k("attention.head_count_kv", heads)),
       "head_dim": int(k("attention.key_length", hidden // heads)),
       "hidden_act": "silu",
-      "rms_norm_eps": float(k("attention.layer_norm_rms_epsilon")),
+      "rms_norm_eps": eps,
       "rope_theta": theta,
       "rope_parameters": rope_parameters,
       "max_position_embeddings": int(k("context_length", 2048)),
@@ -209,9 +218,11 @@ class GGUFTensors:
       shape = tuple(int(s) for s in reversed([int(x) for x in t.shape]))
       self._tensors[name] = t
       self.meta[name] = (kind, shape)
-      if permuted and name.endswith("self_attn.q_proj.weight"):
+      # llama.cpp's converter permutes q and k's rows, their biases too (LlamaModel.
+      # modify_tensors: a llama file with attn_q.bias, e.g. a "llamafied" Qwen).
+      if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         self._permute[name] = config["num_attention_heads"]
-      elif permuted and name.endswith("self_attn.k_proj.weight"):
+      elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
         self._permute[name] = config["num_key_value_heads"]
     if bad_types:
       shown = ", ".join(f"{k} (e.g. {v})" for k, v in bad_types.items())
