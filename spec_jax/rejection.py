@@ -57,6 +57,9 @@ def rejection_sample(key, draft_tokens, draft_probs, target_probs, draft_lengths
       draft_tokens, draft_probs, target_probs, draft_lengths)
   batch, num_draft = draft_tokens.shape
   vocab = target_probs.shape[-1]
+  # In int32 before any comparison with V: a narrow integer dtype (uint8 tokens, V = 300)
+  # wrapped V - 1 around and rejected every valid draft.
+  draft_tokens = draft_tokens.astype(jnp.int32)
 
   p = target_probs.astype(jnp.float32)                                   # [B, K+1, V]
   positions = jnp.arange(num_draft, dtype=jnp.int32)                     # [K]
@@ -92,13 +95,15 @@ def rejection_sample(key, draft_tokens, draft_probs, target_probs, draft_lengths
   if num_draft > 0:
     rejected = n_accepted < lengths                                      # else: bonus token
     at = jnp.minimum(n_accepted, num_draft - 1)
+    # An out-of-vocabulary draft was never judged: its replacement comes from p (q taken as
+    # 0 there), not from a residual of a draw that did not happen.
+    token_ok = jnp.take_along_axis(in_vocab, at[:, None], axis=1)[:, 0]
     if draft_probs is None:
       token_at = jnp.take_along_axis(safe_tokens, at[:, None], axis=1)[:, 0]
-      token_ok = jnp.take_along_axis(in_vocab, at[:, None], axis=1)[:, 0]
       q_final = jax.nn.one_hot(token_at, vocab, dtype=jnp.float32) * token_ok[:, None]
     else:
       q_final = jnp.take_along_axis(draft_probs.astype(jnp.float32), at[:, None, None],
-                                    axis=1)[:, 0]
+                                    axis=1)[:, 0] * token_ok[:, None]
     residual = jnp.maximum(p_final - q_final, 0.0)
     # p == q gives an all-zero residual; that branch has probability 0 of being taken (it
     # needs a rejection, i.e. p(x) < q(x)) but must not yield NaN: fall back to p.

@@ -390,3 +390,28 @@ def test_chi_square_rejects_wrong_samplers(wrong):
   assert stat > 100 * chi2_critical(dof, ALPHA), stat
   with pytest.raises(AssertionError, match="do not follow"):
     assert_same_distribution(counts, P[0], ALPHA)
+
+
+@pytest.mark.parametrize("dtype,vocab", [(jnp.uint8, 300), (jnp.int16, 40000), (jnp.int8, 200)])
+def test_narrow_integer_drafts_are_judged_like_int32_ones(dtype, vocab):
+  """V - 1 compared in the drafts' own dtype wrapped around (uint8 with V = 300): every valid
+  draft counted as out of vocabulary and rejected."""
+  draft = 100
+  p = jnp.zeros((1, 2, vocab)).at[0, 0, draft].set(1.0).at[0, 1, 7].set(1.0)
+  tokens, n = sj.rejection_sample(jax.random.key(0), jnp.asarray([[draft]], dtype), None, p)
+  assert n.tolist() == [1] and tokens.tolist() == [[draft, 7]]
+
+
+def test_an_out_of_vocabulary_draft_is_replaced_from_p_with_draft_probs_too():
+  """A draft outside the vocabulary was never judged: its replacement must follow p. With
+  draft_probs it came from norm(max(p - q, 0)) ([.75, .25, 0, 0] here, p = [.4, .3, .2, .1])."""
+  n = 20000
+  p = jnp.asarray([0.4, 0.3, 0.2, 0.1])
+  q = jnp.asarray([0.1, 0.2, 0.3, 0.4])
+  target = jnp.broadcast_to(p, (n, 2, 4))
+  for draft_probs in (None, jnp.broadcast_to(q, (n, 1, 4))):
+    tokens, accepted = sj.rejection_sample(jax.random.key(1), jnp.full((n, 1), 4, jnp.int32),
+                                           draft_probs, target)
+    assert not np.any(np.asarray(accepted))
+    freq = np.bincount(np.asarray(tokens[:, 0]), minlength=4) / n
+    np.testing.assert_allclose(freq, p, atol=0.015)      # 3 sigma of 20k draws: 0.011
