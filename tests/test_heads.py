@@ -775,3 +775,44 @@ def test_eagle3_heads_saved_before_the_public_architecture_load_as_eagle3_fused(
   meta_path.write_text(json.dumps(meta))
   back = sj.drafters.load(tmp_path / "h", target)
   assert back == head and back.kind == "eagle3_fused"
+
+
+def test_lookup_first_keeps_a_draft_models_cache_right():
+  """LookupFirst(DraftModel): a DraftModel's propose feeds its own drafts into its cache, and
+  its commit counted the accepted ones as fed. Where the lookup's drafts were verified instead,
+  those slots held the draft model's tokens, and its later drafts attended to them (49 of 120
+  fallback proposals differed from the draft model's own continuation). Every fallback
+  proposal must be the draft model's greedy continuation of the committed tokens."""
+  from spec_jax.drafters.draft_model import DraftModel
+  cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8)
+  target, draft = sj.init_model(cfg, jax.random.key(1)), sj.init_model(cfg, jax.random.key(2))
+  seen = []
+
+  @sj.drafters.base.frozen_drafter
+  class Recorded(DraftModel):
+    def propose(self, params, state, ctx):
+      drafts, q, state = super().propose(params, state, ctx)
+      jax.debug.callback(lambda *a: seen.append([np.asarray(x) for x in a]), ctx.tokens,
+                         ctx.lengths, drafts, ordered=True)
+      return drafts, q, state
+
+  prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7, 9, 3, 11, 12, 13, 14, 9, 5, 7],
+             [1, 3, 4, 3, 4, 3, 20, 21, 3, 4, 3, 4, 30]]
+  k = 4
+  out = sj.generate(target, prompts, num_draft=k, max_new_tokens=30, stop_tokens=[],
+                    drafter=sj.drafters.LookupFirst(Recorded(draft, greedy_drafts=True)),
+                    sampling=sj.Sampling(temperature=0.0))
+  assert out.tokens == sj.generate(target, prompts, max_new_tokens=30, stop_tokens=[],
+                                   sampling=sj.Sampling(temperature=0.0)).tokens
+  fwd = jax.jit(lambda tokens: sj.forward(draft.params, cfg, tokens, sj.KVCache.zeros(cfg, 1, 64),
+                                          jnp.zeros((1,), jnp.int32)).logits[0])
+  wrong = 0
+  for tokens, lengths, drafts in seen:
+    for b, n in enumerate(lengths):
+      row = np.zeros((1, 64), np.int32)
+      row[0, :n] = tokens[b, :n]
+      for j in range(k):                     # causal: the padding after n + j changes nothing
+        row[0, n + j] = int(np.argmax(fwd(jnp.asarray(row))[n + j - 1]))
+      wrong += row[0, n:n + k].tolist() != drafts[b].tolist()
+  assert len(seen) > 4 and wrong == 0, (wrong, len(seen))

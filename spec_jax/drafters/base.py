@@ -192,6 +192,13 @@ class Drafter:
     tokens the emitted [B, D+1], exactly what `commit` gets after a chain of D drafts."""
     return self.commit(params, state, tokens, n_accepted, verify)
 
+  def disown(self, state, rows):
+    """After propose, when a wrapper (LookupFirst) verifies other drafts than this drafter's in
+    rows `rows` (bool [B]): the state without what commit would assume of its own drafts
+    there. Default: nothing (a commit that reads only the verified tokens needs nothing)."""
+    del rows
+    return state
+
   def catch_up(self, params, state, tokens, lengths):
     """Brings the state up to date with the committed tokens (tokens int32 [B, S], lengths
     [B]) before a propose that follows plain (K = 0) rounds; the governor calls it (once,

@@ -7,7 +7,9 @@ lengths-2, lengths-1 (after a round whose drafts were all accepted the last draf
 fed, so lengths-2 may be missing; rewriting a valid slot with the same token is harmless),
 then K-1 single-token steps. After a round of K >= 1 drafts with n accepted, slots
 < lengths_before + min(n, K-1) are valid (the fed drafts that were accepted), which is
->= the new lengths - 2: a chain of K >= 1 rounds never needs more.
+>= the new lengths - 2: a chain of K >= 1 rounds never needs more. Where a wrapper verified
+other drafts in their place (LookupFirst's lookup rows: `disown`), only slots < lengths_before
+are, and the wrapper calls catch_up before the next propose.
 
 A K = 0 round (the governor's plain step) does not run the draft model: commit leaves the
 state as it is, so the cache falls behind by one token per such round. Before the next
@@ -56,9 +58,12 @@ def _row_keys(key, batch):
 @flax.struct.dataclass
 class DraftModelState:
   """cache: the draft model's KVCache [L, B, S, Hkv, Dh]; synced: int32 [B], slots < synced
-  hold the right entries (see the module docstring)."""
+  hold the right entries (see the module docstring); own: bool [B], the row verifies the
+  drafts this propose fed into the cache (False where a wrapper, LookupFirst, put other drafts
+  in their place: commit then counts none of them as fed)."""
   cache: KVCache
   synced: jax.Array
+  own: jax.Array
 
 
 # Tokenizer pairs already compared piece by piece (generate() checks on every call, and a
@@ -169,12 +174,13 @@ class DraftModel(FrozenDrafter):
     b, s = prefill.tokens.shape
     cache = KVCache.zeros(self.config, b, s)
     if prefill.lazy:                        # catch_up prefills when (if) drafting starts
-      return DraftModelState(cache=cache, synced=jnp.zeros((b,), jnp.int32))
+      return DraftModelState(cache=cache, synced=jnp.zeros((b,), jnp.int32),
+                             own=jnp.ones((b,), bool))
     out = chunked_prefill(
         lambda tok, cache, offsets, last, layers: forward(
             params, self.config, tok, cache, offsets, logits_index=last),
         prefill.prompt_tokens, prefill.prompt_lens, cache, keep_hidden=False)
-    return DraftModelState(cache=out.cache, synced=prefill.prompt_lens)
+    return DraftModelState(cache=out.cache, synced=prefill.prompt_lens, own=jnp.ones((b,), bool))
 
   def catch_up(self, params, state: DraftModelState, tokens, lengths) -> DraftModelState:
     """Feeds committed tokens until every row has synced >= lengths - 2 (no work when none
@@ -192,7 +198,7 @@ class DraftModel(FrozenDrafter):
       out = forward(params, self.config, jnp.take_along_axis(tokens, idx, axis=1), st.cache,
                     start)
       synced = jnp.maximum(st.synced, jnp.minimum(start + chunk, lengths))
-      return DraftModelState(cache=out.cache, synced=synced)
+      return st.replace(cache=out.cache, synced=synced)
 
     return jax.lax.while_loop(behind, step, state)
 
@@ -236,7 +242,8 @@ class DraftModel(FrozenDrafter):
       tok, q, _ = draw(logits, keys[k - 1], hist)
       drafts = drafts.at[:, k - 1].set(tok)
       draft_probs = None if greedy else qs.at[:, k - 1].set(q)
-      return drafts, draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
+      return drafts, draft_probs, DraftModelState(cache=cache, synced=ctx.lengths,
+                                                  own=jnp.ones((b,), bool))
     drafts, qs = [], []
     for i in range(k):
       tok, q, hist = draw(logits, keys[i], hist)
@@ -246,14 +253,22 @@ class DraftModel(FrozenDrafter):
         out = forward(params, self.config, tok[:, None], cache, ctx.lengths + i)
         cache, logits = out.cache, out.logits[:, 0]
     draft_probs = None if greedy else jnp.stack(qs, 1)
-    return jnp.stack(drafts, 1), draft_probs, DraftModelState(cache=cache, synced=ctx.lengths)
+    return jnp.stack(drafts, 1), draft_probs, DraftModelState(cache=cache, synced=ctx.lengths,
+                                                              own=jnp.ones((b,), bool))
 
   def commit(self, params, state: DraftModelState, tokens, n_accepted, verify: VerifyInfo):
     k = tokens.shape[1] - 1                 # this round's K (static)
     if k == 0:                              # a plain round: nothing fed, catch up later
       return state
-    synced = verify.lengths_before + jnp.minimum(n_accepted, k - 1)
+    # Slots < lengths_before were fed committed tokens by propose; past them its own drafts,
+    # right where they were accepted (in a row whose drafts were replaced: none of them).
+    fed = jnp.where(state.own, jnp.minimum(n_accepted, k - 1), 0)
+    synced = verify.lengths_before + fed
     return state.replace(synced=jnp.minimum(synced, verify.lengths))
+
+  def disown(self, state: DraftModelState, rows) -> DraftModelState:
+    """Drafter.disown: these rows verify other drafts than the ones propose fed."""
+    return state.replace(own=state.own & ~rows)
 
   def propose_tree(self, params, state: DraftModelState, ctx: DraftContext, spec):
     """EAGLE-2's dynamic tree on the draft model (module docstring) -> (DraftTree, state)."""
@@ -283,7 +298,7 @@ class DraftModel(FrozenDrafter):
     tree, cache = tree_lib.build_dynamic_tree(root_logits, expand, out.cache, spec, key=ctx.key,
                                               sampling=ctx.sampling, candidates=candidates)
     # The block made slots < lengths right; the nodes past them are out of place.
-    return tree, DraftModelState(cache=cache, synced=lengths)
+    return tree, DraftModelState(cache=cache, synced=lengths, own=jnp.ones((b,), bool))
 
   def commit_tree(self, params, state: DraftModelState, tokens, n_accepted, verify: VerifyInfo):
     # The accepted path's nodes sit at their list slots, not at their positions: nothing past

@@ -89,7 +89,11 @@ class LookupFirst(FrozenDrafter):
     every row drafts deterministically, state)."""
     looked, _, _ = self.lookup.propose(None, (), ctx)
     use_lookup = looked[:, 0] >= 0                                       # [B]
+    # A row whose last round verified the lookup's drafts may have left the fallback behind
+    # (a DraftModel's cache holds its own drafts there, disowned below): it catches up first.
+    state = self.fallback.catch_up(params, state, ctx.tokens, ctx.lengths)
     drafts, q, state = self.fallback.propose(params, state, ctx)
+    state = self.fallback.disown(state, use_lookup)
     drafts = jnp.where(use_lookup[:, None], looked, drafts)
     if q is not None:
       # A looked-up draft is deterministic: its q is one-hot (positions past the row's drafts
