@@ -312,7 +312,6 @@ MESH_SCRIPT = textwrap.dedent("""
     import sys, tempfile, jax
     import spec_jax as sj
     from tests import gemma_helpers as gh
-from tests.test_tree import assert_tree_nodes_match_their_paths
     assert jax.device_count() == 8
     root = tempfile.mkdtemp()
     torch_target = gh.causal_lm(gh.gemma4_e2b_config(), seed=2)

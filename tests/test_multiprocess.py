@@ -426,6 +426,6 @@ def test_distill_on_two_processes_checkpoints_resumes_and_matches_one_device(
   # Processes that disagree on the config stop before anything is compiled.
   disagree = run_launch(["bash", "-c", f"exec {sys.executable} -m train.distill_heads "
                          f"--config {path} --set mesh.data=8 --set out_dir={tmp_path / 'bad'} "
-                         "--set train.lr=0.0$SPEC_JAX_PROCESS_ID"], timeout=300)
+                         "--set train.lr=0.01$SPEC_JAX_PROCESS_ID"], timeout=300)
   assert disagree.returncode == 2, _show(disagree)
   assert "processes disagree on the training config: train differ" in disagree.stderr
