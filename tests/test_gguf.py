@@ -92,7 +92,7 @@ def test_rope_scaling_and_bad_numbers_as_llama_cpp_reads_them(tmp_path):
   """llama.cpp takes the factor from rope.scaling.factor, else the older v2 key
   rope.scale_linear, and a factor without a type as linear: both were ignored (logits off by
   12 on 9 tokens). A head count of 0 was a ZeroDivisionError; a RoPE base or RMS epsilon <= 0
-  loaded into non-finite logits."""
+  loaded into non-finite logits; a context of 0 loaded."""
   for i, floats in enumerate(({"llama.rope.scale_linear": 4.0},
                               {"llama.rope.scaling.factor": 4.0})):
     path = write_tiny_gguf(tmp_path / f"s{i}.gguf", "llama", "F32", floats=floats)
@@ -101,6 +101,7 @@ def test_rope_scaling_and_bad_numbers_as_llama_cpp_reads_them(tmp_path):
       is None
   for i, (kw, said) in enumerate((
       (dict(head_count=0), "attention.head_count is 0; it must be >= 1"),
+      (dict(context=0), "context_length is 0; it must be >= 1"),
       (dict(floats={"llama.rope.freq_base": 0.0}), "rope.freq_base is 0.0; it must be > 0"),
       (dict(floats={"llama.attention.layer_norm_rms_epsilon": -1.0}),
        "layer_norm_rms_epsilon is -1.0; it must be > 0"))):

@@ -120,6 +120,15 @@ def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
   assert np.asarray(drafter.params["lm_head"]).shape == (64, 48)
   np.testing.assert_array_equal(np.asarray(drafter.params["lm_head"]),
                                 np.asarray(target.params["embed"]).T[:, drafter.draft_tokens])
+  # Larger than the vocabulary: refused before the data is built (it was refused after).
+  build = data_lib.build_windows
+  data_lib.build_windows = lambda *a: pytest.fail("built the data first")
+  try:
+    with pytest.raises(ValueError, match=r"draft_vocab_size=600 must lie in \[1, 512\]"):
+      distill_heads.main(["--config", str(path), "--set", "head.draft_vocab_size=600",
+                          "--set", f"out_dir={tmp_path / 'too_big'}"])
+  finally:
+    data_lib.build_windows = build
   with pytest.raises(ValueError, match=r"train.frozen names \['lm_hed'\], which these heads do "
                                        r"not have; allowed: embed_norm, fc"):
     distill_heads.main(["--config", str(path), "--set", "train.frozen=[lm_hed]",

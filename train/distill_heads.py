@@ -182,6 +182,10 @@ def run(cfg: dict) -> dict:
   out_dir.mkdir(parents=True, exist_ok=True)
   tcfg, ecfg, hcfg = cfg["train"], cfg["eval"], cfg["head"]
   target = sj.load(cfg["target"], dtype=cfg["target_dtype"])
+  n = hcfg["draft_vocab_size"]
+  if n is not None and n > target.config.vocab_size:      # before the data is built
+    raise ValueError(f"head.draft_vocab_size={n} must lie in [1, "
+                     f"{target.config.vocab_size}] (the target's vocabulary)")
   fp = heads_folder.fingerprint(target)
   windows = data_lib.build_windows(target, cfg["data"], fp["sha256"], cfg["seed"], log)
   draft_tokens = None

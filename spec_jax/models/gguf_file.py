@@ -141,6 +141,8 @@ def hf_config_dict(meta: dict, tensor_names, path) -> dict:
   hidden = int(k("embedding_length"))
   if heads < 1:
     raise ValueError(f"{path}: {arch}.attention.head_count is {heads}; it must be >= 1")
+  if int(k("context_length", 2048)) < 1:
+    raise ValueError(f"{path}: {arch}.context_length is {k('context_length')}; it must be >= 1")
   vocab = meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens")
   if not vocab:
     raise ValueError(f"{path}: GGUF metadata gives no vocabulary size ({arch}.vocab_size or "
