@@ -15,8 +15,9 @@ dynamic slot offset that is not a multiple of the tile), so each row reads the t
 window of W slots that holds its T new slots into VMEM, places the new entries in it with a
 one-hot [W, T] x [T, D] matmul per head (exact for finite entries: one 1.0 per output element,
 float32 accumulation; a non-finite K or V entry, 0 x inf = NaN, spreads NaN over its window's
-column, where the scatter kept it to its slot), and writes the window back. Slots at or past S are dropped (as the scatter's
-mode="drop" did); the window itself always lies inside the buffer.
+column, where the scatter kept it to its slot), and writes the window back. Slots at or past
+S are dropped (as the scatter's mode="drop" did); the window itself always lies inside the
+buffer.
 
 The move (`move_slots_pallas_tpu`, after a tree round): slot lengths[b] + j takes slot
 src[b, j] for j < n_accepted[b]. Each source's aligned tile is read first (all reads before

@@ -166,3 +166,14 @@ def build_mtp_models(models, tmp_path_factory):
     (new / "config.json").write_text(json.dumps(cfg))
     out[kind] = (tm, mods, sj.load(new), new)
   return out
+
+
+# A tiny Qwen3-Next (MoE) config: three linear-attention layers, then one full-attention layer.
+TINY_QWEN3_NEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                       num_heads=2, num_kv_heads=2, head_dim=16, model_type="qwen3_next",
+                       partial_rotary_factor=0.5, eos_token_ids=(),
+                       layer_types=("linear_attention",) * 3 + ("full_attention",),
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
+                       linear_value_head_dim=4, linear_conv_kernel_dim=4, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16)

@@ -325,14 +325,8 @@ def test_memory_estimate_splits_a_hybrid_cache_as_its_family_does():
   (qwen3_next.cache.constrain_cache). Counted as KV buffers before, a data=8 estimate was 3.7x
   the bytes a device holds."""
   import types
-  cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
-                       num_heads=2, num_kv_heads=2, head_dim=16, model_type="qwen3_next",
-                       partial_rotary_factor=0.5, eos_token_ids=(),
-                       layer_types=("linear_attention",) * 3 + ("full_attention",),
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
-                       linear_value_head_dim=4, linear_conv_kernel_dim=4, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=16)
+  from tests.hybrid_helpers import TINY_QWEN3_NEXT
+  cfg = sj.ModelConfig(**TINY_QWEN3_NEXT)
   cache = jax.eval_shape(lambda: sj.KVCache.zeros(cfg, 8, 64))
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
   kv, rest = nbytes(cache.kv), nbytes(cache) - nbytes(cache.kv)

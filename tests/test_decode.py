@@ -136,7 +136,7 @@ def test_decode_bad_static_arguments_raise_at_trace_time(models, kwargs, message
     ("token_outside", r"prompt token ids outside the vocabulary \[0, 64\): \[64\]"),
     ("stop_outside", r"stop_tokens outside the vocabulary \[0, 64\): \[70\]"),
     ("stop_none", r"None, the model's defaults, is generate\(\)'s"),       # a TypeError before
-    ("stop_fraction", r"stop_tokens must hold integer token ids, got \[21.5\]"),  # stopped at 21
+    ("stop_fraction", r"stop_tokens must hold integer token ids, got non-integral values \[21.5\]"),  # stopped at 21
     ("int_key", "key must be a jax PRNG key"),
 ])
 def test_decode_refuses_what_generate_refuses_when_it_can_see_the_values(models, change,

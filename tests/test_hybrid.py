@@ -265,15 +265,9 @@ MESH_SCRIPT = """
 import jax, numpy as np
 import spec_jax as sj
 from spec_jax.sharding import param_shardings
+from tests.hybrid_helpers import TINY_QWEN3_NEXT
 assert jax.device_count() == 4, jax.devices()
-cfg = sj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
-                     num_heads=2, num_kv_heads=2, head_dim=16, model_type="qwen3_next",
-                     partial_rotary_factor=0.5, eos_token_ids=(),
-                     layer_types=("linear_attention",) * 3 + ("full_attention",),
-                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=4,
-                     linear_value_head_dim=4, linear_conv_kernel_dim=4, num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=16,
-                     shared_expert_intermediate_size=16)
+cfg = sj.ModelConfig(**TINY_QWEN3_NEXT)
 target = sj.init_model(cfg, jax.random.key(1))
 target.params["embed"] = target.params["embed"] * 40
 mesh = jax.make_mesh((2, 2), ("data", "model"))

@@ -37,3 +37,23 @@ def check_capacity(capacity, longest_prompt: int, max_new_tokens: int, k: int) -
     raise ValueError(f"capacity {capacity} is too small: the longest prompt ({longest_prompt}) + "
                      f"max_new_tokens ({max_new_tokens}) + K+1 ({k + 1}; a tree's cache_extent "
                      f"+ 1) needs {needed}")
+
+
+def as_token_ids(values, what: str) -> list:
+  """A 1-D sequence of integral values -> list[int]; ValueError on anything else (a bare
+  integer too: `generate(t, [1, 403, 407])` would otherwise be three one-token prompts)."""
+  arr = np.asarray(values)
+  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or
+                                 np.issubdtype(arr.dtype, np.floating) or arr.dtype == bool):
+    raise ValueError(f"{what} must hold integer token ids, got {values!r}")
+  if arr.dtype == bool:
+    raise ValueError(f"{what} must hold integer token ids, got booleans")
+  if arr.ndim != 1:
+    hint = ("; prompts is a list of prompts, so one prompt of token ids is [[1, 403, ...]]"
+            if arr.ndim == 0 and what.startswith("prompt") else "")
+    raise ValueError(f"{what} must be a flat list of token ids, got {values!r} ({arr.ndim} "
+                     f"dimensions){hint}")
+  if np.issubdtype(arr.dtype, np.floating) and not np.all(np.equal(np.mod(arr, 1), 0)):
+    raise ValueError(f"{what} must hold integer token ids, got non-integral values "
+                     f"{arr.reshape(-1)[np.mod(arr.reshape(-1), 1) != 0][:5].tolist()}")
+  return [int(t) for t in arr.tolist()]

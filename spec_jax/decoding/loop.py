@@ -17,7 +17,7 @@ import numpy as np
 from kernels_pallas import platform as kernel_platform
 from spec_jax import processors as processors_lib, sampling as sampling_lib
 from spec_jax import sharding as sharding_lib
-from spec_jax.decoding.checks import check_capacity, check_key, is_static_int
+from spec_jax.decoding.checks import as_token_ids, check_capacity, check_key, is_static_int
 from spec_jax.decoding.rounds import NoDrafter, row_keys
 from spec_jax.decoding.state import DecodeResult, DecodeState, LoopEnv, RowCounts
 from spec_jax.decoding.strategies import Strategy, strategy_for
@@ -192,9 +192,8 @@ def check_concrete_inputs(prompt_tokens, prompt_lens, key, stop_tokens, vocab_si
                      "spec_jax.models.chat.default_stop_ids(model)")
   if _on_host(stop_tokens):
     stops = np.asarray(stop_tokens).reshape(-1)
-    if stops.size and not np.issubdtype(stops.dtype, np.integer) and not (
-        np.issubdtype(stops.dtype, np.floating) and np.all(np.mod(stops, 1) == 0)):
-      raise ValueError(f"stop_tokens must hold integer token ids, got {stops[:5].tolist()}")
+    if stops.size:
+      as_token_ids(stops, "stop_tokens")            # ValueError on non-integral ids (21.5)
     bad = stops[(stops >= vocab_size) | (stops < -1)]    # -1 pads (prompts.padded_stops)
     if bad.size:
       raise ValueError(f"stop_tokens outside the vocabulary [0, {vocab_size}): "

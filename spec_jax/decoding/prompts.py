@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from spec_jax.decoding.checks import check_capacity, is_static_int
+from spec_jax.decoding.checks import as_token_ids, check_capacity, is_static_int
 from spec_jax.models.chat import default_stop_ids
 
 PROMPT_BUCKET = 16
@@ -33,26 +33,6 @@ def capacity_bucket(needed: int, context: Optional[int] = None) -> int:
   time."""
   floor = MIN_CAPACITY if context is None else min(MIN_CAPACITY, _pow2(context))
   return max(floor, _pow2(needed))
-
-
-def as_token_ids(values, what: str) -> list:
-  """A 1-D sequence of integral values -> list[int]; ValueError on anything else (a bare
-  integer too: `generate(t, [1, 403, 407])` would otherwise be three one-token prompts)."""
-  arr = np.asarray(values)
-  if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or
-                                 np.issubdtype(arr.dtype, np.floating) or arr.dtype == bool):
-    raise ValueError(f"{what} must hold integer token ids, got {values!r}")
-  if arr.dtype == bool:
-    raise ValueError(f"{what} must hold integer token ids, got booleans")
-  if arr.ndim != 1:
-    hint = ("; prompts is a list of prompts, so one prompt of token ids is [[1, 403, ...]]"
-            if arr.ndim == 0 and what.startswith("prompt") else "")
-    raise ValueError(f"{what} must be a flat list of token ids, got {values!r} ({arr.ndim} "
-                     f"dimensions){hint}")
-  if np.issubdtype(arr.dtype, np.floating) and not np.all(np.equal(np.mod(arr, 1), 0)):
-    raise ValueError(f"{what} must hold integer token ids, got non-integral values "
-                     f"{arr.reshape(-1)[np.mod(arr.reshape(-1), 1) != 0][:5].tolist()}")
-  return [int(t) for t in arr.tolist()]
 
 
 def prompt_ids(target, prompts, allow_empty: bool = False) -> list[list[int]]:
