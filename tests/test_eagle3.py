@@ -299,7 +299,12 @@ def _mutate(tensors, config, what):
   elif what == "draft-vocab":
     config["draft_vocab_size"] = V + 1
   elif what == "layers":
-    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 9]
+  elif what == "layers-sglang":              # SGLang's output indices: 8 is the boundary 9
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}
+  elif what == "layers-disagree":
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}
   elif what == "bias":
     config["attention_bias"] = True
   elif what == "two-layers":
@@ -329,6 +334,9 @@ MALFORMED = {
     "vocab": r"vocab_size=100 but the target's vocabulary has 96 tokens",
     "draft-vocab": r"draft_vocab_size=97; allowed: 1 <= draft_vocab_size <= vocab_size 96",
     "layers": r"eagle_aux_hidden_state_layer_ids \[2, 4, 9\] name boundaries \[9\] outside",
+    "layers-sglang": r"eagle_aux_hidden_state_layer_ids \[3, 5, 9\] name boundaries \[9\] outside",
+    "layers-disagree": r"\[2, 4, 6\] \(vLLM: the input of layer id\) and eagle_config.*\[2, 4, 6\] "
+                       r"\(SGLang: the output of layer id\) name different layers",
     "bias": r"attention_bias=true is not supported",
     "two-layers": r"num_hidden_layers=2",
     "duplicate": r"tensors fc.weight and model.fc.weight are both fc.weight",
@@ -373,11 +381,22 @@ def test_export_round_trip_drafts_identically(tmp_path, target):
   config = json.loads((out / "config.json").read_text())
   assert config["architectures"] == ["LlamaForCausalLMEagle3"]
   assert config["draft_vocab_size"] == 40 and config["vocab_size"] == V
-  # Non-default layers travel as vLLM's boundary ids (input of layer id).
-  assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
+  # Non-default layers travel in both engines' spellings: vLLM's boundary ids (input of layer
+  # id) at the top level, SGLang's output indices (it adds 1) under eagle_config.
+  assert config["eagle_aux_hidden_state_layer_ids"] == [1, 4, 7]
+  assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 3, 6]
   assert config["num_target_layers"] == L     # ours: checked on load (the "depth" case above)
   back = sj.drafters.load(out, target)
   assert back == head
+  # Each spelling alone names the same layers (a vLLM-only or an SGLang-only folder).
+  for drop in ("top", "nested"):
+    alone = json.loads(json.dumps(config))
+    if drop == "top":
+      del alone["eagle_aux_hidden_state_layer_ids"]
+    else:
+      del alone["eagle_config"]
+    (out / "config.json").write_text(json.dumps(alone))
+    assert sj.drafters.load(out, target).target_layers == (0, 3, 6), drop
   for a, b in zip(jax.tree.leaves(head.params), jax.tree.leaves(back.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for sampling in (GREEDY, sj.Sampling(temperature=1.0)):

@@ -118,7 +118,7 @@ def drafter_from_spec(spec: str, target: Model):
       return _abstract_drafter(lambda t: EAGLE3.init(t, draft_tokens=np.arange(vd)), target)
     cfg = read_json(arg)
     layer = fmt.layer_config(cfg, tc, str(resolve(arg)))
-    layers = fmt.target_layers_from_ids(fmt.layer_ids(cfg), tc.num_layers, arg)
+    layers = fmt.target_layers_from_ids(fmt.layer_ids(cfg, arg), tc.num_layers, arg)
     vd = int(cfg.get("draft_vocab_size") or tc.vocab_size)
     ids = None if vd == tc.vocab_size else np.arange(vd)
     return _abstract_drafter(lambda t: EAGLE3.init(

@@ -44,10 +44,11 @@ def run(args) -> int:
   print(f"wrote {out}: config.json (LlamaForCausalLMEagle3, draft_vocab_size "
         f"{config['draft_vocab_size']} of {config['vocab_size']}), model.safetensors "
         f"({size / 1e6:.2f} MB)")
-  ids = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
-  print(f"  captured target layers: inputs of layers "
-        f"{ids if ids else [i + 1 for i in heads.target_layers]}"
-        f"{'' if ids else ' (the vLLM / SGLang default, not written)'}")
+  written = "eagle_aux_hidden_state_layer_ids" in config
+  print(f"  captured target layers: inputs of layers {[i + 1 for i in heads.target_layers]}"
+        + (" (written for vLLM as these, for SGLang under eagle_config as the outputs of "
+           f"{list(heads.target_layers)})" if written
+           else " (the vLLM / SGLang default, not written)"))
   tokens = prompt_tokens(target, args.prompt)
   diff = max_logit_diff(head_logits(heads, target, tokens), head_logits(back, target, tokens))
   print(f"  check: reloaded with sj.drafters.load; max |draft logit diff| over {len(tokens)} "

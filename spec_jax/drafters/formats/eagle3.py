@@ -28,12 +28,16 @@ The format is what SpecForge and the EAGLE authors write and what vLLM
   A "model." prefix (SGLang's module names) and vLLM's "layers.0." for "midlayer." are
   accepted; rotary inv_freq buffers are ignored; anything else is refused.
 
-Captured target layers: `eagle_aux_hidden_state_layer_ids` (top level or under `eagle_config`,
-as vLLM's `_get_eagle3_aux_layers_from_config` reads them) are hidden-state boundary indices:
-id k is the residual stream entering layer k (vLLM's capture loop appends before layer k runs),
-our output index k-1. Absent, the default is vLLM / SGLang's (2, L//2, L-3). SGLang adds 1 to
-explicit ids whose first id is 1 (its "output of layer" reading), so `export` writes no ids
-when the head uses the default, and boundary ids otherwise.
+Captured target layers: the two engines spell explicit ids in two places, one apart.
+  - vLLM (`get_eagle3_aux_layers_from_config`) reads a top-level
+    `eagle_aux_hidden_state_layer_ids` as boundary ids: id k is the residual stream entering
+    layer k (its capture loop appends before layer k runs), our output index k-1.
+  - SGLang (`ModelRunner` reads `eagle_config["eagle_aux_hidden_state_layer_ids"]`;
+    `set_eagle3_layers_to_capture` captures `[val + 1 for val in layer_ids]`, "for the ith
+    layer, it takes the output of the (i-1)th layer") reads the nested ids as output indices.
+Both present, they must name the same layers. Absent, the default is vLLM / SGLang's
+(2, L//2, L-3) boundaries. `export` writes no ids when the head uses the default, and both
+spellings otherwise, so each engine captures the layers the head was trained on.
 """
 
 from __future__ import annotations
@@ -74,12 +78,30 @@ def is_eagle3_folder(path) -> bool:
   return hf_reader.is_architecture(path, ARCHITECTURES)
 
 
-def layer_ids(cfg: dict) -> Optional[list]:
-  """The config's eagle_aux_hidden_state_layer_ids (top level or under eagle_config), or None."""
-  ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-  if not ids and isinstance(cfg.get("eagle_config"), dict):
-    ids = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
-  return list(ids) if ids else None
+def layer_ids(cfg: dict, where: str = "config.json") -> Optional[list]:
+  """The captured layers as boundary ids (id k = the residual stream entering layer k), or None.
+
+  A top-level `eagle_aux_hidden_state_layer_ids` is vLLM's (boundary ids, taken as they are);
+  `eagle_config.eagle_aux_hidden_state_layer_ids` is SGLang's (output indices: SGLang adds 1).
+  ValueError if both are present and name different layers, or an id is not an integer."""
+  top = cfg.get("eagle_aux_hidden_state_layer_ids") or None
+  eagle_cfg = cfg.get("eagle_config")
+  nested = (eagle_cfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_cfg, dict)
+            else None) or None
+  if nested is not None:
+    if (not isinstance(nested, (list, tuple))
+        or any(isinstance(i, bool) or not isinstance(i, int) for i in nested)):
+      raise ValueError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must be a list "
+                       f"of integers, got {nested!r}")
+    from_nested = [i + 1 for i in nested]            # SGLang's val + 1
+    if top is not None and list(top) != from_nested:
+      raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {list(top)} (vLLM: the input "
+                       f"of layer id) and eagle_config.eagle_aux_hidden_state_layer_ids "
+                       f"{list(nested)} (SGLang: the output of layer id) name different layers; "
+                       f"allowed: top-level ids = nested ids + 1")
+    if top is None:
+      return from_nested
+  return list(top) if top is not None else None
 
 
 def target_layers_from_ids(ids, num_layers: int, where: str) -> tuple:
@@ -202,7 +224,7 @@ def load_eagle3(path, target, greedy_drafts: bool = False):
     raise ValueError(f"{where_cfg}: num_target_layers={depth} but the target has "
                      f"{tc.num_layers} layers; the head reads the layers it was trained on")
   layer_cfg = layer_config(cfg, tc, where_cfg)
-  layers = target_layers_from_ids(layer_ids(cfg), tc.num_layers, where_cfg)
+  layers = target_layers_from_ids(layer_ids(cfg, where_cfg), tc.num_layers, where_cfg)
   d, dt, v = layer_cfg.hidden_size, tc.hidden_size, tc.vocab_size
   vd = _num(cfg, "draft_vocab_size", where_cfg, default=v)
   if not 1 <= vd <= v:
@@ -289,8 +311,11 @@ def eagle3_config(drafter) -> dict:
       "num_target_layers": t.num_layers,
   }
   if layers != public_default_layers(t.num_layers):
+    # Both engines' spellings (module docstring): vLLM's boundary ids at the top level,
+    # SGLang's output indices under eagle_config.
+    cfg["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in layers]
     cfg["eagle_config"] = {"use_aux_hidden_state": True,
-                           "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layers]}
+                           "eagle_aux_hidden_state_layer_ids": list(layers)}
   return cfg
 
 
