@@ -497,9 +497,42 @@ def test_saved_heads_reload_and_refuse_another_target(tmp_path):
     with pytest.raises(ValueError, match=message):
       sj.drafters.load(tmp_path / "heads", target)
   (tmp_path / "heads" / "heads.json").write_text(json.dumps(good))
-  shutil.rmtree(tmp_path / "heads" / "params")
-  with pytest.raises(ValueError, match="params: the heads' weights could not be read"):
+  for name in ("../elsewhere", "params-x.tmp", 3):
+    (tmp_path / "heads" / "heads.json").write_text(json.dumps(dict(good, params=name)))
+    with pytest.raises(ValueError, match="is not a params folder of this heads folder"):
+      sj.drafters.load(tmp_path / "heads", target)
+  (tmp_path / "heads" / "heads.json").write_text(json.dumps(good))
+  shutil.rmtree(tmp_path / "heads" / good["params"])
+  with pytest.raises(ValueError, match="params-[0-9a-f]+: the heads' weights could not be read"):
     sj.drafters.load(tmp_path / "heads", target)
+
+
+def test_a_save_killed_before_its_metadata_keeps_the_old_pair(tmp_path, monkeypatch):
+  """A save killed between the weights and heads.json leaves the old head whole: before, the
+  new weights replaced params/ first, and the old heads.json (another target's fingerprint,
+  the same shapes) loaded them."""
+  target = greedy_target()
+  old = make_head("medusa", target)
+  new = Medusa.init(target, num_heads=3, key=jax.random.key(7), init_scale=4.0)
+  assert not all(np.array_equal(np.asarray(a), np.asarray(b))
+                 for a, b in zip(jax.tree.leaves(old.params), jax.tree.leaves(new.params)))
+  heads_folder.save(tmp_path / "heads", old, target, num_draft=3)
+
+  def killed(path, obj):
+    raise KeyboardInterrupt("killed before heads.json")
+  monkeypatch.setattr(heads_folder, "write_json_atomic", killed)
+  with pytest.raises(KeyboardInterrupt):
+    heads_folder.save(tmp_path / "heads", new, target, num_draft=3)
+  monkeypatch.undo()
+  back = sj.drafters.load(tmp_path / "heads", target)
+  for a, b in zip(jax.tree.leaves(old.params), jax.tree.leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))       # the old weights, whole
+  # The next save commits and removes every other params folder (the torn one included).
+  heads_folder.save(tmp_path / "heads", new, target, num_draft=3)
+  assert len([p for p in (tmp_path / "heads").iterdir() if p.name.startswith("params")]) == 1
+  back = sj.drafters.load(tmp_path / "heads", target)
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 

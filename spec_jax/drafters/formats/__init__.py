@@ -32,7 +32,7 @@ EXPORT_FORMATS = ("eagle3", "dflash", "dspark")
 def load(path, target, greedy_drafts: bool = False):
   """The drafter stored at `path`, for `target` (a Model).
 
-  `path` is a heads folder (heads.json + params/) or a training out_dir holding one in
+  `path` is a heads folder (heads.json + its params folder) or a training out_dir holding one in
   `heads/`; or a public EAGLE-3 folder (config.json with architectures
   ["LlamaForCausalLMEagle3"]); or a published DFlash folder (architectures
   ["DFlashDraftModel"]); or a DeepSpec DSpark folder (["Qwen3DSparkModel"]); or a Gemma 4

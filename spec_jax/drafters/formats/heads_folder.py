@@ -6,7 +6,13 @@ A saved head is a folder:
                    hyper_params, and the target's fingerprint (its ModelConfig fields, the
                    sha256 over the float32 bytes of every param leaf in tree order, and the
                    same over the weights rounded to bfloat16)
-    params/        the head's params (an orbax StandardCheckpointer checkpoint)
+    params-<id>/   the head's params (an orbax StandardCheckpointer checkpoint), in a folder
+                   of a fresh name that heads.json's "params" names (folders written before
+                   it had the field: "params/")
+
+A save is atomic: the params go to a new folder, then heads.json, renamed into place, switches
+to it (the commit), then the folder it replaced is removed. A save killed at any point leaves
+the old pair or the new pair, never the new weights under the old metadata.
 
 `save(path, drafter, target, num_draft)` writes one (train.distill_heads does); `load(path,
 target)` rebuilds the drafter of the saved kind (`spec_jax.drafters.registry.build`) and
@@ -25,6 +31,7 @@ import json
 import os
 import pathlib
 import shutil
+import uuid
 from typing import Optional
 
 import jax
@@ -138,26 +145,37 @@ def _this_process_only(ocp):
 
 
 def save(path, drafter, target, num_draft: int, extra: Optional[dict] = None) -> pathlib.Path:
-  """Saves `drafter` (a head of a registry kind) trained for `target` into folder `path`."""
+  """Saves `drafter` (a head of a registry kind) trained for `target` into folder `path`,
+  atomically (module docstring)."""
   import orbax.checkpoint as ocp
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
-  params_dir = path / PARAMS
-  tmp_dir = path / (PARAMS + f".tmp{os.getpid()}")
-  if tmp_dir.exists():
-    shutil.rmtree(tmp_dir)
+  params_name = f"{PARAMS}-{uuid.uuid4().hex[:12]}"
+  tmp_dir = path / (params_name + ".tmp")
   with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
     ckpt.save(tmp_dir, jax.tree.map(np.asarray, drafter.params))
     ckpt.wait_until_finished()
-  if params_dir.exists():
-    shutil.rmtree(params_dir)
-  os.replace(tmp_dir, params_dir)
+  os.replace(tmp_dir, path / params_name)
   meta = {"format": FORMAT, "kind": drafter.kind, "num_draft": int(num_draft),
-          "hyper_params": drafter.hyper_params(), "target": fingerprint(target)}
+          "hyper_params": drafter.hyper_params(), "target": fingerprint(target),
+          "params": params_name}
   if extra:
     meta["extra"] = extra
-  write_json_atomic(path / META, meta)
+  write_json_atomic(path / META, meta)          # the commit: heads.json now names the new folder
+  for old in path.iterdir():                    # the replaced pair's params, and torn saves'
+    if old.name != params_name and (old.name == PARAMS or old.name.startswith(PARAMS + "-")):
+      shutil.rmtree(old, ignore_errors=True)
   return path
+
+
+def params_folder(path: pathlib.Path, meta: dict) -> pathlib.Path:
+  """The params folder heads.json names ("params/" for folders written before the field)."""
+  name = meta.get("params", PARAMS)
+  if (not isinstance(name, str) or not (name == PARAMS or name.startswith(PARAMS + "-"))
+      or "/" in name or "\\" in name or name.endswith(".tmp")):
+    raise ValueError(f"{path / META}: params {name!r} is not a params folder of this heads "
+                     f"folder; allowed: 'params' or 'params-<id>'")
+  return path / name
 
 
 def load(path, target, greedy_drafts: bool = False):
@@ -190,15 +208,15 @@ def load(path, target, greedy_drafts: bool = False):
   skeleton = registry.build(kind, target, meta["hyper_params"])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           skeleton.params)
+  folder = params_folder(path, meta)
   try:
     with ocp.StandardCheckpointer(multiprocessing_options=_this_process_only(ocp)) as ckpt:
-      params = ckpt.restore(path / PARAMS, abstract)
+      params = ckpt.restore(folder, abstract)
   except Exception as e:  # noqa: BLE001 - orbax raises many types for a missing or torn folder
-    raise ValueError(f"{path / PARAMS}: the heads' weights could not be read "
+    raise ValueError(f"{folder}: the heads' weights could not be read "
                      f"({e.__class__.__name__}: {e})") from e
   # orbax returns what is stored whatever shape the template says: weights saved with other
-  # hyper-parameters (an edited heads.json, or a save killed between params/ and heads.json)
-  # would otherwise load and decode.
+  # hyper-parameters (an edited heads.json) would otherwise load and decode.
   wrong = [f"{jax.tree_util.keystr(k)} {np.shape(got)} (expected {want.shape})"
            for (k, got), want in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                      jax.tree.leaves(abstract)) if np.shape(got) != want.shape]
