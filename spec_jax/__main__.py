@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import sys
@@ -40,13 +41,25 @@ def _generate(args) -> int:
     return 2
   from spec_jax import compile_cache
   from spec_jax.bench.specs import constraint_of, make_drafter
-  from spec_jax.models.chat import chat_ids, default_stop_ids
+  from spec_jax.models.chat import chat_ids, check_template_kwargs, default_stop_ids
   compile_cache.enable()
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
                             else ["Once upon a time"])
   try:
     if args.system is not None and not args.chat:
       raise ValueError("--system is a chat template's system message: give --chat too")
+    template_kwargs = None
+    if args.chat_template_kwargs is not None:
+      if not args.chat:
+        raise ValueError("--chat-template-kwargs are the chat template's options: give --chat "
+                         "too")
+      try:
+        template_kwargs = json.loads(args.chat_template_kwargs)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON "
+                         f"({e}); allowed: a JSON object such as "
+                         f"'{{\"enable_thinking\": false}}'") from e
+      check_template_kwargs(template_kwargs)
     if jax.process_count() > 1 and args.mesh is None:
       raise ValueError(f"this run has {jax.process_count()} processes: give --mesh "
                        f"data=N,model=M over their {jax.device_count()} devices")
@@ -68,11 +81,13 @@ def _generate(args) -> int:
       # --system "" is an empty system message (the template's default one is left out).
       system = [] if args.system is None else [{"role": "system", "content": args.system}]
       conversation = lambda p: system + [{"role": "user", "content": p}]
-      inputs = dict(messages=[conversation(p) for p in mine])
-      ids = [chat_ids(model, conversation(p)) for p in prompts]
+      inputs = dict(messages=[conversation(p) for p in mine],
+                    chat_template_kwargs=template_kwargs)
+      ids = [chat_ids(model, conversation(p), f"prompt {i}", template_kwargs)
+             for i, p in enumerate(prompts)]
     else:
       inputs = dict(prompts=mine)
-      ids = prompts
+      ids = [model.encode(p) if model.tokenizer is not None else p for p in prompts]
     model, drafter = _check_memory(model, drafter, ids, args, mesh, sampling.needs_history)
     out = sj.generate(model, **inputs, drafter=drafter, num_draft=args.num_draft,
                       max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -84,8 +99,10 @@ def _generate(args) -> int:
   if jax.process_index() != 0:
     return 0
   every = sj.new_tokens(out.result)        # every process's rows, in prompt order
-  texts = ([decode_generated(model.tokenizer, t) for t in every] if model.tokenizer is not None
-           else [None] * len(every))
+  # Decoded after each row's prompt ids (decode_generated's context: a sentencepiece decoder
+  # drops the first word's space of a decode that starts mid-text).
+  texts = ([decode_generated(model.tokenizer, t, context=c) for t, c in zip(every, ids)]
+           if model.tokenizer is not None else [None] * len(every))
   for prompt, text, toks in zip(prompts, texts, every):
     shown = text if text is not None else " " + " ".join(map(str, toks))
     print(f"> {prompt}\n{shown}" if args.chat else prompt + shown)
@@ -170,6 +187,9 @@ def main(argv=None) -> int:
                  help="each prompt is a user message, asked in the model's chat template; the "
                  "answer ends at the template's end-of-turn token")
   g.add_argument("--system", default=None, help="with --chat: a system message first")
+  g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                 help="with --chat: the template's options as a JSON object, e.g. "
+                 "'{\"enable_thinking\": false}' (Qwen3)")
   g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                  help="the weights' dtype (default: the checkpoint's; float32 for GGUF)")
   g.add_argument("--max-new-tokens", type=int, default=128)

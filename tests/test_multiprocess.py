@@ -294,6 +294,19 @@ def test_cli_generate_under_the_launcher_prints_what_one_process_prints():
   assert no_mesh.returncode == 2 and "give --mesh data=N,model=M" in no_mesh.stderr
 
 
+
+def test_cli_chat_with_a_process_that_has_no_row(tmp_path):
+  """One chat prompt over two processes: the second's share is empty, which generate refused
+  for messages ("messages must be a non-empty list") where it allows it for prompts."""
+  from tests.chat_helpers import chat_folder
+  folder = chat_folder(tmp_path / "chat", "chatml")
+  args = ["python", "-m", "spec_jax", "generate", "--model", folder, "--chat", "--prompt",
+          "Hello there", "--max-new-tokens", "3", "--mesh", "data=1,model=2"]
+  res = run_launch(args, devices=1, timeout=300)
+  assert res.returncode == 0, _show(res)
+  assert "> Hello there" in res.stdout and "3 new tokens (all 2 processes)" in res.stdout
+
+
 # ----------------------------------------------------------------------------- eval
 
 EVAL_PROMPTS = [

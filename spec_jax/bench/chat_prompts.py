@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 
 from spec_jax.bench.prompts import read_prompt_records
-from spec_jax.bench.specs import resolve_path
+from spec_jax.bench.specs import parse_widened, resolve_path
 from spec_jax.models import gguf_file
 
 CHAT_PREFIX = "chat:"
@@ -30,18 +30,25 @@ def is_chat_source(source: str) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def hf_tokenizer(spec: str):
-  """transformers' tokenizer of a model spec (a HF folder or a .gguf file) with a chat
-  template; ValueError when there is none. Cached: reading a GGUF's vocabulary takes seconds."""
+  """transformers' tokenizer of a model spec (a HF folder, a .gguf file or a folder holding one,
+  or `widened:` one of those: widening keeps the tokenizer) with a chat template; ValueError
+  when there is none. Cached: reading a GGUF's vocabulary takes seconds."""
   import transformers
-  if spec.startswith(("random:", "widened:")):
+  source = parse_widened(spec)[0] if spec.startswith("widened:") else spec
+  if source.startswith("random:"):
     raise ValueError(f"chat prompts need a real model's chat template; {spec!r} has none")
-  path = resolve_path(spec)
+  path = resolve_path(source)
+  if path.is_dir() and not (path / "config.json").is_file():
+    ggufs = sorted(path.glob("*.gguf"))           # a folder holding one .gguf (as sj.load reads)
+    if len(ggufs) == 1:
+      path = ggufs[0]
   if path.is_file() and path.suffix == ".gguf":
     tok = gguf_file.read_tokenizer(path).hf
   elif path.is_dir():
     tok = transformers.AutoTokenizer.from_pretrained(path)
   else:
-    raise ValueError(f"chat prompts: {spec!r} is neither a HF folder nor a .gguf file")
+    raise ValueError(f"chat prompts: {spec!r} is neither a HF folder nor a .gguf file (nor a "
+                     f"folder holding one)")
   if not getattr(tok, "chat_template", None):
     raise ValueError(f"chat prompts: the tokenizer of {spec!r} has no chat template")
   return tok

@@ -71,7 +71,8 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
              stop_tokens=None, capacity: Optional[int] = None, mesh=None,
              prompt_bucket: Optional[int] = None, governor=None, tree=None,
              messages=None, strategy=None, constraint=None,
-             processors=(), acceptance_prior=None) -> GenerateOutput:
+             processors=(), acceptance_prior=None,
+             chat_template_kwargs=None) -> GenerateOutput:
   """Speculative (or, with drafter=None, plain) generation for a batch of prompts.
 
   A host-side wrapper over `decode`: prepares and pads the prompts, compiles `decode` ahead of
@@ -86,7 +87,10 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       list of {"role": "system" | "user" | "assistant" | "tool", "content": str} ending with
       a non-assistant message; the model's chat template is applied with the generation prompt
       (spec_jax.models.chat), and with stop_tokens=None a row stops at the template's
-      end-of-turn token. text is then the assistant's answer without special tokens.
+      end-of-turn token. text is then the assistant's answer without special tokens. Keys
+      beside role and content (tool_calls, reasoning_content) reach the template.
+    chat_template_kwargs: with messages, the chat template's options (e.g. Qwen3's
+      {"enable_thinking": False}, or {"tools": [...]}), passed to apply_chat_template.
     drafter: a Drafter (sj.drafters.*) or None for plain decoding (then num_draft is ignored).
     strategy: how the rounds run (sj.strategies): Chain(K), Tree(spec), Governed(governor),
       "auto", or a Strategy of your own; None: num_draft, tree and governor say it.
@@ -146,13 +150,22 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
       or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
   max_new_tokens = int(max_new_tokens)
-  if messages is not None:
-    if prompts is not None:
-      raise ValueError("give prompts or messages, not both")
-    prompts = [chat_ids(target, c) for c in check_messages(messages)]
-  elif prompts is None:
+  if messages is not None and prompts is not None:
+    raise ValueError("give prompts or messages, not both")
+  if messages is None and prompts is None:
     raise ValueError("generate needs prompts (a list of strings or token-id lists) or messages "
                      "(a list of chat conversations)")
+  if chat_template_kwargs is not None and messages is None:
+    raise ValueError("chat_template_kwargs are the chat template's options: give messages too")
+
+  def ids_of_rows(allow_empty=False):
+    # A multi-process call checks them below, inside the processes' error exchange (a process's
+    # share may be empty, and one process's bad row must not leave the others waiting).
+    rows_ = prompts
+    if messages is not None:
+      rows_ = [chat_ids(target, c, f"messages[{b}]", chat_template_kwargs)
+               for b, c in enumerate(check_messages(messages, allow_empty))]
+    return prompt_ids(target, rows_, allow_empty=allow_empty)
   strategy = strategy_for(strategy, drafter, num_draft, tree, governor,
                           as_target(target.config))
   prior = strategy.acceptance_prior(acceptance_prior)      # ValueError on a bad one
@@ -182,11 +195,11 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   sharding_lib.check_mesh(mesh, 0)
   spans = sharding_lib.spans_processes(mesh)
   if not spans:
-    ids = prompt_ids(target, prompts)
+    ids = ids_of_rows()
     rows, processes = range(len(ids)), 1
   else:       # each process fed its own rows: every process now gets the whole global batch
     try:
-      ids, error = prompt_ids(target, prompts, allow_empty=True), None
+      ids, error = ids_of_rows(allow_empty=True), None
     except ValueError as e:
       ids, error = [], str(e)
     ids, sampling, rows, processes = global_batch.assemble(ids, sampling, _agreed_options(
@@ -230,7 +243,10 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   new = new_tokens(result)[rows.start:rows.stop]
   text = None
   if target.tokenizer is not None:
-    text = [decode_generated(target.tokenizer, t) for t in new]
+    # Decoded after the row's prompt: a sentencepiece decoder drops the first word's space of
+    # a decode that starts mid-text (Llama 2 / Mistral: "time" + "t" read "timet").
+    text = [decode_generated(target.tokenizer, t, context=ids[r])
+            for r, t in zip(rows, new)]
   stats = SpecStats.from_result(result, seconds=seconds, processes=processes,
                                 **strategy.stats_fields(greedy, drafter))
   if np.size(result.position_acceptance):   # for the next call's acceptance_prior

@@ -7,7 +7,10 @@ template, and the tokens that end an assistant turn.
 
 The template is the tokenizer's (a Hugging Face folder's tokenizer_config.json /
 chat_template.jinja, or a GGUF file's `tokenizer.chat_template`), applied by transformers'
-`apply_chat_template(messages, add_generation_prompt=True)`: the same ids transformers gives.
+`apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)`: the same ids
+transformers gives. Messages reach the template whole: keys beside role and content (an assistant
+turn's `tool_calls`, Qwen3's `reasoning_content`) are the template's to render. Template options
+(Qwen3's `enable_thinking=False`, `tools`, ...) go in `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ def hf_chat_tokenizer(tokenizer):
 
 
 def check_conversation(conversation, where: str = "conversation") -> list:
-  """A list of {"role", "content"} dicts -> the same as plain dicts; ValueError naming the bad
-  message and what is allowed."""
+  """A list of {"role", "content", ...} dicts -> the same as plain dicts (every key kept: the
+  template renders tool_calls, reasoning_content, ...); ValueError naming the bad message and
+  what is allowed."""
   if isinstance(conversation, (str, bytes)) or not isinstance(conversation, Sequence) or \
       len(conversation) == 0:
     raise ValueError(f"{where} must be a non-empty list of {{'role': ..., 'content': ...}} "
@@ -46,34 +50,60 @@ def check_conversation(conversation, where: str = "conversation") -> list:
     if role not in ROLES:
       raise ValueError(f"{where}, message {i}: unknown role {role!r}; allowed: "
                        f"{', '.join(ROLES)}")
-    if not isinstance(content, str):
-      raise ValueError(f"{where}, message {i}: content must be a string, got "
-                       f"{type(content).__name__}")
-    out.append({"role": role, "content": content})
+    tool_call = role == "assistant" and message.get("tool_calls")
+    if not (isinstance(content, str) or (content is None and tool_call)):
+      raise ValueError(f"{where}, message {i}: content must be a string (or None in an "
+                       f"assistant turn with tool_calls), got {type(content).__name__}")
+    out.append(dict(message))
   if out[-1]["role"] == "assistant":
     raise ValueError(f"{where}: the last message is the assistant's; a conversation to answer "
                      f"ends with a user (or tool or system) message")
   return out
 
 
-def check_messages(messages) -> list:
-  """generate(messages=...): a non-empty list of conversations, each checked."""
+def check_messages(messages, allow_empty: bool = False) -> list:
+  """generate(messages=...): a non-empty list of conversations, each checked (empty allowed
+  where `allow_empty`: a process's share of a multi-process batch)."""
   if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or \
-      len(messages) == 0:
+      (len(messages) == 0 and not allow_empty):
     raise ValueError("messages must be a non-empty list of conversations, each a list of "
                      "{'role': ..., 'content': ...} dicts (one conversation per batch row)")
   return [check_conversation(c, f"messages[{b}]") for b, c in enumerate(messages)]
 
 
-def chat_ids(model, conversation) -> list:
+def check_template_kwargs(chat_template_kwargs) -> dict:
+  """None or a dict with string keys (the chat template's variables) -> a dict."""
+  if chat_template_kwargs is None:
+    return {}
+  if not isinstance(chat_template_kwargs, dict) or \
+      not all(isinstance(k, str) for k in chat_template_kwargs):
+    raise ValueError(f"chat_template_kwargs must be a dict of template variables (e.g. "
+                     f"{{'enable_thinking': False}}), got {chat_template_kwargs!r}")
+  reserved = sorted(set(chat_template_kwargs) & {"conversation", "add_generation_prompt",
+                                                 "tokenize", "return_dict"})
+  if reserved:
+    raise ValueError(f"chat_template_kwargs sets {reserved}, which chat_ids sets itself")
+  return dict(chat_template_kwargs)
+
+
+def chat_ids(model, conversation, where: str = "conversation",
+             chat_template_kwargs=None) -> list:
   """Token ids of a checked conversation with the chat template and the generation prompt
-  (the assistant's turn opened); ValueError when the model's tokenizer has no template."""
+  (the assistant's turn opened); ValueError when the model's tokenizer has no template or the
+  template refuses the conversation (its raise_exception: e.g. Gemma's "system role not
+  supported", Mistral's alternating roles)."""
   hf = hf_chat_tokenizer(model.tokenizer)
   if hf is None:
     what = "no tokenizer" if model.tokenizer is None else "a tokenizer without a chat template"
     raise ValueError(f"chat messages need a chat template, but this model has {what}; pass "
                      f"prompts (text or token ids) instead")
-  ids = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+  import jinja2
+  try:
+    ids = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                 **check_template_kwargs(chat_template_kwargs))
+  except jinja2.TemplateError as e:
+    raise ValueError(f"{where}: the model's chat template refuses this conversation: "
+                     f"{e}") from e
   if hasattr(ids, "keys"):                 # transformers >= 5 returns a BatchEncoding
     ids = ids["input_ids"]
   return [int(t) for t in ids]

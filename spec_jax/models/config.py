@@ -45,7 +45,8 @@ class ModelConfig:
     max_position_embeddings: the longest context the model was trained for.
     model_type: one of SUPPORTED_MODEL_TYPES: picks the family (within the llama family the
       math is set by the flags).
-    bos_token_id: prepended to text prompts when the tokenizer does not add it.
+    bos_token_id: the checkpoint's BOS id (exported with it); text prompts get BOS exactly as
+      the tokenizer adds it (transformers' tokenizer(text)), never from this field.
     eos_token_ids: tokens that end generation by default.
     dtype: "float32" or "bfloat16", the dtype of params and activations.
     attention_impl: how decode/verify attention runs: "auto" (Pallas kernel on GPU/TPU, the

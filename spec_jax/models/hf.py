@@ -40,9 +40,16 @@ def read_config(folder) -> ModelConfig:
   ValueError for an unreadable config or an unsupported model_type."""
   folder = pathlib.Path(folder)
   source = str(folder / "config.json")
-  _family(hf_reader.read_json_config(folder).get("model_type"), source)
+  raw = hf_reader.read_json_config(folder)
+  _family(raw.get("model_type"), source)
   config = config_from_hf(hf_reader.auto_config(folder), source=source)
-  extra_eos = tuple(t for t in hf_reader.generation_eos(folder) if t not in config.eos_token_ids)
+  generation = hf_reader.generation_eos(folder)
+  text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+  if generation and "eos_token_id" not in raw and "eos_token_id" not in text:
+    # config.json names none: the EOS a transformers config class defaults to (LlamaConfig's
+    # 2) is not this checkpoint's, and transformers' generate stops at generation_config's.
+    return config.replace(eos_token_ids=tuple(generation))
+  extra_eos = tuple(t for t in generation if t not in config.eos_token_ids)
   if extra_eos:
     config = config.replace(eos_token_ids=config.eos_token_ids + extra_eos)
   return config

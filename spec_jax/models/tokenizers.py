@@ -36,12 +36,24 @@ class Tokenizer(Protocol):
   def pieces(self) -> list[str]: ...
 
 
-def decode_generated(tokenizer, ids: Sequence[int]) -> str:
+def decode_generated(tokenizer, ids: Sequence[int], context: Sequence[int] = ()) -> str:
   """A model's generated ids as text: ids past the tokenizer's pieces (a model's padded
   embedding rows: Qwen2.5 has 151,936 rows for 151,665 pieces) are dropped, as special ids
-  are, where tokenizer.decode refuses them (an id a caller hands it should exist)."""
+  are, where tokenizer.decode refuses them (an id a caller hands it should exist).
+
+  context: the ids before them (the prompt). The text is then what they add to the context's
+  text, as transformers' TextStreamer reads it: a sentencepiece decoder strips the leading
+  space of a decode that starts mid-text (Llama 2 / Mistral: "time" + "▁t" read "timet"
+  decoded alone). Where the context's text is not a prefix of the whole (a character split
+  across the boundary), the ids are decoded alone."""
   size = tokenizer.vocab_size
-  return tokenizer.decode([t for t in ids if 0 <= int(t) < size])
+  keep = lambda xs: [t for t in xs if 0 <= int(t) < size]
+  alone = tokenizer.decode(keep(ids))
+  if len(context) == 0 or len(ids) == 0:
+    return alone
+  before = tokenizer.decode(keep(context))
+  whole = tokenizer.decode(keep(list(context) + list(ids)))
+  return whole[len(before):] if whole.startswith(before) else alone
 
 
 # ----------------------------------------------------------------------------- llama2.c
