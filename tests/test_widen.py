@@ -5,6 +5,7 @@ to keep CI fast: hidden 128, head_dim 16 (8 heads, 4 kv heads), F 256, 7 layers 
 blocks); and once larger (hidden 256, head_dim 32). Prompts are real TinyStories text.
 """
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -310,6 +311,10 @@ def test_save_hf_refuses_what_transformers_cannot_express(tmp_path):
   mistral = sj.init_model(FAMILIES["qwen2-bias"].replace(model_type="mistral"))
   with pytest.raises(ValueError, match="Mistral has no q/k/v biases"):
     save_hf(mistral, tmp_path / "b")
+  windowed = sj.init_model(FAMILIES["qwen2-bias"].replace(model_type="llama", qkv_bias=False,
+                                                          sliding_window=4))
+  with pytest.raises(ValueError, match="transformers' Llama has no sliding window"):
+    save_hf(windowed, tmp_path / "w")        # it was written without one: other logits
   odd = sj.init_model(FAMILIES["qwen2-bias"])
   odd.tokenizer = object()
   with pytest.raises(ValueError, match="cannot write a tokenizer of type object"):
@@ -434,3 +439,54 @@ def test_cli_plain_conversion_and_bad_sizes(tmp_path, capsys):
   assert cli.main([src, str(tmp_path / "bad"), "--hidden-size", "32"]) == 2
   assert "hidden_size=32 is smaller than the source's 64" in capsys.readouterr().err
   assert not (tmp_path / "bad").exists()
+
+
+def test_cli_checks_fail_on_nan_and_take_zero_as_a_size(tmp_path, capsys, monkeypatch):
+  """A NaN logit difference passed --max-diff (nan > x is False: exit 0); a size flag of 0 meant
+  "the source's" (exit 0, the model unchanged)."""
+  src = str(need_shared("models", "stories260K"))
+  assert cli.main([src, str(tmp_path / "zero"), "--num-layers", "0"]) == 2
+  assert "num_layers" in capsys.readouterr().err and not (tmp_path / "zero").exists()
+  real = cli.widen
+
+  def nan_recipe(*a, **k):          # a recipe bug that makes NaN logits
+    model = real(*a, **k)
+    return dataclasses.replace(model, params={
+        **model.params, "final_norm": model.params["final_norm"].at[0].set(jnp.nan)})
+  monkeypatch.setattr(cli, "widen", nan_recipe)
+  assert cli.main([src, str(tmp_path / "nan"), "--hidden-size", "128", "--head-dim", "16"]) == 1
+  assert "differ by more than --max-diff" in capsys.readouterr().err
+
+
+def test_cli_heads_out_and_unwidenable_heads_are_refused_before_writing(tmp_path, capsys):
+  src = str(need_shared("models", "stories260K"))
+  heads, _ = heads_pair("mtp")
+  run_dir = tmp_path / "run"
+  heads_folder.save(run_dir / "heads", heads, source(), num_draft=4)
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "notes.txt").write_text("mine")
+  sizes = ["--hidden-size", "128", "--intermediate-size", "256", "--head-dim", "16"]
+  for extra, message in (
+      (["--heads-out", str(tmp_path / "x")], "give --heads too"),
+      (["--heads", str(run_dir), "--heads-out", str(run_dir)], "is the source heads' folder"),
+      (["--heads", str(run_dir), "--heads-out", str(tmp_path / "full")],
+       "exists and is not empty; pass --overwrite")):
+    assert cli.main([src, str(tmp_path / "out"), *sizes, *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+  assert sj.drafters.load(run_dir, source()).kind == "mtp"      # the source heads untouched
+  dflash = sj.drafters.DFlash.init(source(), key=jax.random.key(0), num_layers=1, block_size=4)
+  heads_folder.save(tmp_path / "df", dflash, source(), num_draft=3)
+  # head_dim 8 cannot hold the DFlash head's widened heads: refused before OUT is written.
+  assert cli.main([src, str(tmp_path / "out"), "--hidden-size", "96", "--head-dim", "8",
+                   "--heads", str(tmp_path / "df")]) == 2
+  assert "head_dim" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_save_hf_overwrites_through_a_symlink(tmp_path):
+  model = small()
+  save_hf(model, tmp_path / "v1")
+  (tmp_path / "latest").symlink_to(tmp_path / "v1")
+  save_hf(model, tmp_path / "latest", overwrite=True)        # rmtree refused the link after
+  assert (tmp_path / "latest").is_symlink() and (tmp_path / "v1" / "config.json").is_file()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v1"]

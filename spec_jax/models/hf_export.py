@@ -195,7 +195,10 @@ def write_folder(out_dir, config: dict, tensors: dict, overwrite: bool = False,
 def atomic_folder(out_dir: pathlib.Path):
   """Yields a fresh temporary folder beside out_dir; when the block ends without an error it
   replaces out_dir (a reader sees the old folder or the whole new one, never a half-written
-  one); the temporary folder is removed either way."""
+  one); the temporary folder is removed either way. A symlink to a folder is followed: the
+  folder it names is replaced, and the link keeps naming it (rmtree refuses a link)."""
+  if out_dir.is_symlink() and out_dir.resolve().is_dir():
+    out_dir = out_dir.resolve()
   out_dir.parent.mkdir(parents=True, exist_ok=True)
   tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
   if tmp.exists():

@@ -56,8 +56,11 @@ def head_logits(drafter, model, tokens, steps: int = 2) -> np.ndarray:
 
 def max_logit_diff(a, b) -> float:
   """max |a - b|, where equal infinities (the -inf outside an EAGLE-3 draft vocabulary) count
-  as no difference and any other mismatch of infinities as an infinite one."""
+  as no difference, any other mismatch of infinities as an infinite one, and a NaN on either
+  side as an infinite one (a NaN compared with --max-diff passed every check)."""
   a, b = np.asarray(a), np.asarray(b)
+  if np.isnan(a).any() or np.isnan(b).any():
+    return float("inf")
   same_inf = np.isinf(a) & (a == b)
   return float(np.abs(np.where(same_inf, 0.0, a) - np.where(same_inf, 0.0, b)).max())
 
@@ -96,6 +99,7 @@ def tool_main(parse_args, run, argv=None) -> int:
   args = parse_args(argv)
   try:
     return run(args)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+    # A mistyped path is bad input (2), as the tools' own checks say, not a failed check (1).
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -24,7 +24,6 @@ import argparse
 import pathlib
 import sys
 
-import numpy as np
 
 from spec_jax.tools.checks import (add_check_flags, head_logits, max_logit_diff, num_params,
                                     prompt_tokens, target_logits, too_far, tool_main)
@@ -57,8 +56,31 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def run(args) -> int:
+def check_heads_out(args) -> None:
+  """ValueError, before anything is written, for a --heads-out the run would misuse: without
+  --heads, the source heads' own folder, or a non-empty folder without --overwrite (OUT's
+  rule)."""
+  if args.heads_out is None:
+    return
+  if not args.heads:
+    raise ValueError("--heads-out is where the widened --heads go: give --heads too")
+  out = pathlib.Path(args.heads_out).expanduser().resolve()
+  source = pathlib.Path(args.heads).expanduser().resolve()
+  if out in (source, source / "heads"):
+    raise ValueError(f"--heads-out {args.heads_out} is the source heads' folder; the widened "
+                     f"heads would replace the heads trained on SRC: give another folder")
+  if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+    raise ValueError(f"--heads-out {args.heads_out} exists and is not empty; pass --overwrite "
+                     f"to replace the heads in it")
 
+
+def or_source(value, source):
+  """A size flag: the source's value when left out (0 is a bad size, not "the source's")."""
+  return source if value is None else value
+
+
+def run(args) -> int:
+  check_heads_out(args)
   src = sj.load(args.src, dtype=args.dtype)
   c = src.config
   sizes = (args.hidden_size, args.intermediate_size, args.num_layers, args.head_dim,
@@ -68,13 +90,16 @@ def run(args) -> int:
     if head_dim is None:   # realistic heads for a wider model; the source's for a deeper one
       widening = args.hidden_size not in (None, c.hidden_size)
       head_dim = 64 if widening and 64 % c.head_dim == 0 else c.head_dim
-    model = widen(src, args.hidden_size or c.hidden_size,
-                  args.intermediate_size or c.intermediate_size, args.num_layers or c.num_layers,
-                  head_dim=head_dim, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads)
+    model = widen(src, or_source(args.hidden_size, c.hidden_size),
+                  or_source(args.intermediate_size, c.intermediate_size),
+                  or_source(args.num_layers, c.num_layers), head_dim=head_dim, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads)
     what = "widened"
   else:
     model, what = src, "converted"
-  heads = sj.drafters.load(args.heads, src) if args.heads else None   # fail before writing
+  heads = wide_heads = None
+  if args.heads:                    # fail before writing: heads that do not load or widen
+    heads = sj.drafters.load(args.heads, src)
+    wide_heads = widen_heads(heads, src, model)
   out = save_hf(model, args.out, overwrite=args.overwrite)
   wide = sj.load(out)
   w = wide.config
@@ -86,7 +111,7 @@ def run(args) -> int:
         f"{w.num_heads} x {w.head_dim}, kv heads {w.num_kv_heads}, {w.dtype}")
   tokens = prompt_tokens(src, args.prompt)
   a, b = target_logits(src, tokens), target_logits(wide, tokens)
-  diff = float(np.abs(a - b).max())
+  diff = max_logit_diff(a, b)               # inf for a NaN: it fails the check
   same = bool((a.argmax(-1) == b.argmax(-1)).all())
   print(f"  check: max |logit diff| vs the source over {len(tokens)} prompt tokens: {diff:.3g}; "
         f"argmax identical: {'yes' if same else 'NO'}")
@@ -94,7 +119,6 @@ def run(args) -> int:
 
   if heads is not None:
     heads_out = pathlib.Path(args.heads_out) if args.heads_out else out / "heads"
-    wide_heads = widen_heads(heads, src, wide)
     heads_folder.save(heads_out, wide_heads, wide, num_draft=wide_heads.trained_num_draft,
                       extra={"widened_from": {"heads": str(args.heads), "target": str(args.src)}})
     reloaded = sj.drafters.load(heads_out, wide)

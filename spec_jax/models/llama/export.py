@@ -28,6 +28,10 @@ def _check_expressible(c) -> None:
   if c.model_type == "mistral" and c.qkv_bias:
     raise ValueError("save_hf: transformers' Mistral has no q/k/v biases; allowed: "
                      "qkv_bias=False for model_type 'mistral' (or use 'llama' / 'qwen2')")
+  if c.model_type == "llama" and c.sliding_window is not None:
+    raise ValueError(f"save_hf: transformers' Llama has no sliding window, and this llama model "
+                     f"has sliding_window={c.sliding_window}; allowed: sliding_window=None for "
+                     f"model_type 'llama' (or use 'mistral' / 'qwen2' / 'qwen3', which write it)")
   if c.num_mtp_layers:
     raise ValueError("save_hf: writing native MTP modules is not supported; the model has "
                      f"num_mtp_layers={c.num_mtp_layers} (allowed: 0)")
