@@ -149,8 +149,30 @@ def _list_field(v):
   return v if isinstance(v, list) else [v]
 
 
+def _config_value(action, value, where: str):
+  """One YAML value through its flag's type and choices, as argparse checks a command line
+  (set_defaults alone skipped both: a bad --suite was a KeyError, a float16 dtype ran as
+  float32 under a float16 label); ValueError naming the key."""
+  if action.nargs == 0:                                  # store_true
+    if not isinstance(value, bool):
+      raise ValueError(f"{where}: expected true or false, got {value!r}")
+    return value
+  if isinstance(value, bool) and action.type in (int, float):
+    raise ValueError(f"{where}: expected a number, got {value!r}")
+  if action.type is int and isinstance(value, float) and not value.is_integer():
+    raise ValueError(f"{where}: expected an integer, got {value!r}")
+  try:
+    converted = value if action.type is None else action.type(value)
+  except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+  if action.choices is not None and converted not in action.choices:
+    raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+  return converted
+
+
 def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
-  """The --config YAML file as parser defaults (ValueError: missing file, unknown key)."""
+  """The --config YAML file as parser defaults (ValueError: missing file, unknown key, or a
+  value its flag's type or choices refuse)."""
   import yaml
   path = resolve_path(config)
   if not path.is_file():
@@ -165,23 +187,17 @@ def config_defaults(parser: argparse.ArgumentParser, config: str) -> dict:
     dest = str(key).replace("-", "_")
     if dest not in allowed:
       raise ValueError(f"{path}: unknown key {key!r}; allowed: {', '.join(allowed)}")
-    action = dests[dest]
+    action, where = dests[dest], f"{path}: {key}"
     if dest == "temperatures":
       value = [float(x) for x in _list_field(value)]
     elif dest == "tree":
       value = [str(x) for x in (value if isinstance(value, list) else [value])]
-    elif action.nargs == "+":
-      value = _list_field(value) if dest != "pairs" else (
+    elif action.nargs == "+" or action.nargs == "*":
+      items = _list_field(value) if dest != "pairs" else (
           value if isinstance(value, list) else [value])
-      if action.type is int:
-        value = [int(x) for x in value]
-      elif action.type is k_or_auto:
-        try:
-          value = [k_or_auto(x) for x in value]
-        except argparse.ArgumentTypeError as e:
-          raise ValueError(f"{path}: {key}: {e}") from None
-    elif action.type is int:
-      value = int(value)
+      value = [_config_value(action, x, where) for x in items]
+    elif value is not None or action.default is not None:
+      value = _config_value(action, value, where)
     defaults[dest] = value
   return defaults
 
@@ -199,7 +215,8 @@ def parse_args(argv) -> argparse.Namespace:
     for k, v in QUICK.items():
       setattr(args, k, v)
   for name in ("repeats", "cost_repeats", "max_new_tokens", "plain_max_new_tokens",
-               "peer_prompts", "peer_rounds", "batches_per_cell"):
+               "peer_prompts", "peer_rounds", "batches_per_cell", "prompt_words",
+               "max_prompt_tokens"):
     if getattr(args, name) < 1:
       raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
   if any(k < 1 for k in args.peer_lookup_tokens):

@@ -15,7 +15,12 @@ SPEC_DEFINITIONS = {
     "alpha_token": "accepted / (accepted + rounds that ended in a rejection), averaged over "
                    "repeats: the per-token acceptance a of tau = (1 - a^(K+1)) / (1 - a); "
                    "SpecStats' alpha also counts the drafts after a round's first rejection, "
-                   "never judged, as not accepted. null unless every round drafted K tokens",
+                   "never judged, as not accepted. null unless every round drafted K tokens "
+                   "(n-gram rounds may draft fewer, and a row's last round cut by "
+                   "max_new_tokens does: at B > 1 it is mostly null)",
+    "capacity": "the KV-cache capacity every configuration of the cell (plain, every K, trees, "
+                "the governor) ran at and the cost ratios were timed at: longest prompt + "
+                "max_new_tokens + the largest K or tree extent + 1, rounded up to 64",
     "tau": "mean_accepted_length = tokens emitted per target forward, bonus included "
            "((accepted + rounds) / rounds); 1 for plain decoding",
     "t_target_1_ms": "time of one jitted target forward over 1 new token at batch B, cache fill F "

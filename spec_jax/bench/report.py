@@ -45,8 +45,9 @@ def format_spec(result: dict) -> str:
              "dtype; --plain-dtypes), and which dtype that was (LOSS = slower than it; the "
              "verdicts judge it too). alpha = accepted/"
              "drafted (SpecStats.acceptance_rate = (tau-1)/K); a_tok = accepted/(accepted + "
-             "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) (draft models "
-             "only); tau = tokens per target forward (bonus included).")
+             "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) ('-' unless every "
+             "round drafted K: draft models, and only where no row's last round was cut short "
+             "by max_new_tokens, so mostly B=1); tau = tokens per target forward (bonus included).")
   out.append("  c_verify = t(target fwd over K+1 tokens)/t(target fwd over 1), c_draft = draft "
              "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
              "ngram, heads: (propose()+commit())/K), both at the row's batch, fill = prompt + max_new/2; "
@@ -174,10 +175,10 @@ def format_breakdown(result: dict) -> str:
   cells_rows = []
   for r in result["rows"]:
     cells_rows.append([r["target"], r["drafter"], f"{r['temperature']:g}", r["batch"], r["K"],
-                       f"{r['tau']:.2f}", f"{r['t_round_ms']:.3f}", f"{r['t_fwd_1_ms']:.3f}",
+                       f"{r['tau']:.2f}", fmt(r["t_round_ms"], 3), f"{r['t_fwd_1_ms']:.3f}",
                        f"{r['t_fwd_k1_ms']:.3f}", f"{r['t_verify_step_ms']:.3f}",
                        f"{r['t_draft_fwd_ms']:.3f}", f"{r['t_propose_ms']:.3f}",
-                       f"{r['t_accept_ms']:.3f}", f"{r['t_other_ms']:.3f}",
+                       f"{r['t_accept_ms']:.3f}", fmt(r["t_other_ms"], 3),
                        fmt(r.get("speedup_loop")), fmt(r.get("bound")),
                        "-" if "efficiency_loop" not in r else f"{100 * r['efficiency_loop']:.0f}%"])
   out = [table(["target", "drafter", "T", "B", "K", "tau", "round", "fwd(1)", "fwd(K+1)",
@@ -189,7 +190,9 @@ def format_breakdown(result: dict) -> str:
              "K+1 + probs); draft fwd = one 1-token draft-model forward (ngram: propose/K); "
              "propose = the drafter's whole propose() of one round; accept = engine.accept_step; "
              "other = round - propose - verify - accept. speedup = tau * round(plain) / round; "
-             "bound = tau / ((K draft fwd + fwd(K+1)) / fwd(1)); eff = speedup / bound.")
+             "bound = tau / ((K draft fwd + fwd(K+1)) / fwd(1)); eff = speedup / bound. A round of "
+             "'-': the difference of the two calls came out <= 0, within their noise (the row's "
+             "'unresolved' field says so); no speedup is computed from it.")
   return "\n".join(out)
 
 

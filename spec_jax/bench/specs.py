@@ -237,6 +237,32 @@ def draft_model_of(drafter):
   return drafter.model if isinstance(drafter, sj.drafters.DraftModel) else None
 
 
+def check_measured_pairs(pairs) -> None:
+  """ValueError for pairs a side-by-side table cannot hold: a drafter 'none' (plain decoding is
+  measured beside every pair already), or two targets (or two drafters of one target) with one
+  label, which the tables, the verdicts and --resume key on (a/m and b/m were both "m": resume
+  skipped the second, and the verdicts merged them)."""
+  if any(d in ("none", "") for _, d in pairs):
+    raise ValueError("TARGET@none: plain decoding (K=0) is measured beside every pair already; "
+                     "give each pair a drafter")
+  by_label: dict = {}
+  for t, _ in pairs:
+    by_label.setdefault(model_label(t), set()).add(t)
+  for label, targets in by_label.items():
+    if len(targets) > 1:
+      raise ValueError(f"targets {sorted(targets)} share the table label {label!r}; give them "
+                       f"folders (or links) of different names")
+  for target in {t for t, _ in pairs}:
+    drafters: dict = {}
+    for t, d in pairs:
+      if t == target:
+        drafters.setdefault(drafter_label(d), set()).add(d)
+    for label, specs in drafters.items():
+      if len(specs) > 1:
+        raise ValueError(f"drafters {sorted(specs)} of {target} share the table label "
+                         f"{label!r}; give them folders (or links) of different names")
+
+
 def parse_pairs(pairs) -> list:
   """['default'] | ['TARGET@DRAFTER', {'target':..., 'drafter':...}, ...] -> [(target, drafter)]."""
   if pairs is None or pairs == "default":

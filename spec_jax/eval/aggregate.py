@@ -19,7 +19,8 @@ EVAL_DEFINITIONS = {
     "alpha": "accepted draft tokens / drafted tokens over the group's requests",
     "alpha_token": "accepted / (accepted + rounds with a rejection): the per-token acceptance a "
                    "of tau = (1 - a^(K+1)) / (1 - a); null unless every round drafted K tokens "
-                   "(an n-gram round may draft fewer)",
+                   "(an n-gram round may draft fewer; a request whose last round max_new_tokens "
+                   "cut drafts fewer too, which nulls the whole group)",
     "tokens_per_s": "summary: new tokens of the group's requests / the sum of their end-to-end "
                     "latencies (per-request speed; at batch 1 the plain throughput); "
                     "throughput: new tokens of all requests / wall seconds of all batches",
@@ -141,9 +142,11 @@ def plain_noise(units, batch: int):
   return statistics.median(spreads) if spreads else None
 
 
-def compile_summary(units) -> dict:
-  """Seconds spent compiling (tracing included) over the run, and how many decodes compiled."""
-  per = [m.get("compile_s", 0.0) for u in units for m in u["configs"].values()]
+def compile_summary(units, configs) -> dict:
+  """Seconds spent compiling (tracing included) by this run's configurations, and how many of
+  their decodes compiled (a stored unit also holds configurations of earlier runs: left out)."""
+  per = [u["configs"][c.key].get("compile_s", 0.0) for u in units for c in configs
+         if c.key in u["configs"]]
   return {"seconds": sum(per), "units_that_compiled": sum(1 for s in per if s > 0)}
 
 

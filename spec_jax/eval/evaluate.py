@@ -205,7 +205,7 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
                                                 for d in u.get("divergences", [])]},
       "summary": aggregate.summary_table(rows, configs, batches, categories),
       "throughput": aggregate.throughput_table(units, configs, batches),
-      "compile": aggregate.compile_summary(units),
+      "compile": aggregate.compile_summary(units, configs),
       "latency": aggregate.latency_table(rows, configs, batches),
       "requests": rows,
       "answers": aggregate.answers_of(units),

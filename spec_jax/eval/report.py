@@ -136,9 +136,12 @@ def render_markdown(res: dict) -> str:
                    markdown=True))
   comp = res.get("compile")
   if comp:
+    reused = res.get("run", {}).get("units_reused", 0)
     out += ["", f"Compiling (never timed): {comp['seconds']:.0f} s over "
                 f"{comp['units_that_compiled']} (configuration, batch) measurements that "
-                f"compiled a decode."]
+                f"compiled a decode" + (f", including those of the {reused} units reused from "
+                                        f"an earlier run (their compiles happened then)."
+                                        if reused else ".")]
   if PLOT_FILES["speedup"] in res["plots"]:
     out += ["", f"![speedup vs batch size]({PLOT_FILES['speedup']})"]
   for b in res["options"]["batch"]:

@@ -35,7 +35,8 @@ from spec_jax.bench.metrics import common_prefix_fraction, first_difference
 from spec_jax.bench.peer_llamacpp import gguf_info, import_llama_cpp
 from spec_jax.bench.prompts import prompt_token_lists
 from spec_jax.bench.results import ROOT, log
-from spec_jax.bench.specs import (drafter_label, load_model, model_label, parse_pairs,
+from spec_jax.bench.specs import (check_measured_pairs, drafter_label, load_model,
+                                  model_label, parse_pairs,
                                   resolve_path)
 from spec_jax.bench.suites.peer_report import HF, LLAMACPP, OURS, summarize_batch
 from spec_jax.timing import decode_roofline, memory_bandwidth, summarize
@@ -136,6 +137,12 @@ def run_peer_suite(opts) -> dict:
   """The peer suite (see the module docstring) -> {"rows", "summary", "notes", ...}."""
   peers = _peers(opts)
   pairs = parse_pairs(opts.pairs)
+  check_measured_pairs(pairs)
+  bad = [k for k in opts.num_draft if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+  if bad:
+    raise ValueError(f"the peer suite runs fixed K against transformers' fixed K: --num-draft "
+                     f"values must be integers >= 1, got {bad} (the governor, 'auto', runs in "
+                     f"the spec suite)")
   by_target: dict = {}
   for target_spec, drafter_spec in pairs:
     by_target.setdefault(target_spec, []).append(drafter_spec)

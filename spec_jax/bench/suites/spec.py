@@ -27,7 +27,6 @@ from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
 from spec_jax.decoding import calibration
-from spec_jax.decoding.prompts import default_capacity
 
 
 def _tree_drafters(setup, tree=None) -> list:
@@ -106,7 +105,7 @@ def governor_row(meta: dict, dspec: str, stats: list, tokens_per_s: list, base: 
       "draft_temperature_scale": meta.get("draft_temperature_scale", 1.0),
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
       "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
-      "capacity": engine_capacity(lb, max_new, kmax),
+      "capacity": meta["cost_capacity"],
       "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
       "speedup": tps["median"] / base["median"],
       "alpha": float(np.mean([s.acceptance_rate for s in stats])),
@@ -168,7 +167,7 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "draft_temperature_scale": meta.get("draft_temperature_scale", 1.0),
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
       "batches_per_cell": meta.get("batches_per_cell", 1), "prompt_tokens_longest": lb,
-      "capacity": engine_capacity(lb, max_new, k if tree is None else tree.cache_extent),
+      "capacity": meta["cost_capacity"],           # every configuration of the cell ran at it
       "tokens_per_s": tps, "seconds_median": statistics.median(s.seconds for s in stats),
       "speedup": speedup, "alpha": alpha, "tau": tau,
       "alpha_per_repeat": alphas if k else None,
@@ -215,7 +214,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   runs, tables = {}, {}
   for dspec, k in configs:
     if k == "auto":
-      tables[dspec] = governor_table(setup, dspec, batch, temp, prompts)
+      tables[dspec] = governor_table(setup, dspec, batch, temp, prompts, cost_capacity)
       table = tables[dspec][0]
       if table is not None:
         rel = ", ".join(f"{kk}: {v:.2f}" for kk, v in table.relative().items())
@@ -226,11 +225,12 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
     model = model_of(setup, dspec)
     run_k = cell_config(k, temp, setup.drafters.get(dspec), opts)
     run_batches(model, batches, setup.drafters.get(dspec), run_k, setup.max_new, sampling,
-                opts.seed)
+                opts.seed, cost_capacity)
     log(f"[bench]   warm {drafter_label(dspec)} {config_label(k)}: "
         f"{time.perf_counter() - t0:.1f} s")
     runs[(dspec, k)] = (lambda d=dspec, k=run_k, m=model: run_batches(
-        m, batches, setup.drafters.get(d), k, setup.max_new, sampling, opts.seed))
+        m, batches, setup.drafters.get(d), k, setup.max_new, sampling, opts.seed,
+        cost_capacity))
 
   def on_round(rep, res):
     plain = [s.tokens_per_second for s in res[configs[0]]]
@@ -284,15 +284,19 @@ def model_of(setup, dspec: str):
   return setup.model
 
 
-def governor_table(setup, dspec: str, batch: int, temp: float, prompts) -> tuple:
+def governor_kmax(setup, dspec: str) -> int:
+  """The largest K the default governor may pick for this drafter."""
+  return max(governor_lib.Governor().candidates(setup.drafters.get(dspec)))
+
+
+def governor_table(setup, dspec: str, batch: int, temp: float, prompts, capacity: int) -> tuple:
   """The cost table generate(num_draft='auto') uses in this cell, and the largest candidate
   K -> (CostTable or None, K max). Measured here once (or read from this process's memory or
-  the disk cache) at the capacity generate() will pick for these prompts (default_capacity),
-  so that generate's own calibration finds it instead of measuring a second table."""
+  the disk cache) at the cell's capacity, which generate() is given, so that its own
+  calibration finds it instead of measuring a second table."""
   drafter = setup.drafters.get(dspec)
   gov = governor_lib.Governor()
-  kmax = max(gov.candidates(drafter))
-  capacity = default_capacity(setup.model, prompts, setup.max_new, kmax)
+  kmax = governor_kmax(setup, dspec)
   try:
     table = calibration.calibrate(setup.model, drafter, batch, capacity=capacity,
                                    greedy=temp == 0, governor=gov)
@@ -348,12 +352,22 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
     if setup.note and not any(n.startswith(label + ": max_new_tokens") for n in notes):
       notes.append(setup.note)
       log("[bench] note: " + setup.note)
+    # One KV capacity for every configuration of the cell, and the cost ratios timed at it
+    # (generate's default bucket grows with K: plain ran at 512 beside K=2 at 1024).
     cost_capacity = engine_capacity(setup.longest, setup.max_new, max(
-        [max(grid.ks)] + [t.cache_extent for t in grid.trees]))
+        [0] + list(grid.ks) + [t.cache_extent for t in grid.trees]
+        + ([governor_kmax(setup, d) for d in drafter_specs] if grid.auto else [])))
     configs = [("none", 0)] + [(PLAIN_IN + dt, 0) for dt in setup.plain_models]
     configs += [(d, k) for d in drafter_specs for k in grid.ks]
-    configs += [(d, t) for d in _tree_drafters(setup) for t in grid.trees
-                if d in _tree_drafters(setup, t)]
+    tree_configs = [(d, t) for d in _tree_drafters(setup) for t in grid.trees
+                    if d in _tree_drafters(setup, t)]
+    unbuilt = [_tree_text(t) for t in grid.trees if all(tt != t for _, tt in tree_configs)]
+    if unbuilt:          # as the eval refuses it (it was dropped without a word)
+      raise ValueError(f"--tree {', '.join(unbuilt)}: no drafter of {label} builds it (trees "
+                       f"need a drafter that drafts them: a draft model, EAGLE / EAGLE-3 / MTP "
+                       f"heads, DFlash, DSpark, the Gemma 4 assistant; best_first needs a "
+                       f"block drafter: DFlash or DSpark)")
+    configs += tree_configs
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:

@@ -7,7 +7,8 @@ import dataclasses
 from typing import Any, Optional
 
 from spec_jax.bench.prompts import prompt_token_lists
-from spec_jax.bench.specs import draft_model_of, load_model, make_drafter, model_label, parse_pairs
+from spec_jax.bench.specs import (check_measured_pairs, draft_model_of, load_model, make_drafter,
+                                  model_label, parse_pairs)
 from spec_jax.tree import parse_tree_spec
 from spec_jax.stats import SpecStats
 import spec_jax as sj
@@ -37,8 +38,10 @@ def grid_of(opts) -> Grid:
   if any(k < 1 for k in ks):
     raise ValueError(f"--num-draft values must be >= 1 or 'auto' (K=0, plain decoding, is "
                      f"always run), got {ks}")
+  pairs = parse_pairs(opts.pairs)
+  check_measured_pairs(pairs)
   by_target: dict = {}
-  for t, d in parse_pairs(opts.pairs):
+  for t, d in pairs:
     by_target.setdefault(t, []).append(d)
   trees = list(dict.fromkeys(parse_tree_spec(t) for t in (getattr(opts, "tree", None) or [])))
   dtypes = list(dict.fromkeys(getattr(opts, "dtype", None) or [None]))
@@ -109,11 +112,12 @@ def prepare_target(target_spec: str, drafter_specs, opts, ks, n_prompts: int, dt
                      plain_models=plain_models)
 
 
-def run_batches(target, batches, drafter, k, max_new: int, temperature, seed: int):
+def run_batches(target, batches, drafter, k, max_new: int, temperature, seed: int,
+                capacity=None):
   """run_generate over consecutive batches of prompts -> one merged SpecStats (their rows side
   by side; tokens/s over all of them). temperature: a float or an sj.Sampling."""
   return SpecStats.merge([run_generate(target, prompts, drafter, k, max_new, temperature,
-                                       seed).stats for prompts in batches])
+                                       seed, capacity).stats for prompts in batches])
 
 
 TUNED = "tuned"            # --draft-temperature-scale tuned
@@ -142,11 +146,13 @@ def cell_config(k, temperature: float, drafter, opts):
   return k
 
 
-def run_generate(target, prompts, drafter, k, max_new: int, temperature, seed: int):
+def run_generate(target, prompts, drafter, k, max_new: int, temperature, seed: int,
+                 capacity=None):
   """One timed generate() that produces exactly max_new tokens per row (stop_tokens=[]); k is
   an integer, 'auto' (the governor: calibrated on its first call, outside the timing), an
   sj.TreeSpec (tree drafting) or an sj.Strategy (cell_config); temperature: a float or an
-  sj.Sampling (cell_sampling)."""
+  sj.Sampling (cell_sampling); capacity: the KV cache's (None: generate's default bucket, which
+  grows with K: configurations compared side by side pass one)."""
   import jax
   tree = k if isinstance(k, sj.TreeSpec) else None
   sampling = (temperature if isinstance(temperature, sj.Sampling)
@@ -156,7 +162,8 @@ def run_generate(target, prompts, drafter, k, max_new: int, temperature, seed: i
   else:
     how = {"num_draft": k if drafter is not None and tree is None else 4, "tree": tree}
   out = sj.generate(target, prompts, drafter=drafter, max_new_tokens=max_new,
-                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[], **how)
+                    sampling=sampling, key=jax.random.key(seed), stop_tokens=[],
+                    capacity=capacity, **how)
   counts = {len(t) for t in out.tokens}
   if counts != {max_new}:
     raise RuntimeError(f"expected exactly {max_new} new tokens per row with stop_tokens=[], got "
