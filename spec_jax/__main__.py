@@ -69,9 +69,12 @@ def _generate(args) -> int:
       model = dataclasses.replace(model, config=model.config.replace(
           attention_impl=args.attention_impl))
     drafter = make_drafter(args.drafter, model)
-    if args.attention_impl is not None and isinstance(drafter, sj.drafters.DraftModel):
-      drafter = drafter.replace(model=dataclasses.replace(
-          drafter.model, config=drafter.config.replace(attention_impl=args.attention_impl)))
+    if args.attention_impl is not None:       # a draft model's too (also inside ngram+draft:)
+      drafter = _with_draft_model(drafter, lambda m: dataclasses.replace(
+          m, config=m.config.replace(attention_impl=args.attention_impl)))
+    _warn_ignored_options(args, drafter)
+    if not -2**63 <= args.seed < 2**63:
+      raise ValueError(f"--seed {args.seed} is outside [-2**63, 2**63)")
     sampling = sj.Sampling(**{name: getattr(args, name) for name in sj.sampling.OPTIONS})
     # Every process feeds its share of the prompts (all of them on one process).
     mine = distributed.share(prompts)
@@ -157,9 +160,35 @@ def _check_memory(model, drafter, prompts, args, mesh, history: bool = False):
   memory.check_fits(est, device_bytes)
   if not platform.is_cpu():
     model = prepare_model(model, mesh)
-    if isinstance(drafter, sj.drafters.DraftModel):
-      drafter = drafter.replace(model=prepare_model(drafter.model, mesh))
+    drafter = _with_draft_model(drafter, lambda m: prepare_model(m, mesh))
   return model, drafter
+
+
+def _with_draft_model(drafter, fn):
+  """`drafter` with fn applied to its separate draft model: a DraftModel's, or one that is a
+  LookupFirst's fallback (ngram+draft:MODEL); other drafters unchanged."""
+  import spec_jax as sj
+  if isinstance(drafter, sj.drafters.LookupFirst):
+    return drafter.replace(fallback=_with_draft_model(drafter.fallback, fn))
+  if isinstance(drafter, sj.drafters.DraftModel):
+    return drafter.replace(model=fn(drafter.model))
+  return drafter
+
+
+def _warn_ignored_options(args, drafter) -> None:
+  """Options that cannot act in this run, said on stderr (the command line decodes greedily by
+  default, where the library samples at 1.0: --top-p alone printed the greedy text)."""
+  from spec_jax.sampling import OPTIONS
+  if args.temperature == 0:
+    filters = [name for name in ("top_k", "top_p", "min_p", "draft_temperature_scale")
+               if name in OPTIONS and getattr(args, name) != OPTIONS[name].default]
+    if filters:
+      print(f"warning: {', '.join('--' + f.replace('_', '-') for f in filters)} act on "
+            f"sampling only, and --temperature is 0 (greedy, this command's default): give "
+            f"--temperature too", file=sys.stderr)
+  if drafter is None and args.num_draft != 4:
+    print("warning: --num-draft is the drafter's K per round; without --drafter it decodes "
+          "plainly", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -195,7 +224,9 @@ def main(argv=None) -> int:
   g.add_argument("--max-new-tokens", type=int, default=128)
   for name, opt in OPTIONS.items():            # one option per Sampling field
     g.add_argument("--" + name.replace("_", "-"), type=opt.parse,
-                   default=SAMPLING_DEFAULTS.get(name, opt.default), help=opt.help)
+                   default=SAMPLING_DEFAULTS.get(name, opt.default),
+                   help=opt.help + (" (default here: 0, greedy; the library's is 1.0)"
+                                    if name in SAMPLING_DEFAULTS else ""))
   from spec_jax.bench.specs import DRAFTER_SPECS, add_constraint_flags
   add_constraint_flags(g)
   g.add_argument("--seed", type=int, default=0)

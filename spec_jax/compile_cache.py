@@ -7,13 +7,20 @@ harness and the benchmarks call `enable()` at start-up; library users opt in the
 with JAX's own `jax_compilation_cache_dir` option).
 
 Where: $SPEC_JAX_COMPILE_CACHE, else $XDG_CACHE_HOME/spec_jax/xla (~/.cache by default);
-SPEC_JAX_COMPILE_CACHE=off leaves JAX's settings alone.
+SPEC_JAX_COMPILE_CACHE=off leaves JAX's settings alone. A folder that cannot be made (a
+read-only or missing home) runs without the cache, with a warning: it only saves time.
+
+One limit, JAX's: its cache writes an entry in place and never replaces an existing one, so a
+run killed while writing one leaves it truncated, and every later run warns "Error reading
+persistent compilation cache entry" and compiles that program again (the output stays right).
+Delete the folder (or that entry) to mend it.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import sys
 from typing import Optional
 
 _OFF = ("", "0", "off", "none", "false")
@@ -38,7 +45,12 @@ def enable(path=None) -> Optional[pathlib.Path]:
   folder = pathlib.Path(path).expanduser() if path is not None else default_dir()
   if folder is None:
     return None
-  folder.mkdir(parents=True, exist_ok=True)
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+  except OSError as e:              # the cache only saves time: run without it
+    print(f"warning: no compile cache ({folder}: {e.strerror or e}); every run compiles "
+          f"anew (set SPEC_JAX_COMPILE_CACHE to a writable folder)", file=sys.stderr)
+    return None
   jax.config.update("jax_compilation_cache_dir", os.fspath(folder))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

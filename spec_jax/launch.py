@@ -46,15 +46,17 @@ _GLOO_PIECES = (r"\[Gloo\] Rank", r"is connected to", r"peer ranks\.",
                 r"Expected number of connected peer ranks is :")
 NOISE = re.compile(r"^(?=.*(?:%s))(?:\s|\d|%s)+$" % ("|".join(_GLOO_PIECES),
                                                     "|".join(_GLOO_PIECES)))
-_DIGITS = re.compile(r"^[\s\d]*$")
+_PIECE_OF_A_RANK = re.compile(r"^\s*\d{1,3}\s*$")
 
 
 class GlooFilter:
   """Drops gloo's connection lines from one output stream (NOISE). Their pieces interleave
   across threads at any boundary, so a line can also be left holding nothing but digits of one
-  of them (a lone "7" was seen at the top of a launched command's output): such a line is
-  dropped too, but only while nothing but gloo lines (and blank ones) came since the last gloo
-  line, never once the command's own text has started again."""
+  of them (a lone "7" was seen at the top of a launched command's output): such a line, one
+  run of at most 3 digits (a rank number's piece), is dropped too, but only while nothing but
+  gloo lines (and blank ones) came since the last gloo line, never once the command's own text
+  has started again. A longer one is the command's ("2024 2000", a constrained answer, was
+  dropped when every digits-only line counted)."""
 
   def __init__(self):
     self.after_gloo = False
@@ -63,8 +65,10 @@ class GlooFilter:
     if NOISE.match(line):
       self.after_gloo = True
       return False
-    if _DIGITS.match(line):
-      return not (self.after_gloo and line.strip())
+    if not line.strip():
+      return True
+    if self.after_gloo and _PIECE_OF_A_RANK.match(line):
+      return False
     self.after_gloo = False
     return True
 

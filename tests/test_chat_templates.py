@@ -65,7 +65,11 @@ def test_template_options_reach_the_template(models):
                                        "give messages too"):
     sj.generate(model, ["Hello"], max_new_tokens=2, chat_template_kwargs={"tools": []})
   for bad, message in (([1], "must be a dict of template variables"),
-                       ({"tokenize": False}, r"sets \['tokenize'\], which chat_ids sets itself")):
+                       ({"tokenize": False}, r"sets \['tokenize'\]: apply_chat_template's own"),
+                       ({"truncation": True, "max_length": 5},
+                        r"sets \['max_length', 'truncation'\]"),
+                       ({"chat_template": "{{ 'hi' }}"}, r"sets \['chat_template'\]"),
+                       ({"messages": []}, r"sets \['messages'\]")):
     with pytest.raises(ValueError, match=message):
       sj.generate(model, messages=[USER], max_new_tokens=2, chat_template_kwargs=bad)
 
@@ -130,3 +134,54 @@ def test_bench_chat_prompts_read_the_template_of_a_widened_spec(folders):
   assert tok.chat_template == chat_folder.__globals__["CHATML"]
   with pytest.raises(ValueError, match="need a real model's chat template"):
     hf_tokenizer("widened:random:llama")
+
+
+# ----------------------------------------------------------------------------- the generate CLI
+
+def test_cli_warns_of_options_that_cannot_act_and_refuses_a_huge_seed(capsys):
+  """--top-p at the CLI's default temperature 0 printed the greedy text without a word; a seed
+  of 2**64 was an OverflowError traceback."""
+  from spec_jax.__main__ import main
+  from tests.conftest import need_shared
+  stories = str(need_shared("models", "stories260K"))
+  assert main(["generate", "--model", stories, "--max-new-tokens", "2", "--top-p", "0.5",
+               "--num-draft", "2"]) == 0
+  err = capsys.readouterr().err
+  assert "warning: --top-p act on sampling only, and --temperature is 0" in err
+  assert "warning: --num-draft is the drafter's K per round; without --drafter" in err
+  assert main(["generate", "--model", stories, "--seed", str(2**64)]) == 2
+  assert "--seed 18446744073709551616 is outside" in capsys.readouterr().err
+
+
+def test_cli_attention_impl_reaches_a_draft_model_inside_lookup_first():
+  """ngram+draft:MODEL kept the draft model's 'auto' (and skipped its prepare_model)."""
+  from spec_jax.__main__ import _with_draft_model
+  from tests.conftest import need_shared
+  model = sj.load(need_shared("models", "stories260K"))
+  inner = sj.drafters.DraftModel(sj.load(need_shared("models", "stories260K")))
+  wrapped = sj.drafters.LookupFirst(inner, sj.drafters.NGram())
+  set_impl = lambda m: __import__("dataclasses").replace(
+      m, config=m.config.replace(attention_impl="reference"))
+  for drafter in (inner, wrapped):
+    out = _with_draft_model(drafter, set_impl)
+    draft = out.fallback if isinstance(out, sj.drafters.LookupFirst) else out
+    assert draft.model.config.attention_impl == "reference"
+    assert type(out) is type(drafter)
+  assert _with_draft_model(sj.drafters.NGram(), set_impl) == sj.drafters.NGram()
+  assert model.config.attention_impl != "reference"
+
+
+def test_compile_cache_that_cannot_be_made_runs_without_it(tmp_path):
+  """A cache folder that cannot be made (a read-only or missing home) was a traceback, exit 1,
+  in generate and eval; the cache only saves time."""
+  import os
+  blocker = tmp_path / "file"
+  blocker.write_text("")                   # XDG_CACHE_HOME a file, where a folder must go
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("SPEC_JAX_COMPILE_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+  env["XDG_CACHE_HOME"] = str(blocker)
+  res = subprocess.run([sys.executable, "-c", "from spec_jax import compile_cache; "
+                        "print(compile_cache.enable())"], capture_output=True, text=True,
+                       env=env, timeout=120)
+  assert res.returncode == 0 and res.stdout.strip() == "None", res.stderr
+  assert "warning: no compile cache" in res.stderr

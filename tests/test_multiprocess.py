@@ -99,6 +99,12 @@ def test_gloo_noise_filter_takes_interleaved_pieces_only():
   gloo = launch.GlooFilter()
   assert [line for line in lines if gloo.keep(line)] == [
       "12 34\n", "\n", "Once upon a time\n", "7\n", "The end\n", "8\n"]
+  # A result made of digits right after gloo's lines is the command's (a regex-constrained
+  # "2024 2000" was dropped): only a rank number's piece (<= 3 digits) is gloo's.
+  gloo = launch.GlooFilter()
+  lines = ["[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+           "ranks is : 1\n", "2024 2000\n", "\n", "4 new tokens\n"]
+  assert [line for line in lines if gloo.keep(line)] == lines[1:]
 
 
 def test_launcher_output_all_prefixes_every_process(tmp_path):

@@ -79,11 +79,32 @@ def check_template_kwargs(chat_template_kwargs) -> dict:
       not all(isinstance(k, str) for k in chat_template_kwargs):
     raise ValueError(f"chat_template_kwargs must be a dict of template variables (e.g. "
                      f"{{'enable_thinking': False}}), got {chat_template_kwargs!r}")
-  reserved = sorted(set(chat_template_kwargs) & {"conversation", "add_generation_prompt",
-                                                 "tokenize", "return_dict"})
+  reserved = sorted(set(chat_template_kwargs) & _apply_options())
   if reserved:
-    raise ValueError(f"chat_template_kwargs sets {reserved}, which chat_ids sets itself")
+    raise ValueError(f"chat_template_kwargs sets {reserved}: apply_chat_template's own options "
+                     f"(truncation, padding, the template itself, ...), which chat_ids decides; "
+                     f"allowed: the template's variables (enable_thinking, ...) and the tools / "
+                     f"documents it renders")
   return dict(chat_template_kwargs)
+
+
+# Rendered by the template itself: passed through.
+_TEMPLATE_INPUTS = frozenset({"tools", "documents"})
+
+
+def _apply_options() -> frozenset:
+  """The named parameters of transformers' apply_chat_template other than what a template
+  renders (truncation=True cut a prompt to max_length, chat_template replaced the model's):
+  not template variables, so refused in chat_template_kwargs."""
+  import inspect
+  try:
+    from transformers import PreTrainedTokenizerBase
+    names = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+  except (ImportError, TypeError, ValueError):     # its transformers 5 parameters
+    names = {"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+  return frozenset(names - {"self", "kwargs"} - _TEMPLATE_INPUTS | {"messages", "conversation"})
 
 
 def chat_ids(model, conversation, where: str = "conversation",
