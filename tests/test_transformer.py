@@ -182,3 +182,32 @@ def test_a_forward_past_the_cache_is_refused_when_the_offsets_are_known():
   for offsets in ([10, 0], [0, -1]):
     with pytest.raises(ValueError, match="write outside the cache of 16 slots"):
       sj.forward(params, CFG, tokens, cache, jnp.asarray(offsets))
+
+
+def _configs_to_count():
+  """Configs whose parameter count has an extra term: q/k/v biases, q/k norms, Gemma 4's
+  layer_scalar and KV-shared layers (no k_norm), a hybrid."""
+  from tests.hybrid_helpers import TINY_QWEN3_NEXT
+  base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+              num_kv_heads=2)
+  out = {"qwen2-bias": sj.ModelConfig(**base, qkv_bias=True, model_type="qwen2"),
+         "qwen3-norms-bias": sj.ModelConfig(**base, qkv_bias=True, qk_norm=True,
+                                            model_type="qwen3"),
+         "llama": sj.ModelConfig(**base),
+         "qwen3-next": sj.ModelConfig(**TINY_QWEN3_NEXT)}
+  transformers = pytest.importorskip("transformers")
+  del transformers
+  from spec_jax.models.hf import config_from_hf
+  from tests import gemma_helpers as gh
+  for name in ("gemma3_text_config", "gemma4_dense_config", "gemma4_e2b_config"):
+    out[name] = config_from_hf(getattr(gh, name)())
+  return out
+
+
+def test_num_params_counts_every_param_the_model_holds():
+  """config.num_params (the eval's results.json, the bench tables) left out q/k/v biases and
+  q/k norms, counted k_norm on Gemma 4's KV-shared layers and left out its layer_scalar."""
+  for name, config in _configs_to_count().items():
+    shapes = jax.eval_shape(lambda c=config: sj.init_model(c, jax.random.key(0)).params)
+    held = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    assert config.num_params == held, (name, config.num_params, held)

@@ -29,7 +29,10 @@ def forward(params, config: ModelConfig, tokens, cache, offsets, *, positions=No
     tokens: int32 [B, T]; entries must be valid ids (pad with any valid id).
     cache: KVCache.zeros(config, B, S) (either layout) with S >= offsets + T for every row.
     offsets: int32 [B], where row b's new tokens go: positions offsets[b] .. offsets[b]+T-1.
-      Row b attends to cache entries < offsets[b] plus its new tokens (causally).
+      Row b attends to cache entries < offsets[b] plus its new tokens (causally). A hybrid
+      model's (Qwen3-Next / Qwen3.5) recurrent state does not roll back with the offsets: a
+      second call at an earlier offset overwrites KV slots but continues the state (rounds
+      roll it back themselves: spec_jax.models.qwen3_next, docs/hybrid.md).
     positions: optional int32 [B, T] RoPE positions (defaults to offsets[:,None] + arange(T));
       tree drafts pass offset + depth here.
     tree_mask: optional bool [B, T, T] visibility among the new tokens (default causal), or

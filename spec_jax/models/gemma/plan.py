@@ -208,7 +208,9 @@ def num_params(config) -> int:
   for p in layout(c).layers:
     q = c.num_heads * p.head_dim
     kv = 0 if p.kv_shared else d * p.num_kv_heads * p.head_dim * (1 if p.k_eq_v else 2)
-    total += 2 * d * q + kv + 3 * d * p.intermediate_size + 4 * d + 2 * p.head_dim
+    # q_norm always; k_norm only on layers with their own K/V; Gemma 4's layer_scalar.
+    total += (2 * d * q + kv + 3 * d * p.intermediate_size + 4 * d + p.head_dim
+              + (0 if p.kv_shared else p.head_dim) + (1 if c.layer_scalar else 0))
     if c.per_layer_input_size:
       total += 2 * d * c.per_layer_input_size + d
   if c.per_layer_input_size:

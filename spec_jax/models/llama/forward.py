@@ -170,4 +170,8 @@ def num_params(config) -> int:
   d, f, v, l = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_layers
   hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   per_layer = d * dh * (hq + 2 * hkv) + hq * dh * d + 3 * d * f + 2 * d
+  if config.qkv_bias:
+    per_layer += (hq + 2 * hkv) * dh
+  if config.qk_norm:
+    per_layer += 2 * dh
   return v * d * (1 if config.tie_embeddings else 2) + l * per_layer + d
