@@ -22,19 +22,12 @@ from spec_jax.bench.results import log
 from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
 from spec_jax.bench.suites.targets import (DTYPE_TAGS, cell_config, cell_sampling,
                                            draft_scale, grid_of, prepare_target,
-                                           release_compiled, run_batches)
+                                           release_compiled, run_batches, tree_configs,
+                                           tree_drafters)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
 from spec_jax.decoding import calibration
-
-
-def _tree_drafters(setup, tree=None) -> list:
-  """The drafters that build trees (those that build `tree`, when given: best-first trees
-  need a block drafter)."""
-  best_first = tree is not None and tree.candidates == "best_first"
-  return [d for d, dr in setup.drafters.items() if getattr(dr, "supports_tree", False) and
-          (not best_first or getattr(dr, "supports_best_first", False))]
 
 
 def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> tuple:
@@ -50,7 +43,7 @@ def time_costs(setup, batch: int, ks, capacity: int, repeats: int, trees=()) -> 
   for t in trees:
     calls[("verify", t)] = time_forward(target, batch, t.num_nodes + 1, fill, capacity,
                                         call_only=True)
-    for dspec in _tree_drafters(setup, t):
+    for dspec in tree_drafters(setup, t):
       calls[("propose", dspec, t)] = time_propose_tree(
           setup.drafters[dspec], target, batch, t, fill, capacity,
           temperature=1.0 if draft_model_of(setup.drafters[dspec]) is not None else 0.0,
@@ -359,15 +352,7 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         + ([governor_kmax(setup, d) for d in drafter_specs] if grid.auto else [])))
     configs = [("none", 0)] + [(PLAIN_IN + dt, 0) for dt in setup.plain_models]
     configs += [(d, k) for d in drafter_specs for k in grid.ks]
-    tree_configs = [(d, t) for d in _tree_drafters(setup) for t in grid.trees
-                    if d in _tree_drafters(setup, t)]
-    unbuilt = [_tree_text(t) for t in grid.trees if all(tt != t for _, tt in tree_configs)]
-    if unbuilt:          # as the eval refuses it (it was dropped without a word)
-      raise ValueError(f"--tree {', '.join(unbuilt)}: no drafter of {label} builds it (trees "
-                       f"need a drafter that drafts them: a draft model, EAGLE / EAGLE-3 / MTP "
-                       f"heads, DFlash, DSpark, the Gemma 4 assistant; best_first needs a "
-                       f"block drafter: DFlash or DSpark)")
-    configs += tree_configs
+    configs += tree_configs(setup, grid.trees, label)
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:

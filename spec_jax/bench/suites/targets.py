@@ -178,3 +178,25 @@ def release_compiled() -> None:
   clear_compiled()
   timers.clear_cache()
   jax.clear_caches()
+
+
+def tree_drafters(setup, tree=None) -> list:
+  """The drafters that build trees (those that build `tree`, when given: best-first trees
+  need a block drafter)."""
+  best_first = tree is not None and tree.candidates == "best_first"
+  return [d for d, dr in setup.drafters.items() if getattr(dr, "supports_tree", False) and
+          (not best_first or getattr(dr, "supports_best_first", False))]
+
+
+def tree_configs(setup, trees, label: str) -> list:
+  """(drafter spec, TreeSpec) for every --tree a drafter of `setup` builds; ValueError for a
+  --tree none builds (as the eval refuses it; it was dropped without a word)."""
+  configs = [(d, t) for d in tree_drafters(setup) for t in trees if d in tree_drafters(setup, t)]
+  unbuilt = [f"{t.depth},{t.top_k},{t.num_nodes},{t.candidates}" for t in trees
+             if all(tt != t for _, tt in configs)]
+  if unbuilt:
+    raise ValueError(f"--tree {', '.join(unbuilt)}: no drafter of {label} builds it (trees "
+                     f"need a drafter that drafts them: a draft model, EAGLE / EAGLE-3 / MTP "
+                     f"heads, DFlash, DSpark, the Gemma 4 assistant; best_first needs a block "
+                     f"drafter: DFlash or DSpark)")
+  return configs
