@@ -217,7 +217,7 @@ def test_the_joint_check_catches_best_first_verified_as_sampled():
 
 def test_bench_skips_best_first_trees_for_drafters_that_cannot_build_them(tmp_path):
   """`--tree D,k,N,best_first` pairs only with block drafters: an n-gram bench runs its chain
-  and no tree row instead of failing."""
+  and no tree row instead of failing, and a note says why (the tree was dropped silently)."""
   import json
   from spec_jax.bench import cli
   out = tmp_path / "spec.json"
@@ -225,6 +225,8 @@ def test_bench_skips_best_first_trees_for_drafters_that_cannot_build_them(tmp_pa
                  "1", "--max-new-tokens", "8", "--repeats", "1", "--cost-repeats", "1",
                  "--temperatures", "0", "--out", str(out)])
   assert rc == 0
-  rows = json.loads(out.read_text())["rows"]
+  data = json.loads(out.read_text())
+  rows = data["rows"]
   assert sorted((r["drafter"], r["K"], r["tree"] or "") for r in rows) == [
       ("ngram", 2, ""), ("none", 0, "")]
+  assert any("no row for --tree 2,4,4,best_first" in n for n in data["notes"]), data["notes"]

@@ -352,7 +352,11 @@ def run_spec_suite(opts, checkpoint=None, previous=None) -> dict:
         + ([governor_kmax(setup, d) for d in drafter_specs] if grid.auto else [])))
     configs = [("none", 0)] + [(PLAIN_IN + dt, 0) for dt in setup.plain_models]
     configs += [(d, k) for d in drafter_specs for k in grid.ks]
-    configs += tree_configs(setup, grid.trees, label)
+    trees, tree_note = tree_configs(setup, grid.trees, label)
+    configs += trees
+    if tree_note and tree_note not in notes:
+      notes.append(tree_note)
+      log("[bench] note: " + tree_note)
     if grid.auto:
       configs += [(d, "auto") for d in drafter_specs]
     for batch in grid.batches:

@@ -188,15 +188,17 @@ def tree_drafters(setup, tree=None) -> list:
           (not best_first or getattr(dr, "supports_best_first", False))]
 
 
-def tree_configs(setup, trees, label: str) -> list:
-  """(drafter spec, TreeSpec) for every --tree a drafter of `setup` builds; ValueError for a
-  --tree none builds (as the eval refuses it; it was dropped without a word)."""
+def tree_configs(setup, trees, label: str) -> tuple:
+  """(drafter spec, TreeSpec) for every --tree a drafter of `setup` builds, and a note naming
+  the --tree values none of them builds (None when every one is built): such a tree has no
+  row, and the note says why (it was dropped without a word)."""
   configs = [(d, t) for d in tree_drafters(setup) for t in trees if d in tree_drafters(setup, t)]
   unbuilt = [f"{t.depth},{t.top_k},{t.num_nodes},{t.candidates}" for t in trees
              if all(tt != t for _, tt in configs)]
+  note = None
   if unbuilt:
-    raise ValueError(f"--tree {', '.join(unbuilt)}: no drafter of {label} builds it (trees "
-                     f"need a drafter that drafts them: a draft model, EAGLE / EAGLE-3 / MTP "
-                     f"heads, DFlash, DSpark, the Gemma 4 assistant; best_first needs a block "
-                     f"drafter: DFlash or DSpark)")
-  return configs
+    note = (f"{label}: no row for --tree {', '.join(unbuilt)}: no drafter of this target builds "
+            f"it (trees need a drafter that drafts them: a draft model, EAGLE / EAGLE-3 / MTP "
+            f"heads, DFlash, DSpark, the Gemma 4 assistant; best_first needs a block drafter: "
+            f"DFlash or DSpark)")
+  return configs, note
