@@ -195,8 +195,11 @@ def _windows(seqs, data_cfg, log) -> np.ndarray:
 
 
 def batch_indices(num_windows: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-  """Row indices of step `step`'s batch: a function of (seed, step) only (epoch-wise
-  permutations, so every window is seen once per epoch)."""
+  """Row indices of step `step`'s batch: a function of (seed, step) only. Each epoch is a
+  fresh permutation of the windows, of which the first (num_windows // batch_size) *
+  batch_size are used: each window at most once per epoch, the few left over (fewer than one
+  batch) skipped that epoch and not the next. With fewer windows than one batch, rows are drawn
+  with replacement."""
   per_epoch = max(num_windows // batch_size, 1)
   epoch, within = divmod(step, per_epoch)
   perm = np.random.default_rng([seed, epoch]).permutation(num_windows)
