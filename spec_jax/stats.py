@@ -42,7 +42,10 @@ class SpecStats:
   num_draft: K (with num_draft="auto": the largest candidate K, the width of accepted_at).
   emitted: tokens emitted by the rounds (new_tokens less the one token per row the prefill
     sampled).
-  k_histogram: {K: decode-loop iterations that ran with K drafts} (K with at least one).
+  k_histogram: {K: decode-loop iterations whose verify was K drafts wide} (K with at least
+    one). With num_draft="auto" that is the governor's choice for the batch; a row's own budget
+    can be lower (gated to 0 by its acceptance, or its last tokens), so drafted can be less
+    than the sum of K x iterations.
   auto: the governor chose K (num_draft="auto"); alpha_token is then 0 (rounds mixed several K,
     so no single K inverts tau; acceptance_rate = accepted / drafted still holds).
   row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
@@ -61,7 +64,8 @@ class SpecStats:
     auto and tree.
   position_acceptance: generate()'s per-position acceptance pooled over the rows
     (DecodeResult.position_acceptance: the governor's estimate with num_draft="auto"), what a
-    later call of the same pair takes as its acceptance_prior; None when not measured.
+    later call of the same pair takes as its acceptance_prior; None when not measured (and
+    after merge of governor or tree runs, whose estimate is not a function of the counts).
   row_acceptance: the same per row of this output (DecodeResult.row_acceptance: the governor's
     per-row estimates with num_draft="auto"), a tuple of tuples: an acceptance_prior that
     carries the rows' spread; None when not measured.
@@ -179,7 +183,13 @@ class SpecStats:
         emitted=sum(p.emitted for p in parts), processes=first.processes, k_histogram=hist,
         auto=first.auto, tree=first.tree, strategy=first.strategy,
         row_acceptance=(None if any(p.row_acceptance is None for p in parts)
-                        else tuple(r for p in parts for r in p.row_acceptance)))
+                        else tuple(r for p in parts for r in p.row_acceptance)),
+        # A fixed-K chain's pooled estimate is a function of the merged counts (it was dropped,
+        # and with it the acceptance_prior the bench's merged batches could hand on).
+        position_acceptance=(
+            chain_position_acceptance(rows("rounds"), rows("drafted"), rows("accepted_at"))
+            if not first.auto and first.tree is None and first.num_draft
+            and all(p.position_acceptance is not None for p in parts) else None))
 
   def summary(self) -> str:
     at = " ".join(f"{a:.2f}" for a in self.accepted_at)
@@ -242,3 +252,18 @@ def alpha_from_tau(tau: float, num_draft: int) -> float:
       break
     a = step
   return max(a, 0.0)
+
+
+def chain_position_acceptance(rounds, drafted, accepted_at) -> tuple:
+  """The pooled per-position acceptance of fixed-K chain rounds from per-row counts, as
+  Strategy.position_acceptance computes it in the loop: position 0 judged in every round of a
+  row that drafted, position j in the rounds that accepted j - 1; a never-judged position
+  repeats the one before it, -1 when nothing was judged."""
+  at = np.sum(np.asarray(accepted_at, np.float64).reshape(len(rounds), -1), axis=0)
+  first = float(sum(r for r, d in zip(rounds, drafted) if d > 0))
+  judged = np.concatenate([[first], at[:-1]])
+  out, last = [], -1.0
+  for a, j in zip(at, judged):
+    last = a / j if j > 0 else last
+    out.append(float(np.float32(last)))
+  return tuple(out)

@@ -177,3 +177,27 @@ def test_decode_and_generate_share_messages(models):
   with pytest.raises(ValueError) as from_decode:
     check_num_draft(sj.drafters.Medusa.init(target, num_heads=2, key=jax.random.key(0)), 3)
   assert str(from_generate.value) == str(from_decode.value)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+def test_position_acceptance_merges_and_reads_minus_one_when_nothing_was_judged(models):
+  """SpecStats.merge dropped a chain's pooled position_acceptance (None, "not measured") though
+  the merged counts give it; an n-gram that never matched read 0.0 ("every draft rejected")
+  where nothing was judged, and an acceptance_prior handed that on."""
+  target, _ = models
+  same = sj.drafters.DraftModel(target)          # accepts what it drafts, but not at the cut
+  kw = dict(drafter=same, num_draft=K, max_new_tokens=10, stop_tokens=[8, 25],
+            sampling=sj.Sampling(temperature=0.0))
+  one, two = (sj.generate(target, [p], **kw) for p in PROMPTS)
+  both = sj.generate(target, PROMPTS, **kw)
+  merged = sj.SpecStats.merge([one.stats, two.stats])
+  assert merged.position_acceptance is not None
+  np.testing.assert_allclose(merged.position_acceptance, both.stats.position_acceptance,
+                             rtol=1e-6)
+  # No repeats in the prompts: the n-gram drafter never proposes.
+  out = sj.generate(target, [[1, 2, 3, 4, 5, 6]], drafter=sj.drafters.NGram(), num_draft=K,
+                    max_new_tokens=3, stop_tokens=[], sampling=sj.Sampling(temperature=0.0))
+  assert out.stats.drafted == 0 and out.stats.rounds > 0
+  assert list(out.result.position_acceptance) == [-1.0] * K
+  assert np.asarray(out.result.row_acceptance).tolist() == [[-1.0] * K]

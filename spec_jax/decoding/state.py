@@ -79,7 +79,8 @@ class DecodeResult:
   iterations: int32 scalar, loop iterations (target forwards after the prefill).
   k_rounds: int32 [W+1], loop iterations that ran with k drafts, k = 0..W (a fixed K puts every
     iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
-    histogram of choices).
+    histogram of choices: the verify width, while a row's own budget can be lower, gated or
+    capped by its last tokens).
   position_acceptance: float32 [W], the acceptance of draft position j given that the ones
     before it were accepted, pooled over the rows (Strategy.position_acceptance; -1 where
     nothing was judged): with num_draft="auto" the governor's estimate, what the next call of

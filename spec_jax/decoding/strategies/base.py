@@ -103,15 +103,17 @@ class Strategy:
   def position_acceptance(self, final: DecodeState):
     """float32 [width]: the acceptance of draft position j given the positions before it were
     accepted, pooled over the rows (DecodeResult.position_acceptance). Default, from the
-    counts of a round that drafts `width` tokens: position 0 was judged in every round,
-    position j in the rounds that accepted position j - 1, so a_j = sum_b accepted_at[b, j] /
-    sum_b accepted_at[b, j-1] (rounds cut by the token limit count as judged: a slight
-    underestimate); a position never judged repeats the one before it, -1 when no round ran."""
+    counts of a round that drafts `width` tokens: position 0 was judged in every round of a
+    row that drafted at all, position j in the rounds that accepted position j - 1, so a_j =
+    sum_b accepted_at[b, j] / sum_b accepted_at[b, j-1] (rounds cut by the token limit, or an
+    n-gram round that found nothing, count as judged: an underestimate); a position never
+    judged repeats the one before it, -1 when nothing was judged (no round ran, or no row
+    drafted: an n-gram that never matched read 0.0, "every draft rejected")."""
     at = jnp.sum(final.counts.accepted_at, axis=0).astype(jnp.float32)        # [W]
     if at.shape[0] == 0:                         # plain decoding: no draft positions
       return at
-    judged = jnp.concatenate([jnp.sum(final.counts.rounds, keepdims=True).astype(jnp.float32),
-                              at[:-1]])
+    judged = jnp.concatenate([jnp.sum(_rounds_with_drafts(final), keepdims=True)
+                              .astype(jnp.float32), at[:-1]])
     alpha = at / jnp.maximum(judged, 1.0)
     known = judged > 0
     # carry the last known position forward (positions past the first never-judged one)
@@ -122,13 +124,14 @@ class Strategy:
   def row_acceptance(self, final: DecodeState):
     """float32 [B, width]: each row's acceptance from its own counts (judged as in
     position_acceptance), shrunk toward the pooled rate (governor.options.shrunk_rates: a
-    row judged twice stays near the pool); -1 where no round ran at all.
+    row judged twice stays near the pool; a row that never drafted takes the pool's); -1
+    where nothing was judged at all.
     DecodeResult.row_acceptance: the spread a later call's acceptance_prior can carry."""
     at = final.counts.accepted_at.astype(jnp.float32)                          # [B, W]
     if at.shape[1] == 0:
       return at
-    judged = jnp.concatenate([final.counts.rounds.astype(jnp.float32)[:, None], at[:, :-1]],
-                             axis=1)
+    judged = jnp.concatenate([_rounds_with_drafts(final).astype(jnp.float32)[:, None],
+                              at[:, :-1]], axis=1)
     return shrunk_rates(at, judged, self.position_acceptance(final))
 
   def stats_fields(self, greedy: bool, drafter) -> dict:
@@ -141,3 +144,8 @@ class Strategy:
   def label(self) -> str:
     """What statistics print for these rounds (SpecStats.strategy)."""
     return type(self).__name__
+
+
+def _rounds_with_drafts(final: DecodeState):
+  """int32 [B]: each row's rounds, 0 for a row that never drafted (nothing of it was judged)."""
+  return jnp.where(final.counts.drafted > 0, final.counts.rounds, 0)
