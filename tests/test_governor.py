@@ -740,18 +740,25 @@ def test_governor_skips_the_drafters_prompt_work_when_it_starts_plain():
 
 def test_position_acceptance_from_a_chains_counts():
   """Strategy.position_acceptance for fixed K: position j was judged in the rounds that
-  accepted position j - 1 (position 0 in every round); never judged: the one before repeats;
-  no round: -1."""
+  accepted position j - 1 (position 0 in every round of a row that drafted); never judged:
+  the one before repeats; no round, or no draft: -1."""
   from types import SimpleNamespace
   chain = sj.strategies.Chain(3)
-  final = lambda at, rounds: SimpleNamespace(counts=SimpleNamespace(
-      accepted_at=jnp.asarray(at, jnp.int32), rounds=jnp.asarray(rounds, jnp.int32)))
+  final = lambda at, rounds, drafted=None: SimpleNamespace(counts=SimpleNamespace(
+      accepted_at=jnp.asarray(at, jnp.int32), rounds=jnp.asarray(rounds, jnp.int32),
+      drafted=jnp.asarray(np.asarray(rounds) * 3 if drafted is None else drafted, jnp.int32)))
   np.testing.assert_allclose(chain.position_acceptance(final([[3, 2, 0], [1, 0, 0]], [4, 2])),
                              [4 / 6, 2 / 4, 0.0])
   np.testing.assert_allclose(chain.position_acceptance(final([[2, 1, 1], [1, 1, 1]], [4, 2])),
                              [3 / 6, 2 / 3, 1.0])
   np.testing.assert_allclose(chain.position_acceptance(final([[2, 0, 0]], [2])), [1.0, 0.0, 0.0])
   np.testing.assert_allclose(chain.position_acceptance(final([[0, 0, 0]], [0])), [-1.0] * 3)
+  # Rounds that drafted nothing (an n-gram that never matched) judged nothing: -1, not 0.0;
+  # a row beside them that drafted is the whole pool.
+  np.testing.assert_allclose(chain.position_acceptance(final([[0, 0, 0]], [5], [0])),
+                             [-1.0] * 3)
+  np.testing.assert_allclose(chain.position_acceptance(
+      final([[0, 0, 0], [2, 1, 0]], [5, 4], [0, 12])), [2 / 4, 1 / 2, 0.0])
   # row_acceptance: each row's own counts shrunk toward that pool by 4 judged drafts
   pool = np.asarray([4 / 6, 2 / 4, 0.0])
   np.testing.assert_allclose(chain.row_acceptance(final([[3, 2, 0], [1, 0, 0]], [4, 2])),
