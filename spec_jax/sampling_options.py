@@ -149,11 +149,16 @@ def _is_pair(x) -> bool:
               (hasattr(v, "shape") and np.ndim(v) == 0) for v in x))
 
 
+BIAS_BUCKET = 8           # a map's entries are padded to a multiple of this (BiasOption.rows)
+
+
 class BiasOption(Option):
   """Sampling.logit_bias, a sparse {token: bias} map: None (off); a dict {id: bias} for every
   row; a sequence of (id, bias) pairs (the same, hashable: what `scalar` returns); a sequence
   of B per-row maps (dicts or None); or a LogitBias of arrays (inside jit). Per-row it is a
-  LogitBias [B, M], M the most entries of any row (padding: id 0, value 0)."""
+  LogitBias [B, M], M the most entries of any row rounded up to a multiple of BIAS_BUCKET
+  (padding: id 0, value 0), so that maps of 1-8 entries share one compiled decode (each
+  count compiled anew)."""
 
   @property
   def parse(self):
@@ -217,7 +222,7 @@ class BiasOption(Option):
       return LogitBias(ids=xp.broadcast_to(ids, (batch_size, m)),
                        values=xp.broadcast_to(values, (batch_size, m)))
     rows, per_row = maps
-    m = max(len(r) for r in rows)
+    m = -(-max(len(r) for r in rows) // BIAS_BUCKET) * BIAS_BUCKET
     ids = np.zeros((len(rows), m), np.int32)
     vals = [[0.0] * m for _ in rows]          # values may be traced (a dict passed to jit)
     for i, r in enumerate(rows):

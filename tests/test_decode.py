@@ -201,3 +201,70 @@ def test_position_acceptance_merges_and_reads_minus_one_when_nothing_was_judged(
   assert out.stats.drafted == 0 and out.stats.rounds > 0
   assert list(out.result.position_acceptance) == [-1.0] * K
   assert np.asarray(out.result.row_acceptance).tolist() == [[-1.0] * K]
+
+
+# ----------------------------------------------------------------------------- caches
+
+def test_prepared_weights_follow_their_leaves_and_drafters_are_not_kept(models):
+  """The prepared copy of the weights was keyed by the params container and freed with one
+  leaf: a loop replacing only the head ({**p, "lm_head": new}) kept one whole copy per step.
+  A dropped DraftModel's weights stayed alive in the compiled-program cache (its static
+  argument)."""
+  import gc
+  import weakref
+  from spec_jax.decoding import compiled
+  target, _ = models
+  base = dict(target.params, lm_head=target.params["embed"].T)   # untied: a head to replace
+  kw = dict(max_new_tokens=2, stop_tokens=[], sampling=sj.Sampling(temperature=0.0))
+  sizes = []
+  for step in range(4):
+    params = dict(base, lm_head=base["lm_head"] + step)           # a new head, same layers
+    tuned = sj.Model(config=target.config.replace(tie_embeddings=False), params=params)
+    sj.generate(tuned, PROMPTS, **kw)
+    del tuned, params
+    gc.collect()
+    sizes.append(len(compiled._EXECUTION_PARAMS))
+  assert sizes[-1] <= sizes[0] + 1, sizes                         # it grew by one per step
+  draft = sj.drafters.DraftModel(sj.init_model(DRAFT_CFG, jax.random.key(7)))
+  leaf = weakref.ref(draft.model.params["embed"])
+  sj.generate(target, PROMPTS, drafter=draft, num_draft=2, **kw)
+  del draft
+  gc.collect()
+  assert leaf() is None                  # the draft model's weights went with the drafter
+
+
+def test_logit_bias_sizes_share_one_executable(models):
+  """Every number of logit_bias entries compiled decode again (M was not bucketed)."""
+  from spec_jax.decoding import compiled
+  target, _ = models
+  kw = dict(max_new_tokens=2, stop_tokens=[])
+  sj.generate(target, PROMPTS, sampling=sj.Sampling(0.0, logit_bias={3: -1.0}), **kw)
+  before = len(compiled._COMPILED)
+  for n in (2, 5, 8):
+    bias = {i: -1.0 for i in range(n)}
+    sj.generate(target, PROMPTS, sampling=sj.Sampling(0.0, logit_bias=bias), **kw)
+  assert len(compiled._COMPILED) == before
+
+
+def test_auto_reports_the_compile_its_calibration_ran(models, tmp_path, monkeypatch):
+  """With num_draft="auto" the first call's calibration compiled decode and ran it, then
+  generate read compile_seconds 0.0 (the calibration's later fetches had reset it); with a
+  logit_bias the calibration timed (and compiled) an executable of its own."""
+  from spec_jax.decoding import calibration, compiled
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  calibration.clear_memory()
+  target, _ = models
+  before = len(compiled._COMPILED)
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.NGram(), num_draft="auto",
+                    max_new_tokens=8, stop_tokens=[],
+                    sampling=sj.Sampling(0.0, logit_bias={5: -1.0}))
+  assert out.compile_seconds > 0
+  assert len(compiled._COMPILED) == before + 1          # calibration's and generate's, shared
+  again = sj.generate(target, PROMPTS, drafter=sj.drafters.NGram(), num_draft="auto",
+                      max_new_tokens=8, stop_tokens=[],
+                      sampling=sj.Sampling(0.0, logit_bias={5: -1.0}))
+  assert again.compile_seconds == 0.0
+  one_row = sj.generate(target, PROMPTS[:1], drafter=sj.drafters.NGram(), num_draft="auto",
+                        max_new_tokens=8, stop_tokens=[], sampling=sj.Sampling(0.0))
+  assert one_row.compile_seconds > 0                   # read 0.0: calibration compiled it
+  calibration.clear_memory()

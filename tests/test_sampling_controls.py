@@ -105,8 +105,9 @@ def test_off_values_cost_nothing_and_change_nothing():
   np.testing.assert_array_equal(sj.sampling.probs(logits, off, hist),
                                 sj.sampling.probs(logits, off))
   rows = sj.Sampling(logit_bias=[{4: 2.0, 1: -1.0}, None]).as_arrays(2).logit_bias
-  np.testing.assert_array_equal(rows.ids, [[1, 4], [0, 0]])
-  np.testing.assert_array_equal(rows.values, [[-1.0, 2.0], [0.0, 0.0]])
+  pad = [0] * (sj.sampling_options.BIAS_BUCKET - 2)    # padded to a bucket: one executable
+  np.testing.assert_array_equal(rows.ids, [[1, 4] + pad, [0, 0] + pad])
+  np.testing.assert_array_equal(rows.values, [[-1.0, 2.0] + pad, [0.0, 0.0] + pad])
 
 
 # ------------------------------------------------------------- parity with transformers

@@ -37,6 +37,7 @@ from spec_jax.governor import CostTable, Governor
 from spec_jax.governor.options import is_int
 from spec_jax.models.chat import default_stop_ids
 from spec_jax.sampling import Sampling
+from spec_jax.sampling_options import LogitBias
 from spec_jax.timing import interleaved_rounds, summarize
 
 COST_MODEL_VERSION = 4          # bump when what a timed round contains changes (3: plain is final;
@@ -146,7 +147,7 @@ CALIBRATION_PROMPT = 32          # real prompt tokens per row of the timed decod
 def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool, ks,
                         repeats: int = 3, *, strategy: Strategy, prompt_len: int = 16,
                         stop_count: int = 0, mesh=None, history: bool = False,
-                        processors: tuple = ()) -> dict:
+                        processors: tuple = (), bias_width: int = 0) -> dict:
   """Seconds per loop iteration at each candidate K, timed on the compiled decode that
   generate() runs with `strategy` (bound, e.g. Governed: num_draft="auto") for these shapes
   (the same executable: calibrating compiles nothing extra). K is forced through the cost
@@ -175,6 +176,10 @@ def measure_round_costs(target, drafter, batch: int, capacity: int, greedy: bool
   prompts = _text_like_prompts(batch, buffer, target.config.vocab_size)
   lens = np.full((batch,), p, np.int32)
   sampling = Sampling(temperature=0.0 if greedy else 1.0).as_arrays(batch)
+  if bias_width:        # the call's logit_bias width, all zeros: its executable, unbiased
+    sampling = sampling.replace(logit_bias=LogitBias(
+        ids=np.zeros((batch, bias_width), np.int32),
+        values=np.zeros((batch, bias_width), np.float32)))
   stop = np.full((stop_count,), -1, np.int32)           # token ids are >= 0: never stops
   key = jax.random.key(0)
 
@@ -240,7 +245,7 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
               cache: bool = True, refresh: bool = False, prompt_len: int = 16,
               stop_count: Optional[int] = None, mesh=None,
               strategy: Optional[Strategy] = None, history: bool = False,
-              processors: tuple = ()) -> CostTable:
+              processors: tuple = (), bias_width: int = 0) -> CostTable:
   """The governor's cost table for (this device, target, drafter, batch, capacity bucket,
   greedy): seconds per round at each candidate K, timed once and cached as JSON under
   cache_dir() (written atomically; keyed by `fingerprint`); a second call reads it (or this
@@ -260,6 +265,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
       (generate passes them; only the compile is shared, the table does not depend on them).
     history, processors: the penalties' token history and the logits processors of the
       generate() call (generate passes them): part of the timed program and of the key.
+    bias_width: the width of the call's logit_bias rows (generate passes it): timed with zero
+      biases of that width, the same executable (only the compile is shared).
   """
   t0 = time.perf_counter()
   if strategy is None:
@@ -299,7 +306,7 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
   timed = measure_round_costs(target, drafter, batch, capacity, greedy, ks, repeats,
                               strategy=strategy, prompt_len=prompt_len,
                               stop_count=stop_count, mesh=mesh, history=history,
-                              processors=processors)
+                              processors=processors, bias_width=bias_width)
   table = CostTable(ks=tuple(ks), seconds=tuple(timed[k]["per_iter_s"] for k in ks),
                     spread_pct=tuple(timed[k]["spread_pct"] for k in ks), key=key,
                     fingerprint=digest, path=str(path) if cache else None,
@@ -313,7 +320,8 @@ def calibrate(target, drafter, batch: int, *, capacity: Optional[int] = None,
 
 def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: int,
                     greedy: bool, max_new_tokens: int, prompt_len: int = 16, stop_count: int = 0,
-                    mesh=None, history: bool = False, processors: tuple = ()):
+                    mesh=None, history: bool = False, processors: tuple = (),
+                    bias_width: int = 0):
   """What generate() passes to decode for a bound strategy: None unless it needs a measured
   table (Strategy.calibration_ks: the governor without its own costs or schedule); ones when
   the loop cannot run (max_new_tokens == 1: the prefill's token is the only one); else
@@ -325,7 +333,7 @@ def round_costs_for(strategy: Strategy, target, drafter, batch: int, capacity: i
     return np.append(np.ones((len(ks),), np.float32), np.float32(0.0))
   return calibrate(target, drafter, batch, capacity=capacity, greedy=greedy, strategy=strategy,
                    prompt_len=prompt_len, stop_count=stop_count, mesh=mesh, history=history,
-                   processors=processors).costs_for(ks)
+                   processors=processors, bias_width=bias_width).costs_for(ks)
 
 
 def clear_memory() -> None:

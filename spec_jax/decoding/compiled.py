@@ -58,9 +58,10 @@ class PackedDecode:
 
   def __init__(self, compiled, treedef, shapes: list, compile_seconds: float = 0.0):
     self.compiled, self._treedef = compiled, treedef
-    # Seconds spent tracing + compiling it; last_compile_seconds: that for the call that just
-    # fetched it, 0.0 when it was already in memory (a persistent-cache hit still traces).
-    self.compile_seconds = self.last_compile_seconds = compile_seconds
+    # Seconds spent tracing + compiling it (a persistent-cache hit still traces), and the part
+    # no generate() has reported yet (take_compile_seconds): the governor's calibration
+    # fetches it several times before generate runs it, and the compile is generate's.
+    self.compile_seconds = self._unreported = compile_seconds
     self._layout, start = [], 0
     for shape, dtype in shapes:
       size = int(np.prod(shape, dtype=np.int64))
@@ -69,6 +70,11 @@ class PackedDecode:
 
   def __call__(self, *args, **kwargs) -> jax.Array:
     return self.compiled(*args, **kwargs)
+
+  def take_compile_seconds(self) -> float:
+    """The compile seconds not yet reported (0.0 once taken: an executable in memory)."""
+    seconds, self._unreported = self._unreported, 0.0
+    return seconds
 
   def unpack(self, flat) -> DecodeResult:
     flat = np.asarray(flat)
@@ -100,8 +106,6 @@ def _compiled_decode(args, static, params_signature=None) -> PackedDecode:
     compiled = packed.lower(*positional, **keywords, **static).compile()
     hit = _COMPILED[sig] = PackedDecode(compiled, *layout,
                                         compile_seconds=time.perf_counter() - start)
-  else:
-    hit.last_compile_seconds = 0.0
   return hit
 
 
@@ -124,7 +128,7 @@ def _host(x, dtype):
   return x if isinstance(x, jax.Array) else np.asarray(x, dtype)
 
 
-# id(params) -> (weakrefs to every leaf, prepared params, their tree_signature)
+# _leaves_key(params) -> (weakrefs to every leaf, prepared params, their tree_signature)
 _EXECUTION_PARAMS: dict = {}
 _prepare_jit = jax.jit(prepare_params, static_argnums=(1,))
 
@@ -140,7 +144,7 @@ def execution_params(target, mesh=None):
   fused layout once, outside the jit, donating the canonical buffers.
 
   The cache is keyed by the identity of every leaf (arrays are immutable, so a params dict
-  changed in place is a miss) and dropped when the model's first layer weight is freed."""
+  changed in place is a miss) and dropped when any of them is freed (_leaves_key)."""
   return _signed_execution_params(target, mesh)[0]
 
 
@@ -155,21 +159,58 @@ def _signed_execution_params(target, mesh=None) -> tuple:
   if not isinstance(layers, dict) or "wq" not in layers:     # already prepared, or not ours
     return params, None
   leaves = jax.tree.leaves(params)
-  key = id(params)
+  key = _leaves_key(params, leaves)
   hit = _EXECUTION_PARAMS.get(key)
-  if hit is not None and len(hit[0]) == len(leaves) and all(
-      r() is x for r, x in zip(hit[0], leaves)):
+  if hit is not None and all(r() is x for r, x in zip(hit[0], leaves)):
     return hit[1], hit[2]
   # Waited for here: otherwise the first timed decode would wait for this copy (~0.7 s for a
   # 135M model) and count it as decoding.
   prepared = jax.block_until_ready(_prepare_jit(params, config))
   _EXECUTION_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared, tree_signature(prepared))
-  weakref.finalize(layers["wq"], _EXECUTION_PARAMS.pop, key, None)
+  _drop_with_any_leaf(_EXECUTION_PARAMS, key, leaves)
   return prepared, _EXECUTION_PARAMS[key][2]
 
 
-# id(drafter params) -> (weakrefs to every leaf, prepared params)
+def _leaves_key(params, leaves) -> tuple:
+  """A cache key of params by what they hold: the tree's structure and every leaf's identity.
+  A new container of the same leaves (jax.tree.map(lambda x: x, p)) hits; one with a leaf
+  replaced ({**p, "lm_head": new}) misses, and its entry goes with that leaf. (Keyed by the
+  container's id and freed with one leaf, each such container kept a whole prepared copy of
+  the weights alive as long as the model: +53 MiB per step of a loop tuning a head.)"""
+  return jax.tree.structure(params), tuple(map(id, leaves))
+
+
+def _drop_with_any_leaf(cache: dict, key, leaves) -> None:
+  """Removes cache[key] as soon as any of `leaves` is freed."""
+  for x in leaves:
+    weakref.finalize(x, cache.pop, key, None)
+
+
+# _leaves_key(drafter params) -> (weakrefs to every leaf, prepared params)
 _DRAFTER_PARAMS: dict = {}
+
+
+def static_drafter(drafter):
+  """The drafter as a compiled program's static argument: its configuration with shape-only
+  params (jax.ShapeDtypeStruct leaves). Executables are keyed by it (drafters compare by
+  their static fields), and jax's caches keep their static arguments: with the drafter
+  itself, a DraftModel's weights and their prepared copy stayed alive after the caller
+  dropped it. decode reads the weights from its drafter_params argument only. A drafter that
+  cannot be rebuilt so (a hand-written one) is used as it is."""
+  if drafter is None or not hasattr(drafter, "with_params"):
+    return drafter
+  try:
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), drafter.params)
+    stripped = drafter.with_params(shapes)
+  except Exception:  # noqa: BLE001 - a drafter whose checks need real arrays: keep it whole
+    return drafter
+  return stripped if stripped == drafter else drafter
+
+
+# One jitted prepare per drafter configuration (keyed by the static drafter), not one per
+# params: a new jax.jit(drafter.prepare) compiled again for every new set of weights.
+_prepare_drafter_jit = jax.jit(lambda drafter, params: drafter.prepare(params),
+                               static_argnums=(0,))
 
 
 def execution_drafter_params(drafter, mesh=None):
@@ -186,14 +227,13 @@ def execution_drafter_params(drafter, mesh=None):
       or type(drafter).prepare is Drafter.prepare
       or not all(isinstance(x, jax.Array) for x in leaves)):
     return params
-  key = id(params)
+  key = _leaves_key(params, leaves)
   hit = _DRAFTER_PARAMS.get(key)
-  if hit is not None and len(hit[0]) == len(leaves) and all(
-      r() is x for r, x in zip(hit[0], leaves)):
+  if hit is not None and all(r() is x for r, x in zip(hit[0], leaves)):
     return hit[1]
-  prepared = jax.block_until_ready(jax.jit(drafter.prepare)(params))
+  prepared = jax.block_until_ready(_prepare_drafter_jit(static_drafter(drafter), params))
   _DRAFTER_PARAMS[key] = ([weakref.ref(x) for x in leaves], prepared)
-  weakref.finalize(leaves[0], _DRAFTER_PARAMS.pop, key, None)
+  _drop_with_any_leaf(_DRAFTER_PARAMS, key, leaves)
   return prepared
 
 
@@ -226,7 +266,8 @@ def compiled_decode_call(target, drafter, prompt_tokens, prompt_lens, key, *, ma
                 max_new_tokens=sharding_lib.replicate(mesh, np.asarray(max_new_tokens, np.int32)),
                 sampling=sharding_lib.shard_rows(mesh, sampling),
                 stop_tokens=sharding_lib.replicate(mesh, padded_stops(stop)))
-  static = dict(config=target.config, drafter=drafter, strategy=strategy, capacity=capacity,
+  static = dict(config=target.config, drafter=static_drafter(drafter), strategy=strategy,
+                capacity=capacity,
                 mesh=mesh, greedy=greedy, history=bool(history), processors=tuple(processors))
   if processors:
     kwargs["processor_params"] = sharding_lib.replicate(

@@ -219,13 +219,15 @@ def generate(target, prompts=None, drafter: Optional[Drafter] = None, num_draft=
   costs = calibration.round_costs_for(strategy, target, drafter, batch, capacity, greedy,
                                       max_new_tokens, prompt_len=prompt_tokens.shape[1],
                                       stop_count=len(stop), mesh=mesh, history=history,
-                                      processors=processors)
+                                      processors=processors,
+                                      bias_width=int(np.shape(sampling.logit_bias.ids)[-1]))
   compiled, args, kwargs = compiled_decode_call(
       target, drafter, prompt_tokens, prompt_lens, key, max_new_tokens=max_new_tokens,
       sampling=sampling, stop=stop, capacity=capacity, greedy=greedy, mesh=mesh,
       strategy=strategy, round_costs=costs, acceptance_prior=prior, history=history,
       processors=processors)
-  compile_seconds = compiled.last_compile_seconds
+  # A compile this call caused (calibration's first run included) and no call reported yet.
+  compile_seconds = compiled.take_compile_seconds()
   if compile_seconds > 0:
     # A fresh executable's first run sets its kernels up (~0.8 s for a 135M model on XLA:CPU,
     # measured: 1.2 s then 0.46 s for the same call): that is part of compiling, not decoding,
