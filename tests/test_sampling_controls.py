@@ -395,3 +395,32 @@ def test_command_lines_take_every_control(capsys):
   model = need_shared("models", "stories260K")
   assert main(["generate", "--model", str(model), "--repetition-penalty", "-1"]) == 2
   assert "Sampling.repetition_penalty must be finite and > 0" in capsys.readouterr().err
+
+
+def test_a_greedy_row_beside_a_sampled_one_takes_the_argmax_of_its_processed_logits():
+  """In a batch of mixed temperatures, a greedy row is one-hot at the argmax after its bias
+  (and penalties, and a grammar's mask): taking the raw logits' argmax passed every test."""
+  logits = jnp.asarray([[3.0, 1.0, 0.0, -1.0], [3.0, 1.0, 0.0, -1.0]])
+  rows = sj.Sampling(temperature=np.float32([0.0, 1.0]),
+                     logit_bias=[{2: 10.0}, {2: 10.0}]).as_arrays(2)
+  p = np.asarray(sj.sampling.probs(logits, rows))
+  np.testing.assert_array_equal(p[0], [0.0, 0.0, 1.0, 0.0])
+  assert np.asarray(sj.sampling.greedy_tokens(logits, rows))[0] == 2
+  hist = History.of_prompt(jnp.asarray([[0, 0], [0, 0]]), jnp.asarray([2, 2]), 4)
+  pen = sj.Sampling(temperature=np.float32([0.0, 1.0]),
+                    repetition_penalty=np.float32([5.0, 1.0])).as_arrays(2)
+  assert np.asarray(sj.sampling.probs(logits, pen, hist))[0].argmax() == 1   # 3 / 5 < 1
+
+
+def test_top_p_where_the_kept_mass_is_exactly_top_p_matches_transformers():
+  """Probabilities 0.5 / 0.25 / 0.125 / 0.125 are exact in float32: a nucleus reaching top_p
+  exactly stops there, as transformers' TopPLogitsWarper does (a >= for > kept one more)."""
+  logits = jnp.log(jnp.asarray([[4.0, 2.0, 1.0, 1.0]], jnp.float32))
+  for top_p, want in ((0.75, [2 / 3, 1 / 3, 0.0, 0.0]), (0.5, [1.0, 0.0, 0.0, 0.0])):
+    got = np.asarray(sj.sampling.probs(logits, sj.Sampling(top_p=top_p).as_arrays(1)))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    torch = pytest.importorskip("torch")
+    from transformers.generation import logits_process as lp
+    theirs = torch.softmax(lp.TopPLogitsWarper(top_p)(None, torch.tensor(np.asarray(logits))),
+                           -1).numpy()[0]
+    np.testing.assert_allclose(got, theirs, rtol=1e-6, atol=1e-7)
