@@ -103,8 +103,10 @@ def params_checksum(tree) -> str:
   digest = h.hexdigest()[:32]
   try:
     _CHECKSUMS[ids] = ([weakref.ref(x) for x in leaves], digest)
+    for x in leaves:                            # gone with any of its weights (never pruned)
+      weakref.finalize(x, _CHECKSUMS.pop, ids, None)
   except TypeError:                             # leaves without weak references: no memo
-    pass
+    _CHECKSUMS.pop(ids, None)
   return digest
 
 

@@ -36,7 +36,8 @@ def decode(target_params, prompt_tokens, prompt_lens, key, *, config,
            history: Optional[bool] = None, processors=(),
            processor_params=None) -> DecodeResult:
   """The whole speculative generation as one pure function of arrays: prefill + rounds in one
-  `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work.
+  `lax.while_loop`. Jittable; call it inside your own `jax.jit` next to other work (called
+  eagerly it traces and compiles the loop again on every call; sj.generate compiles once).
 
   Args (arrays, traced):
     target_params: the target's param pytree (`model.params`).
