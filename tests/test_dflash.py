@@ -446,7 +446,9 @@ def tiny():
   t = _peaky(sj.init_model(TARGET_CFG, jax.random.key(11)), 60.0)
   d = DFlash.init(t, key=jax.random.key(5), block_size=4, num_layers=1, target_layers=(0,),
                   init_std=0.5)
-  params = dict(d.params, norm=d.params["norm"] * 40.0)    # peaky, slot-dependent q
+  # Peaky. One layer gives every slot the same q: the slots' own q is checked in
+  # test_sampled_block_reports_the_q_of_each_slot_it_drew_from.
+  params = dict(d.params, norm=d.params["norm"] * 40.0)
   return t, d.with_params(params)
 
 
@@ -732,3 +734,21 @@ def test_regenerated_text_keeps_prompts_and_lengths(tmp_path):
   with pytest.raises(ValueError, match="data.regenerate rewrites the text source"):
     load_config(_train_config(tmp_path / "x", data={"sources": ["generated"],
                                                     "regenerate": True}))
+
+
+def test_sampled_block_reports_the_q_of_each_slot_it_drew_from(target):
+  """Each slot's reported q is probs of that slot's logits, and the slots differ (with one
+  layer, the lossless tests' drafter gives every slot the same q, so a q reported from the
+  wrong slot passed them: the drafts still came from the right one)."""
+  d = DFlash.init(target, key=jax.random.key(5), block_size=4, num_layers=2,
+                  target_layers=(0,), init_std=0.5)        # two layers: the slots differ
+  prompt, first = [1, 5, 9, 22, 40, 7, 3, 80], 11
+  state, buf, sampling = drafter_state(d, target, prompt, first)
+  ctx = ctx_of(buf, 9, sampling, target, 3)
+  drafts, q, _ = jax.jit(d.propose)(d.params, state, ctx)
+  logits = jax.jit(d.block_logits, static_argnums=3)(d.params, state, ctx, 3)
+  want = np.asarray(sj.sampling.probs(logits, sampling))
+  np.testing.assert_allclose(np.asarray(q), want, rtol=1e-5, atol=1e-7)
+  tv = 0.5 * np.abs(want[0, 1:] - want[0, :-1]).sum(-1)
+  assert tv.min() > 1e-3, tv                          # the slots' q differ
+  assert np.asarray(drafts).shape == (1, 3)
