@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -187,7 +189,9 @@ class SpecStats:
         # A fixed-K chain's pooled estimate is a function of the merged counts (it was dropped,
         # and with it the acceptance_prior the bench's merged batches could hand on).
         position_acceptance=(
-            chain_position_acceptance(rows("rounds"), rows("drafted"), rows("accepted_at"))
+            tuple(float(a) for a in np.asarray(chain_position_acceptance(
+                np.asarray(rows("accepted_at")).reshape(len(rows("rounds")), -1),
+                rows("rounds"), rows("drafted"))))
             if not first.auto and first.tree is None and first.num_draft
             and all(p.position_acceptance is not None for p in parts) else None))
 
@@ -254,16 +258,22 @@ def alpha_from_tau(tau: float, num_draft: int) -> float:
   return max(a, 0.0)
 
 
-def chain_position_acceptance(rounds, drafted, accepted_at) -> tuple:
-  """The pooled per-position acceptance of fixed-K chain rounds from per-row counts, as
-  Strategy.position_acceptance computes it in the loop: position 0 judged in every round of a
-  row that drafted, position j in the rounds that accepted j - 1; a never-judged position
-  repeats the one before it, -1 when nothing was judged."""
-  at = np.sum(np.asarray(accepted_at, np.float64).reshape(len(rounds), -1), axis=0)
-  first = float(sum(r for r, d in zip(rounds, drafted) if d > 0))
-  judged = np.concatenate([[first], at[:-1]])
-  out, last = [], -1.0
-  for a, j in zip(at, judged):
-    last = a / j if j > 0 else last
-    out.append(float(np.float32(last)))
-  return tuple(out)
+def chain_position_acceptance(accepted_at, rounds, drafted):
+  """float32 [W]: the acceptance of draft position j given the positions before it were
+  accepted, pooled over the rows, from per-row counts of rounds that draft W tokens
+  (accepted_at [B, W], rounds and drafted [B]; jax or numpy): position 0 was judged in every
+  round of a row that drafted at all, position j in the rounds that accepted position j - 1,
+  so a_j = sum_b accepted_at[b, j] / sum_b accepted_at[b, j-1] (rounds cut by the token limit,
+  or an n-gram round that found nothing, count as judged: an underestimate); a position never
+  judged repeats the one before it, -1 when nothing was judged (no round ran, or no row
+  drafted). Strategy.position_acceptance in the loop; SpecStats.merge from merged counts."""
+  at = jnp.sum(jnp.asarray(accepted_at), axis=0).astype(jnp.float32)         # [W]
+  if at.shape[0] == 0:                         # plain decoding: no draft positions
+    return at
+  first = jnp.sum(jnp.where(jnp.asarray(drafted) > 0, jnp.asarray(rounds), 0))
+  judged = jnp.concatenate([first[None].astype(jnp.float32), at[:-1]])
+  alpha = at / jnp.maximum(judged, 1.0)
+  # carry the last known position forward (positions past the first never-judged one)
+  idx = jnp.where(judged > 0, jnp.arange(at.shape[0]), -1)
+  last = jax.lax.cummax(idx, axis=0)
+  return jnp.where(last >= 0, alpha[jnp.maximum(last, 0)], -1.0)

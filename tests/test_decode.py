@@ -253,6 +253,7 @@ def test_auto_reports_the_compile_its_calibration_ran(models, tmp_path, monkeypa
   from spec_jax.decoding import calibration, compiled
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   calibration.clear_memory()
+  compiled.clear_compiled()                 # whatever ran before in this process: a fresh start
   target, _ = models
   before = len(compiled._COMPILED)
   out = sj.generate(target, PROMPTS, drafter=sj.drafters.NGram(), num_draft="auto",

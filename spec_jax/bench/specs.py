@@ -245,22 +245,14 @@ def check_measured_pairs(pairs) -> None:
   if any(d in ("none", "") for _, d in pairs):
     raise ValueError("TARGET@none: plain decoding (K=0) is measured beside every pair already; "
                      "give each pair a drafter")
-  by_label: dict = {}
-  for t, _ in pairs:
-    by_label.setdefault(model_label(t), set()).add(t)
-  for label, targets in by_label.items():
-    if len(targets) > 1:
-      raise ValueError(f"targets {sorted(targets)} share the table label {label!r}; give them "
+  specs_of: dict = {}                        # a table's label -> the specs it stands for
+  for t, d in pairs:
+    specs_of.setdefault(("targets", model_label(t)), set()).add(t)
+    specs_of.setdefault((f"drafters of {t}", drafter_label(d)), set()).add(d)
+  for (what, label), specs in specs_of.items():
+    if len(specs) > 1:
+      raise ValueError(f"{what} {sorted(specs)} share the table label {label!r}; give them "
                        f"folders (or links) of different names")
-  for target in {t for t, _ in pairs}:
-    drafters: dict = {}
-    for t, d in pairs:
-      if t == target:
-        drafters.setdefault(drafter_label(d), set()).add(d)
-    for label, specs in drafters.items():
-      if len(specs) > 1:
-        raise ValueError(f"drafters {sorted(specs)} of {target} share the table label "
-                         f"{label!r}; give them folders (or links) of different names")
 
 
 def parse_pairs(pairs) -> list:

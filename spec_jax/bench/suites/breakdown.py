@@ -26,7 +26,7 @@ import spec_jax as sj
 
 def engine_round(setup, prompts, dspec: str, k: int, temp: float, seed: int, reps: int,
                  cap: int) -> tuple:
-  """The engine's time per loop iteration -> (t_round, t_prefill, iterations, stats, capacity):
+  """The engine's time per loop iteration -> (t_round, t_prefill, iterations, stats):
   generate(max_new) and generate(max_new=1) interleaved, medians differenced, at KV capacity
   `cap` (the cell's, one for plain and every K)."""
   import jax
@@ -42,7 +42,7 @@ def engine_round(setup, prompts, dspec: str, k: int, temp: float, seed: int, rep
   last = res["full"][-1]
   t_pre = statistics.median(s.seconds for s in res["pre"])
   t_round = (statistics.median(s.seconds for s in res["full"]) - t_pre) / last.iterations
-  return t_round, t_pre, last.iterations, last, cap
+  return t_round, t_pre, last.iterations, last
 
 
 def breakdown_row(meta: dict, k: int, tau: float, t: dict, plain_round: float,
@@ -89,46 +89,49 @@ def run_breakdown_suite(opts) -> dict:
     target, fill, vocab = setup.model, setup.fill, setup.model.config.vocab_size
     for batch in grid.batches:
       prompts = setup.ids[:batch]
+      # One capacity for the cell: plain and every K read caches of the same length.
+      cell_cap = engine_capacity(max(len(r) for r in prompts), setup.max_new,
+                                 max([0] + list(grid.ks)))
       for temp in grid.temps:
         cell = f"{setup.label} B={batch} T={temp:g}"
-        meta = lambda dspec, cap, iters: {
+        meta = lambda dspec, iters: {
             "target": setup.label, "drafter": drafter_label(dspec), "batch": batch,
-            "temperature": temp, "max_new_tokens": setup.max_new, "capacity": cap, "fill": fill,
-            "iterations": iters}
+            "temperature": temp, "max_new_tokens": setup.max_new, "capacity": cell_cap,
+            "fill": fill, "iterations": iters}
         log(f"[bench] breakdown {cell}: plain")
-        # One capacity for the cell: plain and every K read caches of the same length.
-        cell_cap = engine_capacity(max(len(r) for r in prompts), setup.max_new,
-                                   max([0] + list(grid.ks)))
-        plain_round, plain_pre, plain_iters, _, cap0 = engine_round(
+        plain_round, plain_pre, plain_iters, _ = engine_round(
             setup, prompts, "none", 0, temp, opts.seed, reps, cell_cap)
-        t1 = time_forward(target, batch, 1, fill, cap0, cost_reps)["per_iter_s"]
-        rows.append(breakdown_row(meta("none", cap0, plain_iters), 0, 1.0, {
+        t1 = time_forward(target, batch, 1, fill, cell_cap, cost_reps)["per_iter_s"]
+        rows.append(breakdown_row(meta("none", plain_iters), 0, 1.0, {
             "round": plain_round, "prefill": plain_pre, "fwd_1": t1, "fwd_k1": t1,
             "propose": 0.0, "draft_fwd": 0.0,
-            "verify_step": time_verify_step(target, batch, 1, fill, cap0, cost_reps,
+            "verify_step": time_verify_step(target, batch, 1, fill, cell_cap, cost_reps,
                                             temp)["per_iter_s"],
             "accept": time_accept(batch, 0, vocab, False, temp, cost_reps)["per_iter_s"]},
             plain_round))
         for dspec, dr in setup.drafters.items():
           for k in grid.ks:
             log(f"[bench] breakdown {cell}: {drafter_label(dspec)} K={k}")
-            t_round, t_pre, iters, stats, cap = engine_round(setup, prompts, dspec, k, temp,
-                                                             opts.seed, reps, cell_cap)
-            pr = time_propose(dr, target, batch, k, fill, cap, cost_reps, temp)["per_iter_s"]
+            t_round, t_pre, iters, stats = engine_round(setup, prompts, dspec, k, temp,
+                                                        opts.seed, reps, cell_cap)
+            pr = time_propose(dr, target, batch, k, fill, cell_cap, cost_reps,
+                              temp)["per_iter_s"]
             dm = draft_model_of(dr)
             stochastic_q = dm is not None and not getattr(dr, "greedy_drafts", False)
             t = {"round": t_round, "prefill": t_pre,
-                 "fwd_1": time_forward(target, batch, 1, fill, cap, cost_reps)["per_iter_s"],
-                 "fwd_k1": time_forward(target, batch, k + 1, fill, cap,
+                 "fwd_1": time_forward(target, batch, 1, fill, cell_cap,
+                                       cost_reps)["per_iter_s"],
+                 "fwd_k1": time_forward(target, batch, k + 1, fill, cell_cap,
                                         cost_reps)["per_iter_s"],
                  "propose": pr,
-                 "draft_fwd": (time_forward(dm, batch, 1, fill, cap, cost_reps)["per_iter_s"]
-                               if dm is not None else pr / k),
-                 "verify_step": time_verify_step(target, batch, k + 1, fill, cap, cost_reps,
-                                                 temp)["per_iter_s"],
+                 "draft_fwd": (time_forward(dm, batch, 1, fill, cell_cap,
+                                            cost_reps)["per_iter_s"] if dm is not None
+                               else pr / k),
+                 "verify_step": time_verify_step(target, batch, k + 1, fill, cell_cap,
+                                                 cost_reps, temp)["per_iter_s"],
                  "accept": time_accept(batch, k, vocab, stochastic_q, temp,
                                        cost_reps)["per_iter_s"]}
-            row = breakdown_row(meta(dspec, cap, iters), k, stats.mean_accepted_length, t,
+            row = breakdown_row(meta(dspec, iters), k, stats.mean_accepted_length, t,
                                 plain_round, tau_loop=plain_iters / iters if iters else None)
             row["alpha"] = stats.acceptance_rate
             rows.append(row)

@@ -23,7 +23,7 @@ from spec_jax.bench.specs import draft_model_of, drafter_label, model_label
 from spec_jax.bench.suites.targets import (DTYPE_TAGS, cell_config, cell_sampling,
                                            draft_scale, grid_of, prepare_target,
                                            release_compiled, run_batches, tree_configs,
-                                           tree_drafters)
+                                           tree_drafters, tree_text)
 from spec_jax.bench.timers import time_forward, time_propose, time_propose_tree
 from spec_jax.timing import interleaved_rounds, ratio_of, summarize, time_interleaved
 from spec_jax import governor as governor_lib
@@ -155,7 +155,7 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
       "target": meta["target"], "target_spec": meta["target_spec"],
       "target_params": meta["target_params"],
       "drafter": drafter_label(dspec), "drafter_spec": dspec, "K": k,
-      "tree": None if tree is None else _tree_text(tree, (stats[-1].tree or (None,) * 4)[3]),
+      "tree": None if tree is None else tree_text(tree, (stats[-1].tree or (None,) * 4)[3]),
       "batch": meta["batch"], "temperature": meta["temperature"], "max_new_tokens": max_new,
       "draft_temperature_scale": meta.get("draft_temperature_scale", 1.0),
       "new_tokens_per_run": meta["batch"] * max_new * meta.get("batches_per_cell", 1),
@@ -182,15 +182,9 @@ def spec_row(meta: dict, dspec: str, k: int, stats: list, tokens_per_s: list, ba
   }
 
 
-def _tree_text(tree, kind=None) -> str:
-  """'D,k,N,KIND': KIND the candidates drafted (the run's SpecStats.tree resolves "auto"),
-  else the TreeSpec's own."""
-  return f"{tree.depth},{tree.top_k},{tree.num_nodes},{kind or tree.candidates}"
-
-
 def config_label(k) -> str:
   """'K=4' for a chain ('K=auto' for the governor), 'tree=D,k,N' for a TreeSpec."""
-  return f"K={k}" if isinstance(k, (int, str)) else f"tree={_tree_text(k)}"
+  return f"K={k}" if isinstance(k, (int, str)) else f"tree={tree_text(k)}"
 
 
 def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, cost_capacity: int,
@@ -199,7 +193,6 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   (baseline dict, rows)."""
   n = opts.batches_per_cell
   batches = [setup.ids[i * batch:(i + 1) * batch] for i in range(n)]
-  prompts = batches[0]
   cell = f"{setup.label} B={batch} T={temp:g}" + (f" ({n} batches per measurement)" if n > 1
                                                    else "")
   sampling = cell_sampling(temp, opts)
@@ -207,7 +200,7 @@ def measure_cell(setup, batch: int, temp: float, configs: list, costs: tuple, co
   runs, tables = {}, {}
   for dspec, k in configs:
     if k == "auto":
-      tables[dspec] = governor_table(setup, dspec, batch, temp, prompts, cost_capacity)
+      tables[dspec] = governor_table(setup, dspec, batch, temp, cost_capacity)
       table = tables[dspec][0]
       if table is not None:
         rel = ", ".join(f"{kk}: {v:.2f}" for kk, v in table.relative().items())
@@ -282,7 +275,7 @@ def governor_kmax(setup, dspec: str) -> int:
   return max(governor_lib.Governor().candidates(setup.drafters.get(dspec)))
 
 
-def governor_table(setup, dspec: str, batch: int, temp: float, prompts, capacity: int) -> tuple:
+def governor_table(setup, dspec: str, batch: int, temp: float, capacity: int) -> tuple:
   """The cost table generate(num_draft='auto') uses in this cell, and the largest candidate
   K -> (CostTable or None, K max). Measured here once (or read from this process's memory or
   the disk cache) at the cell's capacity, which generate() is given, so that its own

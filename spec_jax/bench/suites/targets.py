@@ -180,6 +180,12 @@ def release_compiled() -> None:
   jax.clear_caches()
 
 
+def tree_text(tree, kind=None) -> str:
+  """'D,k,N,KIND': KIND the candidates drafted (the run's SpecStats.tree resolves "auto"),
+  else the TreeSpec's own."""
+  return f"{tree.depth},{tree.top_k},{tree.num_nodes},{kind or tree.candidates}"
+
+
 def tree_drafters(setup, tree=None) -> list:
   """The drafters that build trees (those that build `tree`, when given: best-first trees
   need a block drafter)."""
@@ -193,8 +199,7 @@ def tree_configs(setup, trees, label: str) -> tuple:
   the --tree values none of them builds (None when every one is built): such a tree has no
   row, and the note says why (it was dropped without a word)."""
   configs = [(d, t) for d in tree_drafters(setup) for t in trees if d in tree_drafters(setup, t)]
-  unbuilt = [f"{t.depth},{t.top_k},{t.num_nodes},{t.candidates}" for t in trees
-             if all(tt != t for _, tt in configs)]
+  unbuilt = [tree_text(t) for t in trees if all(tt != t for _, tt in configs)]
   note = None
   if unbuilt:
     note = (f"{label}: no row for --tree {', '.join(unbuilt)}: no drafter of this target builds "

@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-import jax
 import jax.numpy as jnp
 
 from spec_jax.decoding.rounds import run_until_done
 from spec_jax.decoding.state import DecodeState, LoopEnv
 from spec_jax.governor.options import shrunk_rates
+from spec_jax.stats import chain_position_acceptance
 
 
 class Strategy:
@@ -102,24 +102,10 @@ class Strategy:
 
   def position_acceptance(self, final: DecodeState):
     """float32 [width]: the acceptance of draft position j given the positions before it were
-    accepted, pooled over the rows (DecodeResult.position_acceptance). Default, from the
-    counts of a round that drafts `width` tokens: position 0 was judged in every round of a
-    row that drafted at all, position j in the rounds that accepted position j - 1, so a_j =
-    sum_b accepted_at[b, j] / sum_b accepted_at[b, j-1] (rounds cut by the token limit, or an
-    n-gram round that found nothing, count as judged: an underestimate); a position never
-    judged repeats the one before it, -1 when nothing was judged (no round ran, or no row
-    drafted: an n-gram that never matched read 0.0, "every draft rejected")."""
-    at = jnp.sum(final.counts.accepted_at, axis=0).astype(jnp.float32)        # [W]
-    if at.shape[0] == 0:                         # plain decoding: no draft positions
-      return at
-    judged = jnp.concatenate([jnp.sum(_rounds_with_drafts(final), keepdims=True)
-                              .astype(jnp.float32), at[:-1]])
-    alpha = at / jnp.maximum(judged, 1.0)
-    known = judged > 0
-    # carry the last known position forward (positions past the first never-judged one)
-    idx = jnp.where(known, jnp.arange(at.shape[0]), -1)
-    last = jax.lax.cummax(idx, axis=0)
-    return jnp.where(last >= 0, alpha[jnp.maximum(last, 0)], -1.0)
+    accepted, pooled over the rows (DecodeResult.position_acceptance). Default: from the counts
+    of a round that drafts `width` tokens (spec_jax.stats.chain_position_acceptance)."""
+    return chain_position_acceptance(final.counts.accepted_at, final.counts.rounds,
+                                     final.counts.drafted)
 
   def row_acceptance(self, final: DecodeState):
     """float32 [B, width]: each row's acceptance from its own counts (judged as in
