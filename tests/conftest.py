@@ -17,6 +17,12 @@ _FLAGS = " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passe
 # without, the same tokens; four test files 214 / 205 -> 210 / 197 user CPU-s, alternated
 # (2026-12-06). The library never sets it.
 _FLAGS += " --xla_disable_hlo_passes=hlo-verifier"
+# XLA:CPU splits each program's LLVM module into parts compiled on its thread pool; under -n 2
+# on 2 cores there is no idle core for them, and the split itself costs: one part cut
+# tests/test_engine.py 31.2 / 28.0 -> 28.2 / 25.4 / 25.4 CPU-s and tests/test_lossless.py 68.8 /
+# 67.1 -> 64.5 / 64.8 CPU-s (alone, -n 0, alternated; the same tokens: the code of each
+# function is the same, only where it is compiled changes) (2026-12-07).
+_FLAGS += " --xla_cpu_parallel_codegen_split_count=1"
 try:
   from importlib.metadata import version as _version
   if _version("jaxlib").startswith("0.10."):

@@ -38,8 +38,11 @@ TINY = sj.ModelConfig(vocab_size=384, hidden_size=256, intermediate_size=512, nu
 
 
 def _run(script: str, devices: int):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  # The suite's XLA_FLAGS (conftest: O0, no HLO verifier) kept, the device count added: the
+  # script compiled at XLA's default level before, its programs' tokens compared among
+  # themselves (both sides compiled alike).
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:] + out.stderr[-6000:]

@@ -344,10 +344,14 @@ def test_two_hundred_sampled_decodes_parse(stories, kind):
 def test_a_json_schema_over_the_real_49k_vocabulary():
   """SmolLM2's byte-level BPE vocabulary: the schema compiles in seconds into a small table,
   and a greedy chat answer under it is valid JSON (with n-gram speculation, equal to plain)."""
+  from spec_jax.models.chat import default_stop_ids
   model = sj.load(need_shared("models", "smollm2-135m-instruct"), dtype="float32")
+  # The end ids generate() compiles the schema with (the default stops: <|im_end|> and
+  # <|endoftext|>): the generates below reuse this grammar instead of compiling the 49k-token
+  # schema a second time.
   g = sj.constraints.json_schema(SCHEMA).compile(model.tokenizer,
                                                   vocab_size=model.config.vocab_size,
-                                                  end_ids=model.tokenizer.eos_ids)
+                                                  end_ids=default_stop_ids(model))
   assert g.compile_seconds < 10 and g.sizes["classes"] < 2000, (g.compile_seconds, g.sizes)
   msgs = [[{"role": "user", "content": "Describe a pet as JSON."}]]
   kw = dict(messages=msgs, max_new_tokens=64, sampling=sj.Sampling(0.0),
@@ -385,11 +389,15 @@ def test_generate_command_line_takes_a_regex_and_a_schema_file(tmp_path, capsys)
                "--regex", "[a-z ]+"]) == 0
   out = capsys.readouterr()
   assert re.fullmatch("[a-z ]+", out.out.splitlines()[0][len("Once"):]) and "warning" not in out.err
-  cut = sj.generate(sj.load(model), ["Once", "Once"], max_new_tokens=6, constraint=(
+  # The two calls the command line just made (greedy, its default; one row): their compiled
+  # decodes are reused.
+  stories = sj.load(model)
+  cut = sj.generate(stories, ["Once"], max_new_tokens=6, constraint=(
       sj.constraints.regex("[a-z ]+")), sampling=sj.Sampling(temperature=0.0))
-  assert cut.complete == [True, True] and all(len(t) == 6 for t in cut.tokens)
-  unfinished = sj.generate(sj.load(model), ["Once"], max_new_tokens=3, constraint=(
-      sj.constraints.json_schema(json.loads(schema.read_text()))))
+  assert cut.complete == [True] and len(cut.tokens[0]) == 6
+  unfinished = sj.generate(stories, ["Once"], max_new_tokens=3, constraint=(
+      sj.constraints.json_schema(json.loads(schema.read_text()))),
+      sampling=sj.Sampling(temperature=0.0))
   assert unfinished.complete == [False]
   for argv, match in ((["--regex", "a", "--json-schema", str(schema)], "not both"),
                       (["--json-schema", str(tmp_path / "missing.json")], "cannot read"),

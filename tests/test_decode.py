@@ -255,17 +255,20 @@ def test_auto_reports_the_compile_its_calibration_ran(models, tmp_path, monkeypa
   calibration.clear_memory()
   compiled.clear_compiled()                 # whatever ran before in this process: a fresh start
   target, _ = models
+  # Candidates {0, 1, 2} instead of the default six: the governed decode compiles one round per
+  # candidate and calibration times each (this test 24 -> 10 CPU-s); what compile_seconds
+  # reports does not depend on the set. The default set: test_bench.py::
+  # test_spec_suite_governor_column_and_mixed_prompts; a real calibration at (0, 1, 2):
+  # test_governor.py::test_calibrate_caches_on_disk_and_generate_uses_it.
+  kw = dict(drafter=sj.drafters.NGram(), num_draft="auto", governor=sj.Governor(max_draft=2),
+            max_new_tokens=8, stop_tokens=[])
   before = len(compiled._COMPILED)
-  out = sj.generate(target, PROMPTS, drafter=sj.drafters.NGram(), num_draft="auto",
-                    max_new_tokens=8, stop_tokens=[],
-                    sampling=sj.Sampling(0.0, logit_bias={5: -1.0}))
+  out = sj.generate(target, PROMPTS, sampling=sj.Sampling(0.0, logit_bias={5: -1.0}), **kw)
   assert out.compile_seconds > 0
+  assert out.stats.strategy == "K=auto(<=2)"
   assert len(compiled._COMPILED) == before + 1          # calibration's and generate's, shared
-  again = sj.generate(target, PROMPTS, drafter=sj.drafters.NGram(), num_draft="auto",
-                      max_new_tokens=8, stop_tokens=[],
-                      sampling=sj.Sampling(0.0, logit_bias={5: -1.0}))
+  again = sj.generate(target, PROMPTS, sampling=sj.Sampling(0.0, logit_bias={5: -1.0}), **kw)
   assert again.compile_seconds == 0.0
-  one_row = sj.generate(target, PROMPTS[:1], drafter=sj.drafters.NGram(), num_draft="auto",
-                        max_new_tokens=8, stop_tokens=[], sampling=sj.Sampling(0.0))
+  one_row = sj.generate(target, PROMPTS[:1], sampling=sj.Sampling(0.0), **kw)
   assert one_row.compile_seconds > 0                   # read 0.0: calibration compiled it
   calibration.clear_memory()

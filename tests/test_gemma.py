@@ -326,9 +326,11 @@ MESH_SCRIPT = textwrap.dedent("""
     one = sj.generate(target, prompts, **kw)
     many = sj.generate(target, prompts, mesh=mesh, **kw)
     assert many.tokens == one.tokens, (many.tokens, one.tokens)
-    for drafter in (sj.drafters.NGram(), assistant):
-      spec = sj.generate(target, prompts, drafter=drafter, num_draft=3, mesh=mesh, **kw)
-      assert spec.tokens == one.tokens, type(drafter).__name__
+    # The assistant's chain only: an n-gram chain would run the same target rounds on this
+    # sharded Gemma cache (one more SPMD compile); n-gram drafts on a mesh are
+    # tests/test_sharding.py::test_generate_on_eight_cpu_devices_matches_one_device's.
+    spec = sj.generate(target, prompts, drafter=assistant, num_draft=3, mesh=mesh, **kw)
+    assert spec.tokens == one.tokens
     tree = sj.generate(target, prompts, drafter=assistant, tree=sj.TreeSpec(2, 2, 4), mesh=mesh,
                        **kw)
     assert tree.tokens == one.tokens

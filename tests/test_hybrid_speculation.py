@@ -33,22 +33,19 @@ def draft_model():
   return sj.init_model(cfg, jax.random.key(7))
 
 
-def ngram_run(model, k):
-  return sj.generate(model, REPEAT_PROMPTS, drafter=sj.drafters.NGram(max_ngram=3) if k else None,
-                     num_draft=k, max_new_tokens=100, sampling=sj.Sampling(temperature=0.0),
-                     stop_tokens=[], capacity=140)
-
-
 @pytest.fixture(scope="module")
 def plain(models):
   return {kind: greedy_run(models[kind][1], None, 0).tokens for kind in models}
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next"])
-def test_greedy_speculation_with_ngram_equals_plain_greedy(models, kind):
+def test_greedy_speculation_with_ngram_equals_plain_greedy(models, plain, kind):
+  # 40 new tokens at capacity 80 (greedy_run): plain greedy is the `plain` fixture's program,
+  # not one more compile at another capacity; the rounds still accept some n-gram drafts and
+  # reject most (2 of 53 accepted, measured).
   model = models[kind][1]
-  out = ngram_run(model, 4)
-  assert out.tokens == ngram_run(model, 0).tokens
+  out = greedy_run(model, sj.drafters.NGram(max_ngram=3), 4)
+  assert out.tokens == plain[kind]
   assert 0 < out.stats.accepted < out.stats.drafted, out.stats.summary()   # partial accepts
   print(f"{kind} n-gram K=4: {out.stats.summary()}")
 
@@ -154,6 +151,11 @@ def small_target():
 CHI_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
+# One compile of the whole forward (both tests' exact joints reuse it) instead of ~270
+# single-op compiles of the hybrid MoE layers run eagerly.
+_forward = jax.jit(sj.forward, static_argnums=1)
+
+
 def small_joint(model, sampling):
   """P(x1, x2, x3) [V, V, V] of plain sampling after CHI_PROMPT: one forward over every
   prompt + x1 x2."""
@@ -161,8 +163,8 @@ def small_joint(model, sampling):
   seqs = np.array([[a, b] for a in range(v) for b in range(v)], np.int32)
   toks = np.concatenate([np.tile(CHI_PROMPT, (len(seqs), 1)), seqs], axis=1)
   cache = sj.KVCache.zeros(model.config, len(seqs), 16)
-  logits = sj.forward(model.params, model.config, jnp.asarray(toks), cache,
-                      jnp.zeros(len(seqs), jnp.int32)).logits
+  logits = _forward(model.params, model.config, jnp.asarray(toks), cache,
+                    jnp.zeros(len(seqs), jnp.int32)).logits
   p = np.asarray(sj.sampling.probs(logits, sampling), np.float64)
   n = len(CHI_PROMPT)
   joint = p[0, n - 1][:, None, None] * p[::v, n].reshape(v, v)[:, :, None] * \
