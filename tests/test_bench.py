@@ -521,8 +521,9 @@ def test_breakdown_row_with_a_round_within_the_noise_computes_no_speedup():
   ms = 1e-3
   t = {"round": -0.3 * ms, "prefill": 5 * ms, "fwd_1": 0.5 * ms, "fwd_k1": 1 * ms,
        "propose": 0.5 * ms, "draft_fwd": 0.25 * ms, "verify_step": 1 * ms, "accept": 0.25 * ms}
-  r = breakdown_row({"drafter": "ngram"}, 2, 3.0, t, plain_round=1 * ms)
+  r = breakdown_row({"drafter": "ngram"}, 2, 3.0, t, plain_round=1 * ms, tau_loop=2.5)
   assert r["t_round_ms"] is None and "speedup_loop" not in r and "<= 0" in r["unresolved"]
+  assert r["tau_loop"] == 2.5          # iterations' ratio: a count, reported whatever the noise
   ok = dict(t, round=2 * ms)
   r = breakdown_row({"drafter": "ngram"}, 2, 3.0, ok, plain_round=-1 * ms)   # plain's was
   assert "speedup_loop" not in r and r["unresolved"]

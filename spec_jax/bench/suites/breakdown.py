@@ -64,13 +64,15 @@ def breakdown_row(meta: dict, k: int, tau: float, t: dict, plain_round: float,
     row.update(t_round_ms=None, t_other_ms=None, unresolved=(
         "the round time (full call - 1-token call, per iteration) came out <= 0: the calls' "
         "difference is within their noise; rerun with more --repeats or --max-new-tokens"))
-  if k == 0 or unresolved:
+  if k == 0:
     return row
-  tau_loop = tau if tau_loop is None else tau_loop
+  # Counts, not times: known however noisy the round's time came out.
+  row["tau_loop"] = tau_loop = tau if tau_loop is None else tau_loop
+  if unresolved:
+    return row
   speed_loop = tau_loop * plain_round / t["round"]
   bound = tau_loop / ((k * t["draft_fwd"] + t["fwd_k1"]) / t["fwd_1"])
   row.update({
-      "tau_loop": tau_loop,
       "plain_round_ms": 1e3 * plain_round, "speedup_loop": speed_loop, "bound": bound,
       "efficiency_loop": speed_loop / bound,
       # efficiency = [(K t_draft + t_verify) / t_round] * [t_plain_round / t_fwd_1]
