@@ -26,8 +26,8 @@ from spec_jax import tree as tree_lib
 from spec_jax.drafters.dflash import DFlash
 from tests import test_dflash, test_dspark
 from tests.stats_helpers import chi2_critical, chi_square
-from tests.test_dflash import GREEDY, assert_exact_joint, target  # noqa: F401
-from tests.test_lossless import NEW6, PROMPT, counts3, exact_joint6
+from tests.test_dflash import GREEDY, assert_exact_joint, sample_joint, target  # noqa: F401
+from tests.test_lossless import PROMPT, counts3, exact_joint6
 
 
 # ----------------------------------------------------------------------------- the builder
@@ -164,19 +164,10 @@ def test_greedy_best_first_equals_plain_greedy(target):
 # test_dflash.tiny(): block 4 (depth <= 3), vocabulary 8: top_k 8 = every token, no cap.
 BEST_FIRST = sj.TreeSpec(3, 8, 8, "best_first")
 T07_TOPP = sj.Sampling(temperature=0.7, top_p=0.8)
-# 20k rows (test_dflash's 40k halved): the lossy variant below still gives 35x the critical
-# chi-square at 20k (69x at 40k; 21.6k against 615.5); the positive checks keep alpha 1e-3.
+# 20k rows (test_dflash's lossless checks run 12k): the lossy variant below gives 35x the
+# critical chi-square at 20k (69x at 40k; 21.6k against 615.5); the positive checks keep alpha
+# 1e-3.
 ROWS = 20_000
-
-
-def _sample_joint(drafter, sampling, seed=5):
-  """test_dflash.sample_joint with ROWS rows of PROMPT and BEST_FIRST trees, 6 new tokens."""
-  out = sj.generate(test_dflash.tiny()[0], [PROMPT] * ROWS, drafter=drafter,
-                    max_new_tokens=NEW6, sampling=sampling, key=jax.random.key(seed),
-                    stop_tokens=[], capacity=20, prompt_bucket=len(PROMPT), tree=BEST_FIRST)
-  toks = np.asarray(out.tokens)
-  assert toks.shape == (ROWS, NEW6)
-  return toks, out.stats
 
 
 @pytest.mark.parametrize("sampling", [sj.Sampling(temperature=1.0), T07_TOPP],
@@ -184,7 +175,7 @@ def _sample_joint(drafter, sampling, seed=5):
 @pytest.mark.optimized
 def test_dflash_best_first_keeps_the_target_joint(sampling):
   _, drafter = test_dflash.tiny()
-  toks, stats = _sample_joint(drafter, sampling)
+  toks, stats = sample_joint(drafter, sampling, seed=5, rows=ROWS, tree=BEST_FIRST)
   assert stats.tree[3] == "best_first"
   assert 0.02 < stats.acceptance_rate < 0.98, stats.summary()
   assert stats.accepted_at[1] > 0.005, stats.summary()
@@ -222,7 +213,7 @@ def test_the_joint_check_catches_best_first_verified_as_sampled():
   lossy = BestFirstAsSampled(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)
                                 if f.init})
   sampling = sj.Sampling(temperature=1.0)
-  toks, _ = _sample_joint(lossy, sampling)
+  toks, _ = sample_joint(lossy, sampling, seed=5, rows=ROWS, tree=BEST_FIRST)
   joint = exact_joint6(test_dflash.tiny()[0], PROMPT, sampling)
   stat, dof = chi_square(counts3(toks[:, :3]), joint.sum(axis=(3, 4, 5)))
   assert stat > 3 * chi2_critical(dof, 1e-3), (stat, dof)
