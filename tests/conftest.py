@@ -41,31 +41,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + _FLAGS).strip()
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
   os.environ.setdefault("OMP_NUM_THREADS", str(max(
       1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
-# Each xdist worker on a core of its own where the workers fill the cores (-n 2 on 2): jax's
-# CPU client sizes its thread pools by the cores a process may run on, and with two workers
-# each one's pool threads hand work to a core the other worker holds. Pinned, the same files
-# took less CPU: tests/test_tree.py + tests/test_constraints.py 285.5 -> 276.8 CPU-s (wall 148 ->
-# 143 s), tests/test_dflash.py + tests/test_governor.py 246.2 -> 236.4 (130 -> 121 s), -n 2,
-# alternated (2026-12-07). A worker's subprocesses inherit its core; a multi-process launch
-# (gloo's processes waiting on each other) took more CPU on one core (tests/test_multiprocess.py
-# 161 -> 179 CPU-s), so `all_cores` gives such a command the cores back. Set before jax (and its
-# threads) start; the library never pins.
-TEST_CPUS_VAR = "SPEC_JAX_TEST_CPUS"
-if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "sched_setaffinity"):
-  _cpus = sorted(os.sched_getaffinity(0))
-  if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) >= len(_cpus) > 1:
-    os.environ[TEST_CPUS_VAR] = ",".join(map(str, _cpus))
-    os.sched_setaffinity(0, {_cpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cpus)]})
-
-
-def all_cores(cmd: list) -> list:
-  """`cmd` run on every core the test session may use (`taskset -c`), where this worker is
-  pinned to one (above) and taskset exists; `cmd` itself otherwise."""
-  import shutil
-  cpus = os.environ.get(TEST_CPUS_VAR)
-  return ["taskset", "-c", cpus, *cmd] if cpus and shutil.which("taskset") else list(cmd)
-
-
 # No persistent compilation cache in tests: the CLI's compile_cache.enable() (called in-process
 # by some tests) would otherwise turn on ~/.cache/spec_jax/xla for the rest of that worker, so
 # the suite's time depended on what earlier runs had left there (a warm cache saved 866 s of

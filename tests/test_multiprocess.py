@@ -25,7 +25,7 @@ from spec_jax import distributed, launch, sharding
 from train import distill_heads
 from train.config import load_config
 
-from .conftest import DATA, MODELS, ROOT, all_cores, need_shared
+from .conftest import DATA, MODELS, ROOT, need_shared
 
 
 def _env(**extra) -> dict:
@@ -36,10 +36,9 @@ def _env(**extra) -> dict:
 
 
 def run_launch(args, processes=2, devices=4, timeout=600, env=None):
-  """python -m spec_jax.launch ... -- args, from the repository root, on every core (the
-  processes wait on each other in gloo's collectives: tests/conftest.py's all_cores)."""
-  cmd = all_cores([sys.executable, "-m", "spec_jax.launch", "--processes", str(processes),
-                   "--devices-per-process", str(devices), "--", *map(str, args)])
+  """python -m spec_jax.launch ... -- args, from the repository root."""
+  cmd = [sys.executable, "-m", "spec_jax.launch", "--processes", str(processes),
+         "--devices-per-process", str(devices), "--", *map(str, args)]
   return subprocess.run(cmd, cwd=ROOT, env=env or _env(), capture_output=True, text=True,
                         timeout=timeout)
 
