@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import pathlib
 import sys
@@ -41,7 +40,7 @@ def _generate(args) -> int:
     return 2
   from spec_jax import compile_cache
   from spec_jax.bench.specs import constraint_of, make_drafter
-  from spec_jax.models.chat import chat_ids, check_template_kwargs, default_stop_ids
+  from spec_jax.models.chat import chat_ids, default_stop_ids, parse_template_kwargs
   compile_cache.enable()
   prompts = args.prompt or (["What is the capital of France?"] if args.chat
                             else ["Once upon a time"])
@@ -53,13 +52,7 @@ def _generate(args) -> int:
       if not args.chat:
         raise ValueError("--chat-template-kwargs are the chat template's options: give --chat "
                          "too")
-      try:
-        template_kwargs = json.loads(args.chat_template_kwargs)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON "
-                         f"({e}); allowed: a JSON object such as "
-                         f"'{{\"enable_thinking\": false}}'") from e
-      check_template_kwargs(template_kwargs)
+      template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
     if jax.process_count() > 1 and args.mesh is None:
       raise ValueError(f"this run has {jax.process_count()} processes: give --mesh "
                        f"data=N,model=M over their {jax.device_count()} devices")

@@ -185,8 +185,9 @@ def test_strict_and_bad_input(tmp_path, prompt_file, capsys, monkeypatch):
   assert not list((tmp_path / "v").glob("units/*.json"))
 
 
-def test_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
-  import spec_jax as sj
+@pytest.fixture
+def chat_tiny(tmp_path):
+  """TINY with a chat template (role: content lines) that has one option, `brief`."""
   src = need_shared("models", TINY)
   folder = tmp_path / "chat"
   folder.mkdir()
@@ -195,9 +196,15 @@ def test_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
   config = json.loads((src / "tokenizer_config.json").read_text())
   config["chat_template"] = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }}: "
                              "{{ m['content'] }}\n{% endfor %}"
-                             "{% if add_generation_prompt %}assistant:{% endif %}")
+                             "{% if add_generation_prompt %}assistant:{% endif %}"
+                             "{% if brief is defined and brief %} Be brief.{% endif %}")
   (folder / "tokenizer_config.json").write_text(json.dumps(config))
-  chat, raw = sj.load(folder), sj.load(src)
+  return folder
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one(chat_tiny):
+  import spec_jax as sj
+  chat, raw = sj.load(chat_tiny), sj.load(need_shared("models", TINY))
   assert prompting.prompt_format(chat) == "chat_template"
   assert prompting.prompt_format(raw) == "raw"
   rec = PromptRecord(id="q", category="c", turns=("Hi there", "And then?"))
@@ -212,6 +219,41 @@ def test_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
   assert [r.ids for r in reqs] == [tuple(ids)] and skipped == []
   reqs, skipped = prompting.build_requests(chat, [rec], 2, {}, 512, 4)
   assert reqs == [] and skipped[0]["reason"] == "turn 1 was skipped"
+  # The template's options (Qwen3's enable_thinking is one) reach every prompt.
+  reqs, _ = prompting.build_requests(chat, [rec], 2, answers, 512, 4, {"brief": True})
+  assert chat.tokenizer.hf.decode(reqs[0].ids) == text + " Be brief."
+  with pytest.raises(ValueError, match="this target's tokenizer has no chat template"):
+    prompting.build_requests(raw, [rec], 1, {}, 512, 4, {"brief": True})
+
+
+def test_eval_takes_the_chat_templates_options_and_keys_the_run_by_them(
+    chat_tiny, tmp_path, prompt_file, capsys, monkeypatch):
+  out = tmp_path / "run"
+  brief = ["--chat-template-kwargs", '{"brief": true}']
+  assert cli.main(_argv(chat_tiny, prompt_file, out, *brief)) == 0
+  res = json.loads((out / "results.json").read_text())
+  assert res["options"]["chat_template_kwargs"] == {"brief": True}
+  assert json.loads((out / "manifest.json").read_text())["fingerprint"][
+      "chat_template_kwargs"] == {"brief": True}
+  assert 'chat template with options `{"brief": true}`' in (out / "report.md").read_text()
+  capsys.readouterr()
+  # Stored units were measured on other prompt ids: a resume with other options is refused.
+  assert cli.main(_argv(chat_tiny, prompt_file, out)) == 2
+  assert "chat_template_kwargs: {'brief': True} there, None now" in capsys.readouterr().err
+  # Refused before anything is decoded: not JSON, not template variables, no template.
+  monkeypatch.setattr(runner.sj, "generate", lambda *a, **kw: pytest.fail("decoded"))
+  for kwargs, message in [("{brief}", "--chat-template-kwargs '{brief}' is not JSON"),
+                          ('["brief"]', "must be a dict of template variables"),
+                          ('{"truncation": true}', "apply_chat_template's own options")]:
+    assert cli.main(_argv(chat_tiny, prompt_file, tmp_path / "bad",
+                          "--chat-template-kwargs", kwargs)) == 2
+    assert message in capsys.readouterr().err, kwargs
+  assert cli.main(_argv(need_shared("models", TINY), prompt_file, tmp_path / "raw", *brief)) == 2
+  assert "tokenizer has no chat template (its prompts are raw text)" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="must be JSON-serialisable"):
+    EvalOptions(target=str(chat_tiny), drafters=("ngram",), out=str(tmp_path / "o"),
+                prompts=str(prompt_file), chat_template_kwargs={"brief": object()}).validate()
+  assert not (tmp_path / "bad").exists() and not (tmp_path / "raw").exists()
 
 
 def test_prompt_records_units_and_latency_arithmetic():

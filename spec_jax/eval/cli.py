@@ -9,6 +9,7 @@ from spec_jax.bench.plots import PLOTS_HINT
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.options import PROMPT_CHOICES, EvalOptions
 from spec_jax.bench.specs import add_constraint_flags, constraint_of
+from spec_jax.models.chat import parse_template_kwargs
 from spec_jax.sampling import OPTIONS
 
 
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
       p.add_argument("--" + name.replace("_", "-"), type=opt.parse, default=None,
                      help=f"{opt.help} (default: off)")
   add_constraint_flags(p)
+  p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                 help="the chat template's options for every prompt, a JSON object, e.g. "
+                 "'{\"enable_thinking\": false}' (Qwen3); default: the template's own")
   p.add_argument("--category", action="append", default=None, metavar="NAME",
                  help="run only this prompt category (repeat for several; default: all)")
   p.add_argument("--max-new-tokens", type=int, default=256)
@@ -68,7 +72,9 @@ def options_from(args) -> EvalOptions:
                      repeats=args.repeats, seed=args.seed,
                      progress=not args.no_progress, mesh=args.mesh, dtype=args.dtype,
                      plain_dtypes=tuple(args.plain_dtypes), sampling=sampling_from(args),
-                     categories=tuple(args.category or ()), trees=tuple(args.tree or ()))
+                     categories=tuple(args.category or ()), trees=tuple(args.tree or ()),
+                     chat_template_kwargs=None if args.chat_template_kwargs is None else
+                     parse_template_kwargs(args.chat_template_kwargs))
 
 
 def sampling_from(args) -> tuple:

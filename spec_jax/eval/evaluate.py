@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import time
 
@@ -21,7 +22,8 @@ from spec_jax.bench.specs import (draft_model_of, drafter_label, load_model, mak
 from spec_jax.eval import aggregate
 from spec_jax.eval.options import EvalOptions
 from spec_jax.eval.progress import Progress
-from spec_jax.eval.prompting import build_requests, prompt_format, select_records
+from spec_jax.eval.prompting import (CHAT_TEMPLATE, build_requests, prompt_format,
+                                     select_records)
 from spec_jax.eval.report import render_markdown, write_plots
 from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
 from spec_jax.eval.store import RunDir, prompt_hash
@@ -74,7 +76,7 @@ def fingerprint(opts: EvalOptions, fmt: str) -> dict:
           "sampling": [list(kv) for kv in opts.sampling], "categories": list(opts.categories),
           "repeats": opts.repeats, "seed": opts.seed, "dtype": opts.dtype,
           "plain_dtypes": list(opts.plain_dtypes),
-          "prompt_format": fmt}
+          "prompt_format": fmt, "chat_template_kwargs": opts.chat_template_kwargs}
 
 
 def _warn_skipped(skipped, turn: int, strict: bool, main: bool = True) -> None:
@@ -140,6 +142,10 @@ def evaluate(opts: EvalOptions) -> dict:
   records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category,
                            opts.categories)
   fmt = prompt_format(target)
+  if opts.chat_template_kwargs is not None and fmt != CHAT_TEMPLATE:
+    raise ValueError(f"--chat-template-kwargs {json.dumps(opts.chat_template_kwargs)}: "
+                     f"{opts.target}'s tokenizer has no chat template (its prompts are raw "
+                     f"text); leave them out")
   run_dir = RunDir(opts.out)
   distributed.on_main(lambda: run_dir.open(fingerprint(opts, fmt)))
   info = machine_info()
@@ -150,7 +156,8 @@ def evaluate(opts: EvalOptions) -> dict:
   counters = {"measured": 0, "reused": 0}
   try:
     for turn in range(1, max(len(r.turns) for r in records) + 1):
-      requests, sk = build_requests(target, records, turn, answers, context, opts.max_new_tokens)
+      requests, sk = build_requests(target, records, turn, answers, context, opts.max_new_tokens,
+                                    opts.chat_template_kwargs)
       skipped += sk
       _warn_skipped(sk, turn, opts.strict, main)
       if not requests:

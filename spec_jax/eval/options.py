@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from typing import Optional, Union
 
 from spec_jax.bench.prompts import PROMPT_SETS, source_path
 from spec_jax.bench.specs import check_drafter_spec
+from spec_jax.models.chat import check_template_kwargs
 from spec_jax.sharding import parse_mesh_spec
 from spec_jax.tree import parse_tree_spec
 import spec_jax as sj
@@ -50,7 +52,10 @@ class EvalOptions:
   grammar constraint as ("constraint", ("regex" | "json_schema", source)); categories: run only
   these prompt categories (() = all), e.g. one category under a JSON schema; trees: tree
   shapes 'D,k,N[,CANDIDATES]' (sj.TreeSpec(depth, top_k, num_nodes[, candidates])), each run
-  beside the chain of every drafter that builds trees."""
+  beside the chain of every drafter that builds trees; chat_template_kwargs: the chat
+  template's options for every prompt (e.g. {"enable_thinking": False} for Qwen3; None = the
+  template's defaults), a JSON-serialisable dict of template variables; a target without a
+  chat template refuses them."""
   target: str
   drafters: tuple
   out: str
@@ -70,6 +75,7 @@ class EvalOptions:
   sampling: tuple = ()
   categories: tuple = ()
   trees: tuple = ()
+  chat_template_kwargs: Optional[dict] = None
 
   def sampling_of(self):
     """The sj.Sampling of every generate() call (ValueError naming a bad option)."""
@@ -121,6 +127,14 @@ class EvalOptions:
     # ValueError: how a tree is written; equal trees written differently count once.
     trees = tuple(dict.fromkeys(tree_text(parse_tree_spec(t)) for t in self.trees or ()))
     source_path(self.prompts)             # ValueError naming PROMPT_SETS when missing
+    template_kwargs = self.chat_template_kwargs
+    if template_kwargs is not None:
+      template_kwargs = check_template_kwargs(template_kwargs)
+      try:
+        json.dumps(template_kwargs)           # stored in DIR's manifest and results.json
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"chat_template_kwargs must be JSON-serialisable (they are stored "
+                         f"with the run), got {template_kwargs!r}: {e}") from e
     if self.dtype not in DTYPES:
       raise ValueError(f"--dtype must be one of float32, bfloat16 (or omitted: as stored), got "
                        f"{self.dtype!r}")
@@ -132,7 +146,8 @@ class EvalOptions:
       raise ValueError(f"--plain-dtypes {self.dtype} is the target's own dtype (--dtype): its "
                        f"plain decoding always runs")
     return dataclasses.replace(self, drafters=drafters, batch=batch, num_draft=num_draft,
-                               plain_dtypes=plain_dtypes, trees=trees)
+                               plain_dtypes=plain_dtypes, trees=trees,
+                               chat_template_kwargs=template_kwargs)
 
 
 def tree_text(tree) -> str:

@@ -69,18 +69,24 @@ def conversation(record, turn: int, answers: dict) -> list:
   return messages
 
 
-def encode_conversation(model, messages: list) -> list:
-  """Token ids of a conversation ending with a user message, ready for the answer."""
+def encode_conversation(model, messages: list, chat_template_kwargs=None) -> list:
+  """Token ids of a conversation ending with a user message, ready for the answer;
+  chat_template_kwargs: the template's options (ValueError without a template)."""
   if chat_tokenizer(model) is None:
+    if chat_template_kwargs is not None:
+      raise ValueError(f"chat_template_kwargs {chat_template_kwargs!r} are a chat template's "
+                       f"options, but this target's tokenizer has no chat template (its "
+                       f"prompts are raw text); leave them out")
     return model.encode("\n\n".join(m["content"] for m in messages))
-  return chat_ids(model, messages)
+  return chat_ids(model, messages, chat_template_kwargs=chat_template_kwargs)
 
 
 def build_requests(model, records, turn: int, answers: dict, context: int,
-                   max_new_tokens: int) -> tuple:
+                   max_new_tokens: int, chat_template_kwargs=None) -> tuple:
   """The requests of one turn -> (requests, skipped). A record is asked turn `turn` when it
   has that many turns; it is skipped (listed with the reason) when its previous turn was
-  skipped or when prompt + max_new_tokens exceeds the context."""
+  skipped or when prompt + max_new_tokens exceeds the context. chat_template_kwargs: the
+  chat template's options (encode_conversation)."""
   requests, skipped = [], []
   for r in records:
     if len(r.turns) < turn:
@@ -89,7 +95,7 @@ def build_requests(model, records, turn: int, answers: dict, context: int,
     if turn > 1 and (r.id, turn - 1) not in answers:
       skipped.append(dict(entry, prompt_tokens=None, reason=f"turn {turn - 1} was skipped"))
       continue
-    ids = encode_conversation(model, conversation(r, turn, answers))
+    ids = encode_conversation(model, conversation(r, turn, answers), chat_template_kwargs)
     if len(ids) + max_new_tokens > context:
       skipped.append(dict(entry, prompt_tokens=len(ids), reason=(
           f"{len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of "

@@ -3,6 +3,7 @@ table and plot functions."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 from spec_jax.bench import plots
@@ -89,7 +90,9 @@ def _header(res) -> list:
            f"{', '.join(d['label'] for d in res['drafters'])} vs plain decoding", "",
            f"- prompts: `{o['prompts']}`, {limit}: {p['selected']} questions, "
            f"{p['requests']} requests (turns) asked, {len(res['skipped'])} skipped; "
-           f"{_FORMATS[res['target']['prompt_format']]}",
+           f"{_FORMATS[res['target']['prompt_format']]}" + (
+               f" with options `{json.dumps(o['chat_template_kwargs'])}`"
+               if o.get("chat_template_kwargs") is not None else ""),
            f"- K = {o['num_draft']}" + (
                f" (chains); trees D,k,N {', '.join(o['trees'])} beside them"
                if o.get("trees") else "") +

@@ -88,6 +88,18 @@ def check_template_kwargs(chat_template_kwargs) -> dict:
   return dict(chat_template_kwargs)
 
 
+def parse_template_kwargs(text: str, flag: str = "--chat-template-kwargs") -> dict:
+  """A command line's JSON object of chat template options -> a checked dict (ValueError
+  naming the flag when it is not JSON or not a dict of template variables)."""
+  import json
+  try:
+    kwargs = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{flag} {text!r} is not JSON ({e}); allowed: a JSON object such as "
+                     f"'{{\"enable_thinking\": false}}'") from e
+  return check_template_kwargs(kwargs)
+
+
 # Rendered by the template itself: passed through.
 _TEMPLATE_INPUTS = frozenset({"tools", "documents"})
 
