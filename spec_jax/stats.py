@@ -50,9 +50,10 @@ class SpecStats:
     than the sum of K x iterations.
   auto: the governor chose K (num_draft="auto"); alpha_token is then 0 (rounds mixed several K,
     so no single K inverts tau; acceptance_rate = accepted / drafted still holds).
-  row_counts: per-row counts {'rounds', 'drafted', 'accepted': [B] ints, 'accepted_at': [B][K]
-    ints}, or None. Rows count rounds only while active, so rounds[b] is also the round at which
-    row b finished (0: it finished at the prefill's token): the per-request latency of a batch.
+  row_counts: per-row counts {'rounds', 'drafted', 'accepted', 'rejected': [B] ints,
+    'accepted_at': [B][K] ints} ('rejected' only where the counts had it), or None. Rows
+    count rounds only while active, so rounds[b] is also the round at which row b finished (0:
+    it finished at the prefill's token): the per-request latency of a batch.
   processes: how many processes fed rows to the generation; every count above sums over all of
     their rows (a multi-process generate() reports global statistics on every process), and
     seconds is this process's wall time of the one collective call.
@@ -71,6 +72,11 @@ class SpecStats:
   row_acceptance: the same per row of this output (DecodeResult.row_acceptance: the governor's
     per-row estimates with num_draft="auto"), a tuple of tuples: an acceptance_prior that
     carries the rows' spread; None when not measured.
+  rejected: rounds whose emitted tokens end in a correction of a rejected draft (RowCounts.
+    rejected); None when the counts came without it (statistics made by hand or stored by an
+    older version). accepted / (accepted + rejected) is the per-token acceptance over the
+    drafts that were judged, exact whatever the rounds' lengths (a cut last round, an n-gram
+    miss, the governor's K; bench.metrics.alpha_per_verified_token).
   """
   rounds: int
   drafted: int
@@ -93,19 +99,24 @@ class SpecStats:
   strategy: str = ""
   position_acceptance: Optional[tuple] = None
   row_acceptance: Optional[tuple] = None
+  rejected: Optional[int] = None
 
   @classmethod
   def from_counts(cls, rounds, drafted, accepted, accepted_at, seconds, new_tokens, iterations,
-                  num_draft, emitted=None, processes: int = 1, **fields) -> "SpecStats":
-    """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K]) or their
-    totals; the per-row counts are kept in row_counts. emitted: the tokens the rounds emitted
-    ([B] or a total); None means no round was cut (accepted + rounds). fields: the remaining
-    dataclass fields (k_histogram, auto, tree, strategy); with auto or tree, alpha_token is 0.
+                  num_draft, emitted=None, processes: int = 1, rejected=None,
+                  **fields) -> "SpecStats":
+    """From per-row count arrays (rounds, drafted, accepted [B], accepted_at [B, K], and
+    rejected [B] or None) or their totals; the per-row counts are kept in row_counts.
+    emitted: the tokens the rounds emitted ([B] or a total); None means no round was cut
+    (accepted + rounds). fields: the remaining dataclass fields (k_histogram, auto, tree,
+    strategy); with auto or tree, alpha_token is 0.
 
     Host side and small (B rows): Python lists, not numpy (generate() pays it per call)."""
     row_counts = {name: _int_list(x)
                   for name, x in (("rounds", rounds), ("drafted", drafted), ("accepted", accepted))}
     n_rows = len(row_counts["rounds"])
+    if rejected is not None:
+      row_counts["rejected"] = _int_list(rejected)
     at_rows = (np.asarray(accepted_at, np.int64).reshape(n_rows, -1).tolist() if num_draft
                else [[] for _ in range(n_rows)])
     row_counts["accepted_at"] = at_rows
@@ -132,6 +143,7 @@ class SpecStats:
         processes=int(processes),
         emitted=emitted,
         alpha_token=alpha_from_tau(tau, num_draft) if rounds and num_draft and single_k else 0.0,
+        rejected=None if rejected is None else sum(row_counts["rejected"]),
         **fields)
 
   @classmethod
@@ -156,7 +168,8 @@ class SpecStats:
         accepted_at=accepted_at, seconds=seconds, new_tokens=sum(new),
         iterations=int(np.asarray(result.iterations)), num_draft=k,
         emitted=[max(n - 1, 0) for n in new], processes=processes, k_histogram=hist,
-        auto=bool(auto), tree=tree, strategy=strategy)
+        auto=bool(auto), tree=tree, strategy=strategy,
+        rejected=getattr(result, "rejected", None))
 
   @classmethod
   def merge(cls, parts: Sequence["SpecStats"]) -> "SpecStats":
@@ -184,6 +197,8 @@ class SpecStats:
         iterations=sum(p.iterations for p in parts), num_draft=first.num_draft,
         emitted=sum(p.emitted for p in parts), processes=first.processes, k_histogram=hist,
         auto=first.auto, tree=first.tree, strategy=first.strategy,
+        rejected=(rows("rejected") if all("rejected" in p.row_counts for p in parts)
+                  else None),
         row_acceptance=(None if any(p.row_acceptance is None for p in parts)
                         else tuple(r for p in parts for r in p.row_acceptance)),
         # A fixed-K chain's pooled estimate is a function of the merged counts (it was dropped,

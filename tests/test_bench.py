@@ -5,6 +5,7 @@ one row per configuration), the option handling, and the derived fields (speedup
 efficiency, breakdown) computed from hand-picked inputs with their values worked out by hand.
 """
 
+import dataclasses
 import gzip
 import json
 import math
@@ -221,6 +222,11 @@ def test_alpha_per_verified_token():
   short = SpecStats.from_counts(rounds=[10], drafted=[15], accepted=[5], accepted_at=[[4, 1]],
                                 seconds=1.0, new_tokens=15, iterations=10, num_draft=2)
   assert metrics.alpha_per_verified_token(short) is None      # an n-gram round drafted < K
+  # With the engine's count of rejections the estimate needs no full rounds.
+  counted = dataclasses.replace(short, rejected=3)
+  assert math.isclose(metrics.alpha_per_verified_token(counted), 5 / (5 + 3))
+  tree = dataclasses.replace(counted, tree=(2, 2, 4, "topk"))
+  assert metrics.alpha_per_verified_token(tree) is None       # no i.i.d. chain describes it
 
 
 def _timer(samples):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import spec_jax as sj
+from spec_jax.bench import metrics
 from tests.conftest import peaky_models
 from spec_jax.decoding import compiled as compiled_lib
 from spec_jax.decoding.compiled import execution_params
@@ -114,6 +115,31 @@ def test_stats_count_only_what_a_cut_block_emitted():
   assert s.mean_accepted_length == pytest.approx(22 / 6)
   assert s.accepted_at == pytest.approx((1.0, 1.0, 5 / 6))
   assert s.acceptance_rate == 1.0
+  # No draft was rejected: the per-token acceptance is 1, which the cut round no longer hides
+  # (it drafted fewer than K, and the estimate from accepted_at alone was refused: None).
+  assert s.rejected == 0 and s.row_counts["rejected"] == [0, 0, 0]
+  assert metrics.alpha_per_verified_token(s) == 1.0
+
+
+def test_rejections_are_counted_per_round_as_the_counts_imply():
+  """A random draft model, greedy, K = 3, 23 new tokens: every round ends in exactly one of a
+  correction (rejected), a bonus (all K accepted: accepted_at[K-1]) or the cut of the last
+  round, so rounds - accepted_at[:, K-1] - rejected is 0 or 1 per row; the estimate is
+  accepted / (accepted + rejected), and merged statistics keep the count."""
+  target, draft = models()
+  out = sj.generate(target, PROMPTS, drafter=sj.drafters.DraftModel(draft), num_draft=3,
+                    max_new_tokens=23, sampling=GREEDY, stop_tokens=[])
+  s, res = out.stats, out.result
+  rejected = np.asarray(res.rejected)
+  left = np.asarray(res.rounds) - np.asarray(res.accepted_at)[:, -1] - rejected
+  assert set(left.tolist()) <= {0, 1} and rejected.sum() > 0, (left, rejected)
+  assert s.rejected == int(rejected.sum()) and s.row_counts["rejected"] == rejected.tolist()
+  assert metrics.alpha_per_verified_token(s) == pytest.approx(
+      s.accepted / (s.accepted + s.rejected))
+  merged = sj.SpecStats.merge([s, s])
+  assert merged.rejected == 2 * s.rejected
+  assert metrics.alpha_per_verified_token(merged) == pytest.approx(
+      metrics.alpha_per_verified_token(s))
 
 
 def test_stop_token_inside_an_accepted_block_ends_the_row():

@@ -412,3 +412,18 @@ def test_terminal_summary_compares_with_the_fastest_plain_and_states_its_noise()
   line = next(ln for ln in text.splitlines() if ln.strip().startswith("draft:x"))
   assert "0.29x" in line and "0.51x" not in line and "12%" in line
   assert "vs fastest plain" in text and "plain noise" in text
+
+
+def test_alpha_token_uses_the_engines_rejections_and_old_units_fall_back():
+  from spec_jax.eval import aggregate
+  row = lambda **kw: dict(dict(rounds=4, drafted=10, accepted=5, accepted_at=[3, 2, 0],
+                               new_tokens=9, e2e_s=1.0, rejected=3), **kw)
+  # Rounds of fewer than K = 3 drafts (an n-gram miss, a cut last round): exact with the count.
+  got = aggregate.group_stats([row(), row(accepted=1, rejected=1, accepted_at=[1, 0, 0])], 3)
+  assert got["alpha_token"] == pytest.approx(6 / (6 + 4))
+  # A unit stored before the count: the K-based estimate, refused when a round drafted < K.
+  old = row(rejected=None)
+  assert aggregate.group_stats([old], 3)["alpha_token"] is None
+  full = row(rejected=None, drafted=12, accepted_at=[3, 2, 1])
+  assert aggregate.group_stats([full], 3)["alpha_token"] == pytest.approx(5 / (5 + 3))
+  assert aggregate.group_stats([row()], "tree 2,2,4")["alpha_token"] is None

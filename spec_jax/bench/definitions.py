@@ -15,9 +15,10 @@ SPEC_DEFINITIONS = {
     "alpha_token": "accepted / (accepted + rounds that ended in a rejection), averaged over "
                    "repeats: the per-token acceptance a of tau = (1 - a^(K+1)) / (1 - a); "
                    "SpecStats' alpha also counts the drafts after a round's first rejection, "
-                   "never judged, as not accepted. null unless every round drafted K tokens "
-                   "(n-gram rounds may draft fewer, and a row's last round cut by "
-                   "max_new_tokens does: at B > 1 it is mostly null)",
+                   "never judged, as not accepted. The engine counts the rejections "
+                   "(SpecStats.rejected), so it is exact whatever the rounds' lengths (n-gram "
+                   "rounds of fewer drafts, a last round cut by max_new_tokens); null for "
+                   "plain decoding, trees and the governor",
     "capacity": "the KV-cache capacity every configuration of the cell (plain, every K, trees, "
                 "the governor) ran at and the cost ratios were timed at: longest prompt + "
                 "max_new_tokens + the largest K or tree extent + 1, rounded up to 64",

@@ -10,14 +10,24 @@ from spec_jax.decoding.prompts import CAPACITY_BUCKET, round_up
 
 def alpha_per_verified_token(stats) -> Optional[float]:
   """accepted / (accepted + rejections): the per-token acceptance of the i.i.d. model
-  tau = (1 - a^(K+1)) / (1 - a). SpecStats.acceptance_rate divides by every drafted token,
-  including the drafts after a round's first rejection that were never judged, so it equals
-  (tau - 1) / K and falls with K. Exact only when every round drafted all K tokens (a draft
-  model); None otherwise (an n-gram round may draft fewer)."""
+  tau = (1 - a^(K+1)) / (1 - a), over the drafts that were judged (each round's accepted drafts
+  and its first rejection; a Bernoulli estimate, which a round cut before its rejection or an
+  n-gram round of fewer drafts leaves unbiased). SpecStats.acceptance_rate divides by every
+  drafted token, including the drafts after a round's first rejection that were never judged,
+  so it equals (tau - 1) / K and falls with K.
+
+  The rejections are counted by the engine (SpecStats.rejected). Statistics without that count
+  fall back on rounds x (1 - accepted_at[K-1]), exact only when every round drafted all K
+  tokens; None when they did not (a cut last round, an n-gram miss). None for trees and when
+  nothing was judged."""
   k, rounds = stats.num_draft, stats.rounds
-  if not isinstance(k, int) or k == 0 or rounds == 0 or stats.drafted != rounds * k:
+  if not isinstance(k, int) or k == 0 or rounds == 0 or getattr(stats, "tree", None):
     return None
-  rejections = rounds * (1.0 - stats.accepted_at[k - 1])
+  rejections = getattr(stats, "rejected", None)
+  if rejections is None:
+    if stats.drafted != rounds * k:
+      return None
+    rejections = rounds * (1.0 - stats.accepted_at[k - 1])
   judged = stats.accepted + rejections
   return stats.accepted / judged if judged else None
 

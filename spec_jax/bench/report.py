@@ -45,9 +45,10 @@ def format_spec(result: dict) -> str:
              "dtype; --plain-dtypes), and which dtype that was (LOSS = slower than it; the "
              "verdicts judge it too). alpha = accepted/"
              "drafted (SpecStats.acceptance_rate = (tau-1)/K); a_tok = accepted/(accepted + "
-             "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) ('-' unless every "
-             "round drafted K: draft models, and only where no row's last round was cut short "
-             "by max_new_tokens, so mostly B=1); tau = tokens per target forward (bonus included).")
+             "rejections), the per-token acceptance of tau = (1-a^(K+1))/(1-a) over the judged "
+             "drafts (the engine counts the rejections: exact at any B, with cut last rounds and "
+             "n-gram misses; '-' for trees and the governor); tau = tokens per target forward "
+             "(bonus included).")
   out.append("  c_verify = t(target fwd over K+1 tokens)/t(target fwd over 1), c_draft = draft "
              "cost per round / K / t(target fwd over 1) (draft model: one 1-token draft forward; "
              "ngram, heads: (propose()+commit())/K), both at the row's batch, fill = prompt + max_new/2; "

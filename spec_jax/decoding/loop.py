@@ -271,7 +271,8 @@ def init_loop(target_params, prompt_tokens, prompt_lens, key, *, config,
   zeros = jnp.zeros((b,), jnp.int32)
   counts = RowCounts(rounds=zeros, drafted=zeros, accepted=zeros,
                      accepted_at=jnp.zeros((b, strategy.width), jnp.int32),
-                     finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32))
+                     finished_at_round=jnp.where(done, 0, -1).astype(jnp.int32),
+                     rejected=zeros)
   state = DecodeState(tokens=tokens, lengths=lengths, done=done, cache=pre.cache,
                       drafter_state=None, key=key, counts=counts,
                       iterations=jnp.zeros((), jnp.int32),

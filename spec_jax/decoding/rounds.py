@@ -152,7 +152,8 @@ def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n
   are not accepted tokens of this generation, and a round cut inside its accepted drafts
   (n_emit <= n_accepted) counts as drafted only the n_emit drafts it emitted (the rest were
   thrown away unjudged, like the drafts after a rejection), so alpha is not understated.
-  accepted_at may be wider than this round's K."""
+  rejected counts the rounds whose emitted tokens end in a correction (n_accepted <
+  draft_lengths and the cut, if any, after it). accepted_at may be wider than this round's K."""
   active = (~st.done).astype(jnp.int32)
   n_used = jnp.minimum(n_emit, n_accepted) * active
   c = st.counts
@@ -163,7 +164,9 @@ def update_stats(st: DecodeState, new: DecodeState, draft_lengths, n_accepted, n
       drafted=c.drafted + active * jnp.where(n_emit <= n_accepted, n_emit, draft_lengths),
       accepted=c.accepted + n_used,
       accepted_at=c.accepted_at + (jnp.arange(width)[None, :] < n_used[:, None]).astype(jnp.int32),
-      finished_at_round=jnp.where(new.done & ~st.done, iteration, c.finished_at_round)))
+      finished_at_round=jnp.where(new.done & ~st.done, iteration, c.finished_at_round),
+      rejected=c.rejected + active * ((n_accepted < draft_lengths)
+                                      & (n_emit > n_accepted)).astype(jnp.int32)))
 
 
 class Verified(NamedTuple):

@@ -26,12 +26,17 @@ class RowCounts:
   accepted_at: int32 [B, W] rounds in which draft position i was accepted and emitted.
   finished_at_round: int32 [B] the loop iteration in which the row finished (0 = at the
     prefill), or -1 while it runs.
+  rejected: int32 [B] rounds that emitted a correction in place of a rejected draft (a round
+    cut by a stop token or the token limit before its rejection counts none): with accepted,
+    the judged drafts' outcomes, so accepted / (accepted + rejected) is the per-token acceptance
+    whatever the rounds' lengths (bench.metrics.alpha_per_verified_token).
   """
   rounds: jax.Array
   drafted: jax.Array
   accepted: jax.Array
   accepted_at: jax.Array
   finished_at_round: jax.Array
+  rejected: jax.Array
 
 
 @flax.struct.dataclass
@@ -73,9 +78,9 @@ class DecodeResult:
     [prompt_lens[b], lengths[b]) (a stop token that ended the row included); the rest is junk.
   lengths: int32 [B] prompt + new tokens.
   prompt_lens: int32 [B].
-  rounds, drafted, accepted: int32 [B]; accepted_at: int32 [B, W]; finished_at_round: int32
-    [B] (0 = its first token, sampled at the prefill, already ended it: a request's latency in
-    rounds): the RowCounts of the last round.
+  rounds, drafted, accepted, rejected: int32 [B]; accepted_at: int32 [B, W];
+    finished_at_round: int32 [B] (0 = its first token, sampled at the prefill, already ended
+    it: a request's latency in rounds): the RowCounts of the last round.
   iterations: int32 scalar, loop iterations (target forwards after the prefill).
   k_rounds: int32 [W+1], loop iterations that ran with k drafts, k = 0..W (a fixed K puts every
     iteration at index K, a tree at its depth D; with num_draft="auto" it is the governor's
@@ -97,6 +102,7 @@ class DecodeResult:
   accepted: jax.Array
   accepted_at: jax.Array
   finished_at_round: jax.Array
+  rejected: jax.Array
   iterations: jax.Array
   k_rounds: jax.Array
   position_acceptance: jax.Array

@@ -17,10 +17,11 @@ EVAL_DEFINITIONS = {
            "request's new tokens but the prefill's first) / rounds over the group's "
            "requests; 1 for plain decoding",
     "alpha": "accepted draft tokens / drafted tokens over the group's requests",
-    "alpha_token": "accepted / (accepted + rounds with a rejection): the per-token acceptance a "
-                   "of tau = (1 - a^(K+1)) / (1 - a); null unless every round drafted K tokens "
-                   "(an n-gram round may draft fewer; a request whose last round max_new_tokens "
-                   "cut drafts fewer too, which nulls the whole group)",
+    "alpha_token": "accepted / (accepted + rounds with a rejection), the rejections counted by "
+                   "the engine: the per-token acceptance a of tau = (1 - a^(K+1)) / (1 - a) over "
+                   "the drafts that were judged, exact whatever the rounds' lengths (a cut last "
+                   "round, an n-gram miss); null for trees and the governor (K = auto), and for "
+                   "units stored by an older version when a round drafted fewer than K",
     "tokens_per_s": "summary: new tokens of the group's requests / the sum of their end-to-end "
                     "latencies (per-request speed; at batch 1 the plain throughput); "
                     "throughput: new tokens of all requests / wall seconds of all batches",
@@ -64,6 +65,8 @@ def request_rows(units, configs) -> list:
                      "prompt_tokens": req["prompt_tokens"], "new_tokens": m["new_tokens"][i],
                      "rounds": m["rounds"][i], "drafted": m["drafted"][i],
                      "accepted": m["accepted"][i], "accepted_at": m["accepted_at"][i],
+                     # absent from units an older version stored
+                     "rejected": m["rejected"][i] if "rejected" in m else None,
                      **lat[i]})
   return rows
 
@@ -79,9 +82,11 @@ def group_stats(rows, k) -> dict:
   width = len(rows[0]["accepted_at"]) if rows else 0
   if isinstance(k, int) and k > 0 and width == k:
     at = [sum(r["accepted_at"][i] for r in rows) for i in range(k)]
+    rejected = [r.get("rejected") for r in rows]
     stats = SpecStats.from_counts(rounds=[rounds], drafted=[drafted], accepted=[accepted],
                                   accepted_at=[at], seconds=1.0, new_tokens=0, iterations=0,
-                                  num_draft=k)
+                                  num_draft=k, rejected=None if None in rejected else
+                                  [sum(rejected)])
     alpha_token = alpha_per_verified_token(stats)
   width = len(rows[0]["accepted_at"]) if rows else 0
   accepted_at = [sum(r["accepted_at"][i] for r in rows) / rounds for i in range(width)] \

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 
 def row_counts(stats) -> dict:
-  """The per-row counts of a generate() call: {'rounds', 'drafted', 'accepted': [B],
-  'accepted_at': [B][K]}. The one place that reads them from the engine's statistics."""
+  """The per-row counts of a generate() call: {'rounds', 'drafted', 'accepted', 'rejected':
+  [B], 'accepted_at': [B][K]}. The one place that reads them from the engine's statistics."""
   counts = getattr(stats, "row_counts", None)
   if counts is None:
     raise RuntimeError("this spec_jax's generate() reports no per-row counts "

@@ -193,7 +193,8 @@ class UnitRunner:
           "iterations": first.stats.iterations,
           "k_histogram": {str(k): n for k, n in (first.stats.k_histogram or {}).items()},
           "new_tokens": [len(t) for t in outputs[c.key][:n]],
-          **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "accepted_at")}}
+          **{name: counts[name][:n] for name in ("rounds", "drafted", "accepted", "rejected",
+                                                 "accepted_at") if name in counts}}
     plain_tokens, plain_text = rows[PLAIN]
     return {"key": unit.key, "turn": unit.turn, "batch": unit.batch, "index": unit.index,
             "filler": unit.filler, "prompt_hash": prompt_hash(prompts),
