@@ -249,7 +249,8 @@ def test_eval_takes_the_chat_templates_options_and_keys_the_run_by_them(
                           "--chat-template-kwargs", kwargs)) == 2
     assert message in capsys.readouterr().err, kwargs
   assert cli.main(_argv(need_shared("models", TINY), prompt_file, tmp_path / "raw", *brief)) == 2
-  assert "tokenizer has no chat template (its prompts are raw text)" in capsys.readouterr().err
+  assert "this target's tokenizer has no chat template (its prompts are raw text)" in (
+      capsys.readouterr().err)
   with pytest.raises(ValueError, match="must be JSON-serialisable"):
     EvalOptions(target=str(chat_tiny), drafters=("ngram",), out=str(tmp_path / "o"),
                 prompts=str(prompt_file), chat_template_kwargs={"brief": object()}).validate()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import time
 
@@ -22,7 +21,7 @@ from spec_jax.bench.specs import (draft_model_of, drafter_label, load_model, mak
 from spec_jax.eval import aggregate
 from spec_jax.eval.options import EvalOptions
 from spec_jax.eval.progress import Progress
-from spec_jax.eval.prompting import (CHAT_TEMPLATE, build_requests, prompt_format,
+from spec_jax.eval.prompting import (build_requests, check_template_options, prompt_format,
                                      select_records)
 from spec_jax.eval.report import render_markdown, write_plots
 from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
@@ -142,10 +141,7 @@ def evaluate(opts: EvalOptions) -> dict:
   records = select_records(read_prompt_records(opts.prompts), opts.limit_per_category,
                            opts.categories)
   fmt = prompt_format(target)
-  if opts.chat_template_kwargs is not None and fmt != CHAT_TEMPLATE:
-    raise ValueError(f"--chat-template-kwargs {json.dumps(opts.chat_template_kwargs)}: "
-                     f"{opts.target}'s tokenizer has no chat template (its prompts are raw "
-                     f"text); leave them out")
+  check_template_options(target, opts.chat_template_kwargs)   # before DIR is written
   run_dir = RunDir(opts.out)
   distributed.on_main(lambda: run_dir.open(fingerprint(opts, fmt)))
   info = machine_info()

@@ -11,6 +11,7 @@ own answers to turns 1..t-1.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional
 
 from spec_jax.models.chat import chat_ids, hf_chat_tokenizer
@@ -69,14 +70,19 @@ def conversation(record, turn: int, answers: dict) -> list:
   return messages
 
 
+def check_template_options(model, chat_template_kwargs) -> None:
+  """ValueError when a chat template's options are given for a model without a template."""
+  if chat_template_kwargs is not None and chat_tokenizer(model) is None:
+    raise ValueError(f"chat template options {json.dumps(chat_template_kwargs)} were given, "
+                     f"but this target's tokenizer has no chat template (its prompts are raw "
+                     f"text); leave them out")
+
+
 def encode_conversation(model, messages: list, chat_template_kwargs=None) -> list:
   """Token ids of a conversation ending with a user message, ready for the answer;
-  chat_template_kwargs: the template's options (ValueError without a template)."""
+  chat_template_kwargs: the template's options (check_template_options)."""
+  check_template_options(model, chat_template_kwargs)
   if chat_tokenizer(model) is None:
-    if chat_template_kwargs is not None:
-      raise ValueError(f"chat_template_kwargs {chat_template_kwargs!r} are a chat template's "
-                       f"options, but this target's tokenizer has no chat template (its "
-                       f"prompts are raw text); leave them out")
     return model.encode("\n\n".join(m["content"] for m in messages))
   return chat_ids(model, messages, chat_template_kwargs=chat_template_kwargs)
 
