@@ -18,7 +18,7 @@ from spec_jax import timing
 from spec_jax.bench import cli, metrics, report
 from spec_jax.bench.definitions import SPEC_DEFINITIONS
 from spec_jax.bench.prompts import read_prompt_texts
-from spec_jax.bench.results import ROOT, SCHEMA_VERSION
+from spec_jax.bench.results import ROOT, SCHEMA_VERSION, cpu_info, describe_cpu
 from spec_jax.bench.specs import parse_pairs
 from spec_jax.bench.suites.breakdown import breakdown_row
 from spec_jax.bench.suites.spec import spec_row
@@ -64,6 +64,9 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "legend" in printed and printed.count("verdict ") == 2
   assert data["table"] in printed
+  # The host's CPU is recorded and named: speedups move with its bf16 kernels.
+  assert set(data["machine"]["cpu"]) == {"model", "features"}
+  assert f"s on {describe_cpu(data['machine'])}; JSON" in printed
   assert data["partial"] is False
 
   # --resume keeps the finished cells of a partial file written with the same options.
@@ -75,6 +78,21 @@ def test_spec_suite_tiny_writes_consistent_json(tmp_path, capsys):
   assert cli.main(argv) == 0
   again = json.loads(out.read_text())
   assert again["rows"] == rows and again["partial"] is False
+
+
+def test_cpu_model_and_features_are_read_from_cpuinfo():
+  x86 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n"
+         "flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile\n\nprocessor\t: 1\n"
+         "model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2\n")
+  assert cpu_info(x86) == {"model": "AMD EPYC 9R14",
+                           "features": ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]}
+  assert describe_cpu({"cpu": cpu_info(x86)}) == "AMD EPYC 9R14; avx2 fma avx512f avx512_bf16 amx_tile"
+  arm = "processor\t: 0\nFeatures\t: fp asimd aes sve bf16 i8mm\nCPU part\t: 0xd40\n"
+  assert cpu_info(arm)["features"] == ["asimd", "sve", "bf16", "i8mm"]
+  avx2_only = "model name\t: AMD EPYC 7B12\nflags\t\t: sse2 avx avx2 fma\n"
+  assert describe_cpu({"cpu": cpu_info(avx2_only)}) == "AMD EPYC 7B12; avx2 fma"
+  assert describe_cpu({"platform": "Linux"}) == "CPU model not recorded"   # older runs
+  assert set(cpu_info()) == {"model", "features"}                          # this host
 
 
 def test_spec_suite_governor_column_and_mixed_prompts(tmp_path, monkeypatch, capsys):

@@ -12,6 +12,7 @@ import pytest
 
 from spec_jax.bench.plots import have_matplotlib
 from spec_jax.bench.prompts import PromptRecord, read_prompt_records
+from spec_jax.bench.results import describe_cpu
 from spec_jax.eval import EvalOptions, LossyOutputError, cli, evaluate, prompting, runner
 from spec_jax.eval.latency import request_latencies
 from spec_jax.eval.options import auto_supported
@@ -50,6 +51,7 @@ def test_eval_writes_results_report_plots_and_resumes(tmp_path, prompt_file, cap
   res = json.loads((out / "results.json").read_text())
   report = (out / "report.md").read_text()
   assert res["kind"] == "eval" and res["machine"]["git_commit"] is not None
+  assert describe_cpu(res["machine"]) in report and "cpu" in res["machine"]
   assert res["target"]["prompt_format"] == "raw"
   # a2 is over the limit; c1 does not fit the context: skipped, listed, reported.
   assert [(s["id"], s["turn"]) for s in res["skipped"]] == [("c1", 1)]

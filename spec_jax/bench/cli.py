@@ -13,7 +13,7 @@ import time
 
 from spec_jax.bench.prompts import PROMPT_SETS
 from spec_jax.bench.report import FORMATTERS
-from spec_jax.bench.results import ROOT, SCHEMA_VERSION, log, machine_info
+from spec_jax.bench.results import ROOT, SCHEMA_VERSION, describe_cpu, log, machine_info
 from spec_jax.bench.specs import DEFAULT_PAIRS, resolve_path
 from spec_jax.files import atomic_write_json
 
@@ -313,5 +313,6 @@ def main(argv=None) -> int:
     result["table"] = text
     atomic_write_json(out_path, result)
     print(text)
-    print(f"\n[{suite} suite: {result['wall_seconds']:.0f} s; JSON written to {out_path}]")
+    print(f"\n[{suite} suite: {result['wall_seconds']:.0f} s on {describe_cpu(info)}; JSON "
+          f"written to {out_path}]")
   return 0

@@ -11,6 +11,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA_VERSION = 1
@@ -21,10 +22,51 @@ def log(msg: str) -> None:
   print(msg, file=sys.stderr, flush=True)
 
 
+# The instruction-set features that decide which kernels XLA:CPU (and llama.cpp) run, bf16
+# products above all. Hosts differ: one VM host runs AVX-512 with BF16, another AVX2 only, and a
+# speedup over plain decoding moves with them (docs/real_model.md: the same Spec-Bench command
+# read 1.60x on 2026-12-01's host, where the CPU went unrecorded, and 1.32x on 2026-12-07's,
+# whose same-commit plain decoding ran ~1.6x faster).
+CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_info(cpuinfo_text: Optional[str] = None) -> dict:
+  """{"model": the CPU's model name or None, "features": those of CPU_FEATURES it has}, from
+  /proc/cpuinfo (its first "model name" and "flags" (x86) or "Features" (Arm) lines); where
+  there is none, platform.processor() and no features. cpuinfo_text: that file's text."""
+  if cpuinfo_text is None:
+    try:
+      cpuinfo_text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+      cpuinfo_text = ""
+  model, flags = None, None
+  for line in cpuinfo_text.splitlines():
+    key, _, value = line.partition(":")
+    key = key.strip()
+    if key == "model name" and model is None:
+      model = value.strip() or None
+    elif key in ("flags", "Features") and flags is None:
+      flags = set(value.split())
+  return {"model": model or platform.processor() or None,
+          "features": [f for f in CPU_FEATURES if f in (flags or ())]}
+
+
+def describe_cpu(machine: dict) -> str:
+  """A recorded machine's CPU for a report line: "AMD EPYC; avx2 avx512f avx512_bf16"; runs
+  recorded before the field say so."""
+  cpu = machine.get("cpu")
+  if not cpu:
+    return "CPU model not recorded"
+  features = " ".join(cpu.get("features") or [])
+  return (cpu.get("model") or "unknown CPU") + (f"; {features}" if features else "")
+
+
 def machine_info() -> dict:
-  """Platform, Python, JAX backend and devices, load average, git commit (and dirty files)."""
+  """Platform, CPU model and features, Python, JAX backend and devices, load average, git
+  commit (and dirty files)."""
   import jax
-  info = {"platform": platform.platform(), "python": platform.python_version(),
+  info = {"platform": platform.platform(), "cpu": cpu_info(), "python": platform.python_version(),
           "cpu_count": os.cpu_count(), "jax": jax.__version__,
           "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
   device_kinds = sorted({getattr(d, "device_kind", "") for d in jax.devices()} - {""})

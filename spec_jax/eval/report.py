@@ -7,6 +7,7 @@ import json
 import pathlib
 
 from spec_jax.bench import plots
+from spec_jax.bench.results import describe_cpu
 from spec_jax.bench.tables import fmt, table
 from spec_jax.eval.aggregate import ALL
 
@@ -100,7 +101,8 @@ def _header(res) -> list:
            f"new tokens (stop at end-of-text), batch sizes {o['batch']}, {o['repeats']} timed "
            f"round(s) per batch, interleaved",
            f"- machine: {m.get('backend')} backend, {len(m.get('devices', []))} device(s) "
-           f"({', '.join(m.get('device_kind', [])) or '?'}), {m.get('cpu_count')} CPUs, load "
+           f"({', '.join(m.get('device_kind', [])) or '?'}), {m.get('cpu_count')} CPUs "
+           f"({describe_cpu(m)}), load "
            f"average at start {fmt((m.get('loadavg_start') or [None])[0], 1)}; commit "
            f"`{m.get('git_commit', '?')[:12]}`; {res['created'][:19]} UTC; "
            f"wall {res['wall_seconds']:.0f} s", ""]
