@@ -97,11 +97,20 @@ def test_eval_writes_results_report_plots_and_resumes(tmp_path, prompt_file, cap
   assert again["summary"] == res["summary"] and again["requests"] == res["requests"]
   monkeypatch.undo()
 
-  # A run killed before its last batch: only that batch is measured.
+  # A run killed before its last batch: only that batch is measured. The other units here
+  # were measured on another host (a VM moved): the report says the run mixes hosts.
+  assert res["run"]["hosts"] == [describe_cpu(res["machine"])] and "Mixed hosts" not in report
+  moved = out / "units" / "turn1-B1-00000.json"
+  moved.write_text(json.dumps(dict(json.loads(moved.read_text()), host="Other CPU; avx2")))
   (out / "units" / "turn2-B2-00000.json").unlink()
+  capsys.readouterr()
   assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "2")) == 0
   third = json.loads((out / "results.json").read_text())
   assert third["run"]["units_measured"] == 1 and third["run"]["units_reused"] == 4
+  assert third["run"]["hosts"] == sorted(["Other CPU; avx2", describe_cpu(third["machine"])])
+  assert "**Mixed hosts:** this run's units were measured on 2 hosts" in (
+      out / "report.md").read_text()
+  assert "[eval] warning: this run's units were measured on 2 hosts" in capsys.readouterr().err
 
   # Other options in the same directory: a clear error, nothing overwritten.
   assert cli.main(_argv(model, prompt_file, out, "--batch", "1", "--temperature", "1")) == 2

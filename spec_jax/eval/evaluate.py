@@ -15,7 +15,7 @@ import time
 
 from spec_jax import distributed, sharding
 from spec_jax.bench.prompts import read_prompt_records, source_path
-from spec_jax.bench.results import SCHEMA_VERSION, log, machine_info
+from spec_jax.bench.results import SCHEMA_VERSION, describe_cpu, log, machine_info
 from spec_jax.bench.specs import (draft_model_of, drafter_label, load_model, make_drafter,
                                   model_label, resolve_path)
 from spec_jax.eval import aggregate
@@ -23,7 +23,7 @@ from spec_jax.eval.options import EvalOptions
 from spec_jax.eval.progress import Progress
 from spec_jax.eval.prompting import (build_requests, check_template_options, prompt_format,
                                      select_records)
-from spec_jax.eval.report import render_markdown, write_plots
+from spec_jax.eval.report import mixed_hosts_note, render_markdown, write_plots
 from spec_jax.eval.runner import PLAIN, Config, UnitRunner, plan_units
 from spec_jax.eval.store import RunDir, prompt_hash
 from spec_jax.files import atomic_write_json, atomic_write_text
@@ -90,7 +90,9 @@ def _warn_skipped(skipped, turn: int, strict: bool, main: bool = True) -> None:
     log(f"[eval] warning: {msg}")
 
 
-def _measure_turn(run_dir, runner, requests, batches, turn, progress, counters) -> list:
+def _measure_turn(run_dir, runner, requests, batches, turn, progress, counters, host) -> list:
+  """The units of one turn at every batch size: stored ones reused, the rest measured and
+  stored with `host` (describe_cpu of this machine: a resumed run may span hosts)."""
   units = []
   for b in batches:
     for unit in plan_units(requests, b, turn):
@@ -99,7 +101,7 @@ def _measure_turn(run_dir, runner, requests, batches, turn, progress, counters) 
           unit.key, phash, [c.key for c in runner.configs]))
       reused = stored is not None
       if not reused:
-        stored = runner.measure(unit)
+        stored = dict(runner.measure(unit), host=host)
         if distributed.is_main():
           run_dir.save_unit(unit.key, stored)
       counters["reused" if reused else "measured"] += 1
@@ -162,7 +164,8 @@ def evaluate(opts: EvalOptions) -> dict:
       runner = runner or UnitRunner(target, configs, opts.max_new_tokens, opts.temperature,
                                     opts.seed, opts.repeats, progress, mesh,
                                     sampling=opts.sampling)
-      turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters)
+      turn_units = _measure_turn(run_dir, runner, requests, opts.batch, turn, progress, counters,
+                                 describe_cpu(info))
       units += turn_units
       answers.update(_answers_from(turn_units, turn))
   finally:
@@ -171,6 +174,8 @@ def evaluate(opts: EvalOptions) -> dict:
     raise ValueError(f"no prompt of {opts.prompts} fits the context of {context} positions "
                      f"with {opts.max_new_tokens} new tokens; lower --max-new-tokens")
   res = results_of(opts, target, configs, records, units, skipped, fmt, info, counters)
+  if len(res["run"]["hosts"]) > 1 and main:
+    log(f"[eval] warning: {mixed_hosts_note(res['run']['hosts'])}")
   res["wall_seconds"] = time.time() - started
   res["plots"] = write_plots(res, run_dir.path) if main else []
   if main:
@@ -213,6 +218,7 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
       "requests": rows,
       "answers": aggregate.answers_of(units),
       "run": {"units": len(units), "units_measured": counters["measured"],
-              "units_reused": counters["reused"], "out": str(opts.out)},
+              "units_reused": counters["reused"], "out": str(opts.out),
+              "hosts": sorted({u.get("host", "CPU model not recorded") for u in units})},
       "definitions": aggregate.EVAL_DEFINITIONS,
   }

@@ -19,6 +19,14 @@ _FORMATS = {"chat_template": "prompts through the tokenizer's chat template",
             "raw": "raw-text prompts (the tokenizer has no chat template)"}
 
 
+def mixed_hosts_note(hosts) -> str:
+  """What a run resumed on another host means for its numbers."""
+  return (f"this run's units were measured on {len(hosts)} hosts ({' | '.join(hosts)}): every "
+          f"speedup compares configurations timed side by side in one unit, on one host, but "
+          f"the tok/s totals and the speedups pooled over units mix the hosts; rerun into a "
+          f"fresh --out for numbers of one host")
+
+
 def _x(v, nd=2):
   return f"{v:.{nd}f}×" if v is not None else "-"
 
@@ -106,6 +114,9 @@ def _header(res) -> list:
            f"average at start {fmt((m.get('loadavg_start') or [None])[0], 1)}; commit "
            f"`{m.get('git_commit', '?')[:12]}`; {res['created'][:19]} UTC; "
            f"wall {res['wall_seconds']:.0f} s", ""]
+  hosts = res.get("run", {}).get("hosts") or []
+  if len(hosts) > 1:
+    lines += [f"**Mixed hosts:** {mixed_hosts_note(hosts)}.", ""]
   g = res["greedy_check"]
   ties = g.get("near_tie_divergences") or []
   if g["checked"] and not ties:
