@@ -189,3 +189,17 @@ def test_peer_summary_and_table_with_llamacpp_rows():
   assert text.rstrip().endswith("note: n1")
   lines = text.splitlines()
   assert lines[2].split()[2] == "spec_jax" and lines[6].split()[2] == "llama.cpp"
+
+
+@pytest.mark.parametrize("signal_exit, names", [(-11, "AMX off"), (-4, "illegal instruction")])
+def test_a_crashed_llamacpp_worker_names_the_build_to_fix(monkeypatch, signal_exit, names):
+  """A llama.cpp built for another CPU dies by a signal, not an exception: the error says which
+  build flag to change (a build with GGML_AVX_VNNI on an AMD EPYC died with SIGILL)."""
+  crashed = types.SimpleNamespace(returncode=signal_exit, stdout="", stderr="Fatal Python error")
+  monkeypatch.setattr(peer.subprocess, "run", lambda *a, **kw: crashed)
+  with pytest.raises(RuntimeError, match=names) as err:
+    peer._run_worker({"side": "llamacpp"}, "/tmp/unused-cache")
+  assert f"exit {signal_exit}" in str(err.value) and "docs/peers.md" in str(err.value)
+  with pytest.raises(RuntimeError) as err:             # transformers: no llama.cpp hint
+    peer._run_worker({"side": "hf"}, "/tmp/unused-cache")
+  assert "docs/peers.md" not in str(err.value)

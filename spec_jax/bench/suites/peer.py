@@ -34,7 +34,7 @@ from spec_jax.bench.chat_prompts import chat_prompt_token_lists, is_chat_source
 from spec_jax.bench.metrics import common_prefix_fraction, first_difference
 from spec_jax.bench.peer_llamacpp import gguf_info, import_llama_cpp
 from spec_jax.bench.prompts import prompt_token_lists
-from spec_jax.bench.results import ROOT, log
+from spec_jax.bench.results import ROOT, cpu_info, log
 from spec_jax.bench.specs import (check_measured_pairs, drafter_label, load_model,
                                   model_label, parse_pairs,
                                   resolve_path)
@@ -85,6 +85,11 @@ def _run_worker(job: dict, cache_dir: str) -> dict:
       hint = ("\nllama.cpp segfaulted. A build with AMX on (GGML_NATIVE=ON on an AMX CPU) "
               "crashes in ggml_backend_amx_mul_mat on this repository's CPU: rebuild "
               "llama-cpp-python with AMX off (docs/peers.md)")
+    elif job["side"] == "llamacpp" and proc.returncode == -4:
+      hint = (f"\nllama.cpp hit an illegal instruction: it was built for instructions this CPU "
+              f"lacks (it has {' '.join(cpu_info()['features']) or 'none of the listed ones'}; "
+              f"GGML_AVX_VNNI=ON on an AMD EPYC, for one): rebuild llama-cpp-python with "
+              f"only the flags /proc/cpuinfo lists (docs/peers.md)")
     raise RuntimeError(f"peer worker ({job['side']}) failed (exit {proc.returncode}):\n"
                        f"{proc.stderr[-4000:]}{hint}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
