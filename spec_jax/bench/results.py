@@ -24,8 +24,9 @@ def log(msg: str) -> None:
 
 # The instruction-set features that decide which kernels XLA:CPU (and llama.cpp) run, bf16
 # products above all. A speedup over plain decoding moves with the host: the same Spec-Bench
-# command read 1.60x on one VM host (its CPU unrecorded) and 1.32x on another, where plain
-# decoding ran 1.45x faster at the same code speed (docs/real_model.md).
+# command read 1.60x on one VM host (an Intel Xeon with AMX, unrecorded at the time) and 1.32x
+# on another (an AMD EPYC), where plain decoding ran 1.45x faster at the same code speed
+# (docs/real_model.md).
 CPU_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
                 "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
 
