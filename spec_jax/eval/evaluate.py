@@ -219,6 +219,6 @@ def results_of(opts, target, configs, records, units, skipped, fmt, info, counte
       "answers": aggregate.answers_of(units),
       "run": {"units": len(units), "units_measured": counters["measured"],
               "units_reused": counters["reused"], "out": str(opts.out),
-              "hosts": sorted({u.get("host", "CPU model not recorded") for u in units})},
+              "hosts": sorted({u.get("host", describe_cpu({})) for u in units})},   # {}: unrecorded
       "definitions": aggregate.EVAL_DEFINITIONS,
   }
