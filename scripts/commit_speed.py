@@ -2,7 +2,9 @@
 spec_jax comes first on sys.path, so two commits can be timed side by side on one host:
 
     git worktree add /tmp/old 4bd8a4c
-    for i in 1 2; do PYTHONPATH=/tmp/old python scripts/commit_speed.py 2; python scripts/commit_speed.py 2; done
+    for i in 1 2; do
+      PYTHONPATH=/tmp/old python scripts/commit_speed.py 2; python scripts/commit_speed.py 2
+    done
 
 bf16, B = 1, the first turns of 4 Spec-Bench questions as raw text (no chat template, so the
 script runs on commits whose eval differed), 128 new tokens at most, each configuration

@@ -86,7 +86,8 @@ def test_cpu_model_and_features_are_read_from_cpuinfo():
          "model name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2\n")
   assert cpu_info(x86) == {"model": "AMD EPYC 9R14",
                            "features": ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]}
-  assert describe_cpu({"cpu": cpu_info(x86)}) == "AMD EPYC 9R14; avx2 fma avx512f avx512_bf16 amx_tile"
+  assert (describe_cpu({"cpu": cpu_info(x86)})
+          == "AMD EPYC 9R14; avx2 fma avx512f avx512_bf16 amx_tile")
   arm = "processor\t: 0\nFeatures\t: fp asimd aes sve bf16 i8mm\nCPU part\t: 0xd40\n"
   assert cpu_info(arm)["features"] == ["asimd", "sve", "bf16", "i8mm"]
   avx2_only = "model name\t: AMD EPYC 7B12\nflags\t\t: sse2 avx avx2 fma\n"
