@@ -135,6 +135,65 @@ def test_eagle3_reduced_draft_vocabulary_trains_and_saves(tmp_path):
                         "--set", f"out_dir={tmp_path / 'other'}"])
 
 
+@pytest.mark.parametrize("head", [
+    {"kind": "eagle3", "num_draft": 2, "draft_vocab_size": 48, "target_layers": [1, 2, 4]},
+    {"kind": "medusa", "num_draft": 2},
+    {"kind": "dflash", "num_draft": 3, "block_size": 4, "num_layers": 1},
+    {"kind": "dspark", "num_draft": 3, "block_size": 3, "num_layers": 1},
+])
+def test_precomputed_target_features_give_the_online_loss(tmp_path, head):
+  """train.features: the loss from precomputed features (then only the LM head runs) equals the
+  loss with the whole target in the step, for every loss family (fresh heads); features of
+  other windows do not (the check can fail)."""
+  from train import data as data_lib
+  from train import features as features_lib
+  extra = {"ttt_steps": 2} if head["kind"] == "eagle3" else {}
+  cfg = load_config(write_config(tmp_path, head=head, train=extra))
+  target = sj.load(cfg["target"])
+  windows = data_lib.build_windows(target, cfg["data"], "unused", 0, lambda m: None)[:12]
+  draft_tokens = (data_lib.frequent_tokens(windows, 48, 512)
+                  if head.get("draft_vocab_size") else None)
+  drafter = distill_heads.build_head(cfg, target, draft_tokens)
+  loss_fn = jax.jit(distill_heads.make_loss_fn(drafter, target.config, cfg["train"]))
+  feats = features_lib.precompute(target, windows, drafter.target_layers, batch=5)
+  assert feats.hidden.shape == windows.shape + (target.config.hidden_size,)
+  assert len(feats.layer_hidden) == len(drafter.target_layers)
+  idx = np.array([7, 2, 11, 0])
+  key = jax.random.key(3)
+  online, m_online = loss_fn(drafter.params, target.params, windows[idx], key)
+  offline, m_offline = loss_fn(drafter.params, target.params, windows[idx], key, feats.rows(idx))
+  np.testing.assert_allclose(float(offline), float(online), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(m_offline["agree"]), np.asarray(m_online["agree"]))
+  other, _ = loss_fn(drafter.params, target.params, windows[idx], key,
+                     feats.rows((idx + 1) % len(windows)))
+  assert abs(float(other) - float(online)) > 1e-5 * abs(float(online))    # 10x the tolerance
+
+
+def test_a_run_with_precomputed_features_trains_as_the_online_one(tmp_path):
+  """train.precompute_features: the same steps, the same losses and heads (up to float
+  rounding) as a run whose every step runs the target; killed and resumed, it precomputes
+  again and ends where the straight run does."""
+  common = dict(head={"kind": "eagle3", "num_draft": 2, "draft_vocab_size": 48},
+                train={"steps": 6, "ttt_steps": 2, "checkpoint_every": 3})
+  online = distill_heads.main(["--config", str(write_config(tmp_path / "a", **common))])
+  path = write_config(tmp_path / "b", **common)
+  first = distill_heads.main(["--config", str(path), "--set", "train.precompute_features=true",
+                              "--set", "train.stop_after=3"])
+  assert first["stopped"]
+  offline = distill_heads.main(["--config", str(path), "--set",
+                                "train.precompute_features=true"])
+  assert offline["start_step"] == 3
+  losses_a = json.loads((tmp_path / "a" / "run" / "losses.json").read_text())["losses"]
+  losses_b = json.loads((tmp_path / "b" / "run" / "losses.json").read_text())["losses"]
+  assert losses_a.keys() == losses_b.keys() and len(losses_a) == 6
+  np.testing.assert_allclose([losses_b[k] for k in losses_a], list(losses_a.values()),
+                             rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(online["params"]), jax.tree.leaves(offline["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="train.precompute_features must be true or false"):
+    load_config(path, ["train.precompute_features=1"])
+
+
 def test_frequent_tokens_fill_with_unused_ids():
   from train.data import frequent_tokens
   windows = np.array([[5, 5, 5, 9, 9, 2], [9, 7, 7, 7, 7, 5]])

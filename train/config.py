@@ -92,6 +92,9 @@ DEFAULTS = {
                                # b >= 16, 4 for b >= 8, b/2 below); DSpark: exp(-k/gamma)
         "l1_weight": 0.0,      # DSpark: weight of ||q - p||_1 per slot (DeepSpec: 0.9)
         "confidence_weight": 1.0,  # DSpark: weight of the confidence head's BCE (DeepSpec: 1.0)
+        "precompute_features": False,  # run the target once over every window, keep its
+                               # hidden states on the host (train.features); each step then
+                               # runs only its LM head, for the labels
         "checkpoint_every": 200,
         "log_every": 25,
         "stop_after": None,    # test hook: stop (as if killed) after this step's checkpoint
@@ -228,6 +231,9 @@ def validate(cfg: dict) -> dict:
     t["frozen"] = [t["frozen"]]
   if not isinstance(t["frozen"], list) or not all(isinstance(x, str) for x in t["frozen"]):
     raise ValueError(f"train.frozen must be a list of head param names, got {t['frozen']!r}")
+  if not isinstance(t["precompute_features"], bool):
+    raise ValueError(f"train.precompute_features must be true or false, got "
+                     f"{t['precompute_features']!r}")
   if t["dtype"] not in ("float32", "bfloat16"):
     raise ValueError(f"train.dtype must be float32 or bfloat16, got {t['dtype']!r}")
   n = cfg["head"]["draft_vocab_size"]

@@ -10,7 +10,9 @@ Distills draft heads (Medusa, EAGLE, EAGLE-3, MTP, DFlash block drafters) onto a
      draft vocabulary (d2t / t2d, as SpecForge does);
   3. trains with optax AdamW (warmup + cosine decay, gradient clipping); only the head's
      params are in the optimizer state; every step runs the frozen target over the [B, T]
-     batch inside the same jitted step for its features and soft labels (train/losses.py);
+     batch inside the same jitted step for its features and soft labels (train/losses.py),
+     or with `train.precompute_features` runs it once over every window first and then only
+     its LM head per step, for the labels (train/features.py: offline distillation);
   4. checkpoints {params, opt_state} with orbax every `train.checkpoint_every` steps into
      `out_dir`/checkpoints; rerunning the same command resumes from the last one, and batch
      order is a function of (seed, step), so a resumed run ends where an uninterrupted one does;
@@ -52,11 +54,11 @@ from spec_jax import distributed
 from spec_jax import sharding
 from spec_jax.drafters import registry
 from spec_jax.drafters.formats import heads_folder
-from spec_jax.models.transformer import KVCache, forward
 from spec_jax.tree import parse_tree_spec
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
 from train import evaluate as eval_lib
+from train import features as features_lib
 from train import losses
 from train.config import load_config
 
@@ -124,16 +126,15 @@ def make_optimizer(tcfg: dict, params=None):
 
 
 def make_loss_fn(head, target_config, tcfg: dict):
-  """loss(params, target_params, tokens, key) -> (loss, metrics); the target is frozen."""
+  """loss(params, target_params, tokens, key, features=None) -> (loss, metrics); the target is
+  frozen. features: the rows' precomputed train.features.Features (then only the target's LM
+  head runs, for the labels), or None (the whole target runs over tokens)."""
   layers = tuple(head.target_layers)
   loss = losses.LOSSES[registry.kind(head.kind).loss]
   compute = jnp.bfloat16 if tcfg["dtype"] == "bfloat16" else jnp.float32
 
-  def loss_fn(params, target_params, tokens, key):
-    b, t = tokens.shape
-    out = forward(target_params, target_config, tokens, KVCache.zeros(target_config, b, t),
-                  jnp.zeros((b,), jnp.int32), return_layers=layers)
-    out = jax.lax.stop_gradient(out)
+  def loss_fn(params, target_params, tokens, key, features=None):
+    out = features_lib.target_outputs(target_params, target_config, tokens, layers, features)
     probs = jax.nn.softmax(out.logits.astype(jnp.float32), axis=-1)
     # bfloat16: the head computes with bf16-rounded weights; master weights stay float32.
     p = jax.tree.map(lambda x: x.astype(compute).astype(jnp.float32), params)
@@ -176,6 +177,9 @@ def run(cfg: dict) -> dict:
   """Trains per `cfg` (train.config schema). Returns a summary dict (also used by tests)."""
   started = time.perf_counter()
   distributed.agree(cfg, "the training config")
+  if cfg["train"]["precompute_features"] and distributed.process_count() > 1:
+    raise ValueError("train.precompute_features keeps every window's features on one host; "
+                     "under several processes set it to false (each step runs the target)")
   mesh = make_mesh(cfg)
   main = distributed.is_main()
   out_dir = pathlib.Path(cfg["out_dir"])
@@ -212,9 +216,9 @@ def run(cfg: dict) -> dict:
   optimizer = make_optimizer(tcfg, head.params)
   loss_fn = make_loss_fn(head, target.config, tcfg)
 
-  def train_step(params, opt_state, target_params, tokens, key):
+  def train_step(params, opt_state, target_params, tokens, key, features=None):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, target_params, tokens, key)
+        params, target_params, tokens, key, features)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, metrics
 
@@ -246,9 +250,16 @@ def run(cfg: dict) -> dict:
   elif main:
     heads_folder.write_json_atomic(out_dir / RESUME_IDENTITY, identity)
 
-  probe = batch_of(data_lib.batch_indices(len(windows), tcfg["batch_size"], cfg["seed"] + 1, 0))
+  features = None
+  if tcfg["precompute_features"] and start < tcfg["steps"]:
+    features = _precompute_features(target, head, windows, tcfg, mesh)
+  features_of = lambda idx: None if features is None else sharding.shard_rows(
+      mesh, features.rows(idx))
+  probe_idx = data_lib.batch_indices(len(windows), tcfg["batch_size"], cfg["seed"] + 1, 0)
+  probe, probe_features = batch_of(probe_idx), features_of(probe_idx)
   probe_key = sharding.replicate(mesh, jax.random.key(0))
-  l0, m0 = eval_loss(sharding.replicate(mesh, head.params), target_params, probe, probe_key)
+  l0, m0 = eval_loss(sharding.replicate(mesh, head.params), target_params, probe, probe_key,
+                     probe_features)
   initial = {"loss": float(l0), "agree": np.asarray(m0["agree"]).tolist()}
 
   steps = tcfg["steps"]
@@ -265,7 +276,7 @@ def run(cfg: dict) -> dict:
     idx = data_lib.batch_indices(len(windows), tcfg["batch_size"], cfg["seed"], step)
     params, opt_state, loss, metrics = train_step(
         params, opt_state, target_params, batch_of(idx),
-        sharding.replicate(mesh, jax.random.fold_in(base_key, step)))
+        sharding.replicate(mesh, jax.random.fold_in(base_key, step)), features_of(idx))
     losses[step + 1] = loss
     done = step + 1
     if done % tcfg["log_every"] == 0 or done == steps:
@@ -285,7 +296,7 @@ def run(cfg: dict) -> dict:
   if main:
     _write_losses(out_dir / "losses.json", losses)
 
-  l1, m1 = eval_loss(params, target_params, probe, probe_key)
+  l1, m1 = eval_loss(params, target_params, probe, probe_key, probe_features)
   final = {"loss": float(l1), "agree": np.asarray(m1["agree"]).tolist()}
   params = host_copy(params)
   summary = {"kind": head.kind, "num_draft": k_eval, "start_step": start,
@@ -324,6 +335,19 @@ def run(cfg: dict) -> dict:
     heads_folder.write_json_atomic(out_dir / "eval.json", report)
   summary.update(eval=evals, total_seconds=total)
   return summary
+
+
+def _precompute_features(target, head, windows, tcfg: dict, mesh):
+  """train.features.precompute over every window, with its size and time logged."""
+  started = time.perf_counter()
+  size = features_lib.feature_bytes(len(windows), windows.shape[1], target.config.hidden_size,
+                                    len(head.target_layers), target.config.dtype)
+  log(f"target features: precomputing {len(windows)} windows ({size / 2**30:.2f} GiB on the "
+      f"host), {tcfg['batch_size']} per forward")
+  features = features_lib.precompute(target, windows, head.target_layers, tcfg["batch_size"],
+                                     mesh, log)
+  log(f"target features: done in {time.perf_counter() - started:.0f} s")
+  return features
 
 
 def _write_losses(path: pathlib.Path, losses: dict) -> None:
