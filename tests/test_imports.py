@@ -173,7 +173,7 @@ def test_the_graph_sees_the_imports_it_should(graph):
   assert "spec_jax.decoding.strategies.tree" in graph["spec_jax.decoding.strategies"]
   assert "spec_jax.tree" in graph["spec_jax.drafters.draft_model"]
   assert "spec_jax.decoding.compiled" in graph["spec_jax.bench.suites.targets"]   # lazy
-  assert "spec_jax.models" in graph["train.distill_heads"]
+  assert "spec_jax.models" in graph["train.features"]
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
   assert layer_of("spec_jax.decoding.strategies.chain")[1] == "strategies"
   assert layer_of("spec_jax.decoding.rounds")[1] == "decode core"
