@@ -16,7 +16,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 
 import spec_jax as sj
 from spec_jax.drafters.formats import heads_folder
@@ -45,12 +44,8 @@ def main(argv=None) -> None:
   optimizer = distill_heads.make_optimizer(tcfg, head.params)
   loss_fn = distill_heads.make_loss_fn(head, target.config, tcfg)
 
-  @jax.jit
-  def step(params, opt_state, tokens, key, features=None):
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, target.params, tokens, key, features)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+  train_step = jax.jit(distill_heads.make_train_step(loss_fn, optimizer))
+  step = lambda params, opt, tokens, key, f: train_step(params, opt, target.params, tokens, key, f)
 
   b = tcfg["batch_size"]
   batches = [data_lib.batch_indices(len(windows), b, cfg["seed"], s) for s in range(args.steps)]

@@ -162,11 +162,13 @@ def test_precomputed_target_features_give_the_online_loss(tmp_path, head):
   key = jax.random.key(3)
   online, m_online = loss_fn(drafter.params, target.params, windows[idx], key)
   offline, m_offline = loss_fn(drafter.params, target.params, windows[idx], key, feats.rows(idx))
-  np.testing.assert_allclose(float(offline), float(online), rtol=1e-6)
+  # Bit-equal on the CPU that wrote this (one function of one hidden state); rtol leaves room
+  # for another CPU's fusion. Other windows move the loss by 3-8 %.
+  np.testing.assert_allclose(float(offline), float(online), rtol=1e-5)
   np.testing.assert_allclose(np.asarray(m_offline["agree"]), np.asarray(m_online["agree"]))
   other, _ = loss_fn(drafter.params, target.params, windows[idx], key,
                      feats.rows((idx + 1) % len(windows)))
-  assert abs(float(other) - float(online)) > 1e-5 * abs(float(online))    # 10x the tolerance
+  assert abs(float(other) - float(online)) > 1e-3 * abs(float(online))   # 100x the tolerance
 
 
 def test_a_run_with_precomputed_features_trains_as_the_online_one(tmp_path):

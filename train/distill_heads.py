@@ -143,6 +143,17 @@ def make_loss_fn(head, target_config, tcfg: dict):
   return loss_fn
 
 
+def make_train_step(loss_fn, optimizer):
+  """step(params, opt_state, target_params, tokens, key, features=None) -> (params, opt_state,
+  loss, metrics): one optimizer update on make_loss_fn's loss (not jitted)."""
+  def train_step(params, opt_state, target_params, tokens, key, features=None):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, target_params, tokens, key, features)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, metrics
+  return train_step
+
+
 RESUME_IDENTITY = "checkpoints.json"   # what the checkpoints in checkpoints/ were trained as
 
 
@@ -216,12 +227,7 @@ def run(cfg: dict) -> dict:
   optimizer = make_optimizer(tcfg, head.params)
   loss_fn = make_loss_fn(head, target.config, tcfg)
 
-  def train_step(params, opt_state, target_params, tokens, key, features=None):
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        params, target_params, tokens, key, features)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss, metrics
-
+  train_step = make_train_step(loss_fn, optimizer)
   # On a mesh: the target as in generation, the batch on "data", everything else replicated
   # (the heads' state stays replicated across steps: out_shardings pins it).
   pinned = {} if mesh is None else {"out_shardings": jax.sharding.NamedSharding(
